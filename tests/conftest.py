@@ -1,0 +1,41 @@
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub; must be set before transformers loads
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tiny import loaded, make_model, noisy_copy  # noqa: E402
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def tiny_target():
+    return loaded(make_model(seed=0))
+
+
+@pytest.fixture(scope="session")
+def tiny_noisy_draft(tiny_target):
+    return loaded(noisy_copy(tiny_target.model, noise=0.08), tiny_target.tokenizer, name="tiny-noisy")
+
+
+@pytest.fixture(scope="session")
+def tiny_other_draft(tiny_target):
+    return loaded(make_model(seed=7), tiny_target.tokenizer, name="tiny-other")
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, tiny_target):
+    """The tiny target saved as a transformers folder, for load_model and CLI tests."""
+    path = tmp_path_factory.mktemp("tiny-model")
+    tiny_target.model.save_pretrained(path)
+    tiny_target.tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """The real built-in default model (fetched and converted on first use, then cached)."""
+    from verispec import load_model
+
+    return load_model("smollm2-135m")

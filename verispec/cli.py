@@ -1,0 +1,183 @@
+"""Command line: ``verispec generate | audit | models``. All argument parsing and printing lives here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from . import __version__
+from .drafters import DRAFTERS
+from .errors import VerispecError
+from .models import BUILTINS, DEFAULT_MODEL, DTYPES
+
+# Raw repetitive text: the n-gram drafter proposes at every tested position and the target's next-token
+# distribution is spread out, so a lossy acceptance rule shows up within ~100 samples.
+DEFAULT_AUDIT_PROMPT = "one two three four five one two three four five one two"
+
+
+def _model_options(p: argparse.ArgumentParser, drafter_default: str = "ngram") -> None:
+    g = p.add_argument_group("model and drafter")
+    g.add_argument("--target", default=DEFAULT_MODEL, metavar="REF",
+                   help=f"target model: built-in name ({', '.join(BUILTINS)}), local directory, .gguf file or "
+                        f"hub id (default: {DEFAULT_MODEL})")
+    g.add_argument("--drafter", default=drafter_default, choices=DRAFTERS,
+                   help=f"who proposes tokens: none = plain decoding (the off switch), ngram = prompt lookup, "
+                        f"model = a separate draft model (default: {drafter_default})")
+    g.add_argument("--draft-model", metavar="REF", help="draft model for --drafter model (same tokenizer as the target)")
+    g.add_argument("--k", type=int, default=8, help="most draft tokens verified per step (default: 8)")
+    g.add_argument("--ngram-min", type=int, default=2, help="shortest suffix n-gram the ngram drafter matches (default: 2)")
+    g.add_argument("--ngram-max", type=int, default=4, help="longest suffix n-gram the ngram drafter matches (default: 4)")
+    g.add_argument("--dtype", default="float32", choices=list(DTYPES),
+                   help="weights and activations; float32 (default) guarantees greedy output identical to plain "
+                        "decoding, bfloat16 only approximately (rounding differs between wide and narrow passes)")
+    g.add_argument("--acceptance", default="strict", choices=["strict", "typical"],
+                   help="strict = rejection sampling, lossless (default); typical = Medusa-style typical "
+                        "acceptance, LOSSY: faster but no longer the target's distribution")
+
+
+def _sampling_options(p: argparse.ArgumentParser, temperature: float) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--temperature", type=float, default=temperature,
+                   help=f"0 = greedy; > 0 samples (default: {temperature})")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off, default)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off, default)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="verispec",
+        description="Lossless speculative decoding for Hugging Face causal LMs.",
+    )
+    parser.add_argument("--version", action="version", version=f"verispec {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log more (model resolution, timings)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    gen = sub.add_parser("generate", help="generate text, streaming it, with speculative decoding",
+                         description="Generate a continuation of PROMPT and stream it to stdout; a one-line "
+                                     "stats summary follows on stderr.")
+    gen.add_argument("prompt", metavar="PROMPT", help="the user message (chat template applied), or '-' to read stdin")
+    _model_options(gen)
+    _sampling_options(gen, temperature=0.0)
+    g = gen.add_argument_group("output")
+    g.add_argument("--max-new-tokens", type=int, default=256, help="most tokens to generate (default: 256)")
+    g.add_argument("--seed", type=int, default=None, help="random seed; the same seed gives the same output")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop when TEXT appears (repeatable)")
+    g.add_argument("--raw", action="store_true", help="continue PROMPT as raw text, without the chat template")
+    g.add_argument("--json", action="store_true",
+                   help='print one JSON object {"text", "token_ids", "stats", ...} instead of streaming')
+    gen.set_defaults(func=cmd_generate)
+
+    aud = sub.add_parser("audit", help="check statistically that speculative sampling is lossless",
+                         description="Sample continuations with speculation and test, per position, that the "
+                                     "tokens follow the target's exact distribution (chi-square goodness of fit, "
+                                     "rare tokens pooled, Bonferroni over positions). Exit code 0 = PASS, 1 = FAIL.")
+    aud.add_argument("--prompt", default=DEFAULT_AUDIT_PROMPT,
+                     help=f"text to continue, raw unless --chat (default: {DEFAULT_AUDIT_PROMPT!r}, repetitive so "
+                          "that drafts are proposed at every tested position)")
+    aud.add_argument("--chat", action="store_true", help="wrap PROMPT in the chat template as a user message")
+    _model_options(aud)
+    _sampling_options(aud, temperature=1.0)
+    aud.add_argument("--samples", type=int, default=300, help="continuations to draw (default: 300)")
+    aud.add_argument("--positions", type=int, default=3, help="token positions tested per continuation (default: 3)")
+    aud.add_argument("--alpha", type=float, default=0.01, help="family-wise significance level (default: 0.01)")
+    aud.add_argument("--seed", type=int, default=0, help="first seed; sample i uses seed+i (default: 0)")
+    aud.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    aud.set_defaults(func=cmd_audit)
+
+    mod = sub.add_parser("models", help="list built-in models and where they are cached")
+    mod.set_defaults(func=cmd_models)
+    return parser
+
+
+def _build_decoder(args):
+    from .drafters import make_drafter
+    from .engine import SpeculativeDecoder
+    from .models import load_model
+
+    target = load_model(args.target, dtype=args.dtype)
+    options = {}
+    draft_model = None
+    if args.drafter == "ngram":
+        options = {"min_n": args.ngram_min, "max_n": args.ngram_max}
+    elif args.drafter == "model" and args.draft_model:
+        draft_model = load_model(args.draft_model, dtype=args.dtype)
+    drafter = make_drafter(args.drafter, target=target, draft_model=draft_model, **options)
+    return SpeculativeDecoder(target, drafter, k=args.k, acceptance=args.acceptance)
+
+
+def cmd_generate(args) -> int:
+    prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
+    decoder = _build_decoder(args)
+    options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                   top_p=args.top_p, seed=args.seed, stop=args.stop, raw=args.raw)
+    if args.json:
+        result = decoder.generate(prompt, **options)
+        print(json.dumps(result.to_dict()))
+        return 0
+    stream = decoder.stream(prompt, **options)
+    for delta in stream:
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    print(f"[verispec] {stream.result.stats.summary()}", file=sys.stderr)
+    return 0
+
+
+def cmd_audit(args) -> int:
+    from tqdm import tqdm
+
+    from .audit import run_audit
+
+    decoder = _build_decoder(args)
+    prompt_ids = decoder.encode(args.prompt, raw=not args.chat)
+    with tqdm(total=args.samples, desc="audit samples", file=sys.stderr, disable=None) as bar:
+        report = run_audit(decoder, prompt_ids, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                           samples=args.samples, positions=args.positions, seed=args.seed, alpha=args.alpha,
+                           progress=lambda i: bar.update(1))
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    else:
+        lossy = " (LOSSY mode)" if report.lossy else ""
+        print(f"audit: drafter={report.drafter} acceptance={report.acceptance}{lossy} temperature={report.temperature} "
+              f"top_k={report.top_k} top_p={report.top_p} samples={report.samples}")
+        print(f"{'position':>8} {'n':>6} {'chi2':>10} {'dof':>5} {'p-value':>10}")
+        for t in report.positions:
+            print(f"{t.position:>8} {t.samples:>6} {t.statistic:>10.2f} {t.dof:>5} {t.p_value:>10.4g}")
+        print(f"verdict: {report.verdict} (every p-value must be >= alpha/positions = {report.threshold:.4g})")
+    return 0 if report.passed else 1
+
+
+def cmd_models(args) -> int:
+    from .models import cache_dir
+
+    for name, spec in BUILTINS.items():
+        cached = (cache_dir() / "models" / name / "config.json").exists()
+        print(f"{name:16} {spec.description} [{'cached' if cached else 'fetched on first use'}]")
+    print(f"cache: {cache_dir()} (set VERISPEC_CACHE to move it)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="verispec: %(message)s")
+    if not args.command:
+        parser.print_help()
+        return 2
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # the ~1 s cached load needs no bar; conversion turns it back on
+        return args.func(args)
+    except VerispecError as exc:
+        print(f"verispec: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""A separate, smaller causal LM that shares the target's tokenizer drafts k tokens autoregressively."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from transformers import DynamicCache
+
+from ..cache import truncate
+from ..compat import check_compatible
+from ..models import LoadedModel
+from ..sampling import SamplingParams, probabilities, sample
+from .base import Draft
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class ModelDrafter:
+    """Samples each draft token from the draft model with the request's sampling parameters and
+    returns q. Its KV cache holds every token it has seen except the newest; on the next proposal it
+    keeps the longest prefix shared with the committed context (dropping rejected drafts) and feeds
+    only the rest."""
+
+    name = "model"
+
+    def __init__(self, draft: LoadedModel, target: LoadedModel | None = None, *, check_chat_template: bool = True):
+        if target is not None:
+            check_compatible(target.tokenizer, draft.tokenizer, check_chat_template=check_chat_template)
+        self.draft = draft
+        self.vocab_size = target.vocab_size if target is not None else draft.vocab_size
+        self.reset(SamplingParams(), None)
+
+    def reset(self, sampling: SamplingParams, generator: torch.Generator | None) -> None:
+        self.sampling = sampling
+        self.generator = generator
+        self._cache = DynamicCache()
+        self._cached: list[int] = []  # tokens whose keys/values are in _cache
+
+    def _distribution(self, logits: torch.Tensor) -> torch.Tensor:
+        # the draft may only propose ids the target can score; pad q when the target's vocabulary is wider
+        logits = logits[..., : self.vocab_size]
+        q = probabilities(logits, self.sampling)
+        if q.shape[-1] < self.vocab_size:
+            q = torch.nn.functional.pad(q, (0, self.vocab_size - q.shape[-1]))
+        return q
+
+    @torch.inference_mode()
+    def propose(self, context: Sequence[int], k: int) -> Draft:
+        keep = min(common_prefix_length(self._cached, context), len(context) - 1)
+        truncate(self._cache, keep)
+        del self._cached[keep:]
+        feed = list(context[keep:])
+        device = self.draft.device
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        for _ in range(k):
+            out = self.draft.model(
+                input_ids=torch.tensor([feed], device=device),
+                past_key_values=self._cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            self._cached.extend(feed)
+            q = self._distribution(out.logits[0, -1])  # [vocab]
+            token = sample(q, self.generator)
+            tokens.append(token)
+            probs.append(q)
+            feed = [token]
+        return Draft(tokens, torch.stack(probs) if probs else None)
+
+    def observe(self, num_accepted: int) -> None:
+        pass  # the next propose() realigns the cache with the committed context

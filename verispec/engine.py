@@ -1,0 +1,336 @@
+"""The decode loop: prefill, then propose -> verify (one target forward) -> accept -> roll back -> observe.
+
+Plain autoregressive decoding is the same loop with no drafter (every step verifies zero draft tokens),
+so the baseline and the speculative path share every line that decides what is emitted.
+
+KV-cache invariant: the target cache holds every committed token except the newest one (``tokens[-1]``,
+the *pending* token). A step feeds [pending, x_1..x_k] in one forward, which yields p_1..p_{k+1}; after
+verification the cache is cropped to keep pending + the accepted drafts, and the correction/bonus
+token becomes the new pending token.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+from transformers import DynamicCache
+
+from .cache import truncate
+from .drafters.base import EMPTY_DRAFT, Draft, Drafter
+from .drafters.model import common_prefix_length
+from .errors import InvalidRequest
+from .models import LoadedModel
+from .sampling import SamplingParams, probabilities
+from .stats import GenerationStats
+from .text import TextAssembler
+from .verify import ACCEPTANCE_MODES, LOSSY_MODES, STRICT, verify, verify_typical
+
+Prompt = str | Sequence[dict] | Sequence[int]
+
+
+@dataclass
+class Generation:
+    """Result of one generation. ``token_ids`` are the generated tokens only (an EOS token that ended
+    the text is included, as in transformers' ``generate``)."""
+
+    text: str
+    token_ids: list[int]
+    prompt_token_ids: list[int]
+    finish_reason: str
+    seed: int
+    stats: GenerationStats
+
+    def to_dict(self) -> dict:
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "seed": self.seed,
+            "stats": self.stats.to_dict(),
+        }
+
+
+@dataclass
+class SequenceState:
+    """Everything one sequence carries through the loop (one per sequence, so batching can hold many)."""
+
+    tokens: list[int]  # prompt + committed tokens; tokens[-1] is pending (not yet in the cache)
+    prompt_len: int
+    max_new_tokens: int
+    sampling: SamplingParams
+    generator: torch.Generator
+    text: TextAssembler
+    stats: GenerationStats
+    cache: DynamicCache
+    cached_tokens: list[int] = field(default_factory=list)  # exactly the tokens whose keys/values are cached
+    finish_reason: str = ""
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+
+class GenerationStream:
+    """Iterate for text deltas; ``result`` holds the Generation once iteration ends. ``close()`` stops
+    the generation early (a client went away)."""
+
+    def __init__(self, steps: Iterator[str]):
+        self._steps = steps
+        self.result: Generation | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        while True:
+            try:
+                yield next(self._steps)
+            except StopIteration as done:
+                self.result = done.value
+                return
+
+    def close(self) -> None:
+        self._steps.close()
+
+
+class SpeculativeDecoder:
+    """Lossless speculative decoding over a Hugging Face causal LM.
+
+    ``drafter=None`` is plain decoding through the same loop. ``k`` is the most draft tokens verified per
+    step. ``acceptance="typical"`` switches to LOSSY Medusa-style typical acceptance (off by default and
+    marked lossy in every result). ``reuse_prefix`` keeps the target's KV cache between calls and reuses
+    the longest shared prompt prefix.
+    """
+
+    def __init__(
+        self,
+        target: LoadedModel,
+        drafter: Drafter | None = None,
+        k: int = 8,
+        acceptance: str = STRICT,
+        typical_epsilon: float = 0.09,
+        typical_delta: float = 0.3,
+        reuse_prefix: bool = True,
+    ) -> None:
+        _check_k(k)
+        if acceptance not in ACCEPTANCE_MODES:
+            raise InvalidRequest(f"acceptance must be one of {', '.join(ACCEPTANCE_MODES)}, got {acceptance!r}")
+        self.target = target
+        self.drafter = drafter
+        self.k = k
+        self.acceptance = acceptance
+        self.typical = (typical_epsilon, typical_delta)
+        self.reuse_prefix = reuse_prefix
+        self._cache: DynamicCache | None = None
+        self._cached_tokens: list[int] = []
+
+    @property
+    def drafter_name(self) -> str:
+        return self.drafter.name if self.drafter is not None else "none"
+
+    @property
+    def lossy(self) -> bool:
+        return self.acceptance in LOSSY_MODES
+
+    # ----------------------------------------------------------------- prompts
+    def encode(self, prompt: Prompt, raw: bool = False) -> list[int]:
+        """Token ids for a prompt: a string (chat template applied unless ``raw``), a list of chat
+        messages, or token ids as they are."""
+        tok = self.target.tokenizer
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise InvalidRequest("prompt is empty; pass some text to continue or answer")
+            if raw or not getattr(tok, "chat_template", None):
+                ids = tok(prompt, add_special_tokens=True)["input_ids"]
+            else:
+                ids = tok.apply_chat_template(
+                    [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=True
+                )["input_ids"]
+        elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
+            if not getattr(tok, "chat_template", None):
+                raise InvalidRequest("this tokenizer has no chat template; pass a plain string with raw=True")
+            ids = tok.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True, return_dict=True)[
+                "input_ids"
+            ]
+        elif isinstance(prompt, Sequence) and prompt and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+            bad = [t for t in ids if not 0 <= t < self.target.vocab_size]
+            if bad:
+                raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary [0, {self.target.vocab_size})")
+        else:
+            raise InvalidRequest("prompt must be a non-empty string, a list of chat messages or a list of token ids")
+        if not ids:
+            raise InvalidRequest("prompt encodes to no tokens; pass some text")
+        return list(ids)
+
+    # ----------------------------------------------------------------- API
+    def generate(self, prompt: Prompt, **options) -> Generation:
+        """Generate a continuation. Options: max_new_tokens, temperature, top_k, top_p, seed, stop, raw, k."""
+        stream = self.stream(prompt, **options)
+        for _ in stream:
+            pass
+        assert stream.result is not None
+        return stream.result
+
+    def stream(
+        self,
+        prompt: Prompt,
+        *,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: Sequence[str] | str | None = None,
+        raw: bool = False,
+        k: int | None = None,
+    ) -> GenerationStream:
+        """Like ``generate`` but returns a stream of text deltas (errors in the arguments raise here)."""
+        sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise InvalidRequest(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
+        if k is not None:
+            _check_k(k)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise InvalidRequest(f"seed must be an integer, got {seed!r}")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if not all(isinstance(s, str) for s in stops):
+            raise InvalidRequest("stop must be a string or a list of strings")
+        ids = self.encode(prompt, raw=raw)
+        limit = self.target.context_length
+        if limit is not None and len(ids) >= limit:
+            raise InvalidRequest(
+                f"prompt has {len(ids)} tokens but the model's context window is {limit}; shorten the prompt"
+            )
+        seed = secrets.randbits(63) if seed is None else seed
+        return GenerationStream(self._run(ids, sampling, max_new_tokens, seed, stops, self.k if k is None else k))
+
+    # ----------------------------------------------------------------- loop
+    @torch.inference_mode()
+    def _run(self, ids, sampling, max_new_tokens, seed, stops, k) -> Iterator[str]:
+        start = time.perf_counter()
+        generator = torch.Generator(device=self.target.device)
+        generator.manual_seed(seed)
+        stats = GenerationStats(
+            drafter=self.drafter_name, acceptance=self.acceptance, lossy=self.lossy,
+            k=k if self.drafter is not None else 0, prompt_tokens=len(ids),
+        )
+        state = SequenceState(
+            tokens=list(ids), prompt_len=len(ids), max_new_tokens=max_new_tokens, sampling=sampling,
+            generator=generator, text=TextAssembler(self.target.tokenizer, stops), stats=stats,
+            cache=DynamicCache(),
+        )
+        self._prefill(state)
+        if self.drafter is not None:
+            self.drafter.reset(sampling, generator)
+        try:
+            while not state.finish_reason:
+                new_tokens = self._step(state, k)
+                delta = self._commit(state, new_tokens)
+                if delta:
+                    yield delta
+            tail = state.text.finish()
+            if tail:
+                yield tail
+        finally:
+            # keep the cache for the next request only if it is exactly what we think it holds
+            if self.reuse_prefix and state.cache.get_seq_length() == len(state.cached_tokens):
+                self._cache, self._cached_tokens = state.cache, state.cached_tokens
+        generated = state.generated
+        if state.text.stop_token_count is not None:
+            generated = generated[: state.text.stop_token_count]
+        stats.new_tokens = len(generated)
+        stats.finish_reason = state.finish_reason
+        stats.wall_seconds = time.perf_counter() - start
+        return Generation(
+            text=state.text.emitted, token_ids=generated, prompt_token_ids=list(ids),
+            finish_reason=state.finish_reason, seed=seed, stats=stats,
+        )
+
+    def _prefill(self, state: SequenceState) -> None:
+        t0 = time.perf_counter()
+        ids = state.tokens
+        keep = 0
+        if self.reuse_prefix and self._cache is not None:
+            keep = min(common_prefix_length(self._cached_tokens, ids), len(ids) - 1)
+            truncate(self._cache, keep)
+            state.cache, state.cached_tokens = self._cache, self._cached_tokens[:keep]
+            self._cache = None  # owned by this sequence now
+        state.stats.reused_prompt_tokens = keep
+        feed = ids[keep:-1]
+        if feed:
+            self.target.model(
+                input_ids=torch.tensor([feed], device=self.target.device),
+                past_key_values=state.cache, use_cache=True, logits_to_keep=1,
+            )
+            state.cached_tokens.extend(feed)
+        state.stats.prefill_seconds = time.perf_counter() - t0
+
+    def _step(self, state: SequenceState, k: int) -> list[int]:
+        """One propose -> verify -> roll back -> observe step; returns the tokens it commits."""
+        t0 = time.perf_counter()
+        remaining = state.max_new_tokens - len(state.generated)
+        room = (self.target.context_length or 1 << 30) - len(state.tokens)
+        k = max(0, min(k, remaining - 1, room))
+        draft: Draft = EMPTY_DRAFT
+        if self.drafter is not None and k > 0:
+            draft = self.drafter.propose(state.tokens, k)
+            if len(draft) > k:
+                draft = Draft(draft.tokens[:k], None if draft.probs is None else draft.probs[:k])
+        t1 = time.perf_counter()
+
+        device = self.target.device
+        pending = state.tokens[-1]
+        logits = self.target.model(
+            input_ids=torch.tensor([[pending, *draft.tokens]], device=device),
+            past_key_values=state.cache, use_cache=True,
+        ).logits[0]  # [k+1, vocab]
+        p = probabilities(logits, state.sampling)  # [k+1, vocab]
+        x = torch.tensor(draft.tokens, dtype=torch.long, device=device)  # [k]
+        if self.acceptance == STRICT:
+            q = None if draft.probs is None else draft.probs.to(device)
+            verdict = verify(x, q, p, state.generator)
+        else:
+            verdict = verify_typical(x, p, state.generator, *self.typical)
+        n = verdict.num_accepted
+        truncate(state.cache, len(state.cached_tokens) + 1 + n)
+        state.cached_tokens.append(pending)
+        state.cached_tokens.extend(draft.tokens[:n])
+        if self.drafter is not None and len(draft):
+            self.drafter.observe(n)
+        t2 = time.perf_counter()
+
+        new_tokens = [*draft.tokens[:n], verdict.next_token]
+        state.stats.draft_seconds += t1 - t0
+        state.stats.verify_seconds += t2 - t1
+        state.stats.record_step(len(draft), n, len(new_tokens), t2 - t0)
+        return new_tokens
+
+    def _commit(self, state: SequenceState, new_tokens: list[int]) -> str:
+        """Append tokens, apply EOS / length / context stops; return the text they release."""
+        eos = self.target.eos_token_ids
+        for i, token in enumerate(new_tokens):
+            if token in eos:
+                new_tokens = new_tokens[: i + 1]
+                state.finish_reason = "stop"
+                break
+        remaining = state.max_new_tokens - len(state.generated)
+        if len(new_tokens) >= remaining:
+            new_tokens = new_tokens[:remaining]
+            state.finish_reason = state.finish_reason or "length"
+        state.tokens.extend(new_tokens)
+        limit = self.target.context_length
+        if limit is not None and len(state.tokens) >= limit:
+            state.finish_reason = state.finish_reason or "length"
+        if len(state.stats.step_tokens):
+            state.stats.step_tokens[-1] = len(new_tokens)
+        delta = state.text.add(new_tokens)
+        if state.text.stopped:
+            state.finish_reason = "stop"
+        return delta
+
+
+def _check_k(k) -> None:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise InvalidRequest(f"k (draft tokens per step) must be a whole number >= 1, got {k!r}")

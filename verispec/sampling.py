@@ -1,0 +1,67 @@
+"""From logits to the probabilities the acceptance rule compares.
+
+Target and drafter go through the same function with the same parameters, so p and q are
+distributions over the same processed space. Temperature 0 is greedy decoding, represented as a
+one-hot distribution on the argmax: the strict rejection rule then reduces to "accept while the
+draft token is the argmax" without a separate code path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import InvalidRequest
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a token is chosen from logits. ``top_k=0`` and ``top_p=1.0`` switch those filters off."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.temperature, (int, float)) or self.temperature != self.temperature:
+            raise InvalidRequest(f"temperature must be a number, got {self.temperature!r}")
+        if self.temperature < 0:
+            raise InvalidRequest(
+                f"temperature must be >= 0 (0 means greedy), got {self.temperature}; pass 0 for greedy "
+                "decoding or a positive value to sample"
+            )
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise InvalidRequest(f"top_k must be a whole number >= 0 (0 turns it off), got {self.top_k!r}")
+        if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequest(f"top_p must be in (0, 1] (1 turns it off), got {self.top_p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Processed next-token distribution for each row of ``logits`` ([..., vocab] -> [..., vocab], float32)."""
+    logits = logits.float()
+    if params.greedy:
+        index = logits.argmax(dim=-1, keepdim=True)
+        return torch.zeros_like(logits).scatter_(-1, index, 1.0)
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        # keep the smallest head of the sorted list whose mass reaches top_p; the first token always stays
+        sorted_probs = sorted_probs.masked_fill(mass_before >= params.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """Draw one token id from a 1-D distribution. A one-hot distribution always gives its index."""
+    return int(torch.multinomial(probs, 1, generator=generator))

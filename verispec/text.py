@@ -1,0 +1,68 @@
+"""Incremental detokenization with stop strings: text deltas safe to show while tokens arrive."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+
+class TextAssembler:
+    """Accumulates generated token ids and releases text that can no longer change.
+
+    Text is held back while it ends in an incomplete UTF-8 sequence (decoded as U+FFFD) or in a prefix
+    of a stop string. When a stop string appears, the text is cut before it and ``stopped`` is set.
+    """
+
+    def __init__(self, tokenizer, stop: Sequence[str] = ()) -> None:
+        self.tokenizer = tokenizer
+        self.stop = [s for s in stop if s]
+        self.ids: list[int] = []
+        self.emitted = ""
+        self.stopped = False
+        self.stop_token_count: int | None = None  # tokens kept when a stop string ended the text
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, new_ids: Sequence[int]) -> str:
+        """Append tokens; return the newly released text."""
+        start = len(self.ids)
+        self.ids.extend(new_ids)
+        text = self.decode(self.ids)
+        cut = self._find_stop(text)
+        if cut is not None:
+            self.stopped = True
+            self.stop_token_count = self._tokens_to_reach(text[:cut], start)
+            return self._release(text[:cut])
+        safe = len(text)
+        if text.endswith("\ufffd"):
+            safe = len(text.rstrip("\ufffd"))
+        for s in self.stop:  # hold back a tail that may grow into a stop string
+            for n in range(min(len(s) - 1, safe), 0, -1):
+                if text[safe - n : safe] == s[:n]:
+                    safe -= n
+                    break
+        return self._release(text[:safe])
+
+    def finish(self) -> str:
+        """Release whatever is held back (the generation ended without completing a stop string)."""
+        if self.stopped:
+            return ""
+        return self._release(self.decode(self.ids).rstrip("\ufffd"))
+
+    def _release(self, text: str) -> str:
+        if not text.startswith(self.emitted):  # decoding changed earlier text; never retract what was shown
+            return ""
+        delta = text[len(self.emitted) :]
+        self.emitted = text
+        return delta
+
+    def _find_stop(self, text: str) -> int | None:
+        hits = [i for i in (text.find(s, max(0, len(self.emitted) - len(s))) for s in self.stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def _tokens_to_reach(self, kept_text: str, start: int) -> int:
+        # fewest tokens whose text covers what is kept before the stop string
+        for n in range(start, len(self.ids) + 1):
+            if len(self.decode(self.ids[:n])) > len(kept_text):
+                return n
+        return len(self.ids)
