@@ -226,8 +226,13 @@ class SpeculativeDecoder:
             self.drafter.reset(sampling, generator)
         try:
             while not state.finish_reason:
-                new_tokens = self._step(state, k)
+                t0 = time.perf_counter()
+                new_tokens, drafted = self._step(state, k)
+                before = len(state.tokens)
                 delta = self._commit(state, new_tokens)
+                # accepted draft tokens are verify's raw count; committed tokens are what EOS/limits kept
+                stats.record_step(drafted, len(new_tokens) - 1, len(state.tokens) - before,
+                                  time.perf_counter() - t0)
                 if delta:
                     yield delta
             tail = state.text.finish()
@@ -267,8 +272,8 @@ class SpeculativeDecoder:
             state.cached_tokens.extend(feed)
         state.stats.prefill_seconds = time.perf_counter() - t0
 
-    def _step(self, state: SequenceState, k: int) -> list[int]:
-        """One propose -> verify -> roll back -> observe step; returns the tokens it commits."""
+    def _step(self, state: SequenceState, k: int) -> tuple[list[int], int]:
+        """One propose -> verify -> roll back -> observe step; returns (tokens to commit, draft length)."""
         t0 = time.perf_counter()
         remaining = state.max_new_tokens - len(state.generated)
         room = (self.target.context_length or 1 << 30) - len(state.tokens)
@@ -304,8 +309,7 @@ class SpeculativeDecoder:
         new_tokens = [*draft.tokens[:n], verdict.next_token]
         state.stats.draft_seconds += t1 - t0
         state.stats.verify_seconds += t2 - t1
-        state.stats.record_step(len(draft), n, len(new_tokens), t2 - t0)
-        return new_tokens
+        return new_tokens, len(draft)
 
     def _commit(self, state: SequenceState, new_tokens: list[int]) -> str:
         """Append tokens, apply EOS / length / context stops; return the text they release."""
@@ -323,8 +327,6 @@ class SpeculativeDecoder:
         limit = self.target.context_length
         if limit is not None and len(state.tokens) >= limit:
             state.finish_reason = state.finish_reason or "length"
-        if len(state.stats.step_tokens):
-            state.stats.step_tokens[-1] = len(new_tokens)
         delta = state.text.add(new_tokens)
         if state.text.stopped:
             state.finish_reason = "stop"
