@@ -1,4 +1,4 @@
-"""Command line: ``verispec generate | audit | models``. All argument parsing and printing lives here."""
+"""Command line: ``verispec generate | audit | bench | analyze | models``. All argument parsing and printing lives here."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import logging
 import sys
 
 from . import __version__
+from .cli_bench import add_analyze_parser, add_parsers as add_bench_parsers
 from .drafters import DRAFTERS
 from .errors import VerispecError
 from .models import BUILTINS, DEFAULT_MODEL, DTYPES
@@ -85,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     aud.add_argument("--seed", type=int, default=0, help="first seed; sample i uses seed+i (default: 0)")
     aud.add_argument("--json", action="store_true", help="print the report as one JSON object")
     aud.set_defaults(func=cmd_audit)
+
+    add_bench_parsers(sub)
+    add_analyze_parser(sub)
 
     mod = sub.add_parser("models", help="list built-in models and where they are cached")
     mod.set_defaults(func=cmd_models)

@@ -25,6 +25,8 @@ class GenerationStats:
     accepted: int = 0
     drafted_per_position: list[int] = field(default_factory=list)  # [i]: drafts that reached position i+1
     accepted_per_position: list[int] = field(default_factory=list)  # [i]: of those, accepted at position i+1
+    step_drafted: list[int] = field(default_factory=list)  # draft tokens verified by each step
+    step_accepted: list[int] = field(default_factory=list)  # of those, accepted by each step
     step_tokens: list[int] = field(default_factory=list)  # tokens committed by each verify step
     step_seconds: list[float] = field(default_factory=list)  # wall time of each step (draft + verify)
     prefill_seconds: float = 0.0
@@ -47,6 +49,8 @@ class GenerationStats:
                 self.drafted_per_position[i] += 1
             for i in range(accepted):
                 self.accepted_per_position[i] += 1
+        self.step_drafted.append(drafted)
+        self.step_accepted.append(accepted)
         self.step_tokens.append(committed)
         self.step_seconds.append(seconds)
 

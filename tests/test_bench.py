@@ -1,0 +1,227 @@
+"""Benchmark prompt sets, method specs, summary arithmetic on synthetic records, and the bench / analyze
+commands end to end on the tiny model."""
+
+import json
+
+import pytest
+
+from verispec.bench import build_method, load_questions, markdown, parse_spec, select, summarize
+from verispec.bench.summary import position_acceptance
+from verispec.cli import main
+from verispec.errors import InvalidRequest
+
+
+def rec(method, qid, tokens, seconds, step_tokens, ids, turn=1, group="qa", drafted=None, accepted=None,
+        lat=None, lossy=False, dpp=(), app=()):
+    return {
+        "method": method, "question_id": qid, "group": group, "category": group, "turn": turn,
+        "new_tokens": tokens, "wall_seconds": seconds, "verify_steps": len(step_tokens), "step_tokens": step_tokens,
+        "step_drafted": drafted, "step_accepted": accepted, "token_latencies": lat or [seconds / tokens] * tokens,
+        "token_ids": ids, "lossy": lossy, "drafted_per_position": list(dpp), "accepted_per_position": list(app),
+    }
+
+
+def synthetic():
+    return [
+        rec("baseline", "1", 10, 2.0, [1] * 10, [1] * 10),
+        rec("spec", "1", 10, 1.0, [3, 3, 4], [1] * 10, drafted=[4, 4, 4], accepted=[2, 2, 3], dpp=[3, 3, 3, 3],
+            app=[3, 3, 1, 0]),
+        # question 2 has two turns: tokens/s of a question sums tokens and seconds over its turns
+        rec("baseline", "2", 6, 1.0, [1] * 6, [2] * 6, group="mt_bench"),
+        rec("baseline", "2", 4, 1.0, [1] * 4, [3] * 4, turn=2, group="mt_bench"),
+        rec("spec", "2", 6, 0.5, [2, 4], [2] * 6, group="mt_bench", drafted=[3, 3], accepted=[1, 3],
+            dpp=[2, 2, 2], app=[2, 1, 1]),
+        rec("spec", "2", 4, 0.5, [4], [9] * 4, turn=2, group="mt_bench", drafted=[3], accepted=[3],
+            dpp=[1, 1, 1], app=[1, 1, 1]),
+    ]
+
+
+def test_summary_arithmetic_follows_spec_bench():
+    s = summarize(synthetic(), "baseline", greedy=True)
+    base, spec = s["overall"]["baseline"], s["overall"]["spec"]
+    # per-question tokens/s: baseline 10/2 = 5 and 10/2 = 5; spec 10/1 = 10 and 10/1 = 10
+    assert base["tokens_per_second"] == pytest.approx(5.0) and spec["tokens_per_second"] == pytest.approx(10.0)
+    assert spec["speedup"] == pytest.approx(2.0) and base["speedup"] == pytest.approx(1.0)
+    assert spec["mean_accepted_tokens"] == pytest.approx(20 / 6)  # 20 tokens over 6 verify steps
+    assert base["mean_accepted_tokens"] == pytest.approx(1.0)
+    assert spec["acceptance_rate"] == pytest.approx(14 / 21)  # (2+2+3+1+3+3) / (4*3+3+3+3)
+    assert base["acceptance_rate"] is None and spec["drafted"] == 21
+    assert spec["identical"] == pytest.approx(2 / 3)  # question 2 turn 2 differs
+    assert spec["questions"] == 2 and spec["records"] == 3 and spec["new_tokens"] == 20
+    assert s["groups"]["qa"]["spec"]["speedup"] == pytest.approx(2.0)
+    assert s["groups"]["mt_bench"]["spec"]["tokens_per_second"] == pytest.approx(10.0)
+    assert spec["position_acceptance"] == pytest.approx([6 / 6, 5 / 6, 3 / 6, 0 / 3])
+    assert spec["latency_p50_ms"] == pytest.approx(100.0)
+
+
+def test_speedup_is_ratio_of_mean_throughputs_not_mean_of_ratios():
+    records = [rec("baseline", "a", 10, 1.0, [1] * 10, [1]), rec("m", "a", 10, 0.5, [2] * 5, [1]),
+               rec("baseline", "b", 10, 10.0, [1] * 10, [1]), rec("m", "b", 10, 10.0, [1] * 10, [1])]
+    s = summarize(records, "baseline", greedy=True)["overall"]["m"]
+    # mean tps: method (20 + 1) / 2 = 10.5, baseline (10 + 1) / 2 = 5.5
+    assert s["speedup"] == pytest.approx(10.5 / 5.5)
+
+
+def test_sampling_runs_report_identity_as_not_applicable():
+    s = summarize(synthetic(), "baseline", greedy=False)
+    assert s["overall"]["spec"]["identical"] is None
+    assert "n/a (sampling)" in markdown(s)
+
+
+def test_markdown_has_group_columns_and_marks_lossy():
+    records = synthetic()
+    for r in records:
+        if r["method"] == "spec":
+            r["lossy"] = True
+    text = markdown(summarize(records, "baseline", greedy=True))
+    assert "| method | qa | mt_bench | overall |" in text
+    assert "| spec | 2.00x | 2.00x | 2.00x |" in text
+    assert "spec (LOSSY)" in text
+
+
+def test_position_acceptance_pools_records():
+    assert position_acceptance([{"drafted_per_position": [2, 1], "accepted_per_position": [1, 0]},
+                                {"drafted_per_position": [2], "accepted_per_position": [2]}]) == [0.75, 0.0]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_prompt_sets_and_selection(tmp_path):
+    rows = [{"question_id": i, "category": c, "turns": [f"q{i}", "again"] if c in ("writing", "math") else [f"q{i}"]}
+            for i, c in enumerate(["writing", "writing", "math", "math", "rag", "rag", "rag"])]
+    qs = load_questions(write_jsonl(tmp_path / "q.jsonl", rows))
+    assert [q.group for q in qs[:3]] == ["mt_bench", "mt_bench", "mt_bench"]
+    # mt_bench categories take turns, so a limit of 2 samples writing and math
+    assert [q.category for q in select(qs, ["mt_bench"], 2)] == ["writing", "math"]
+    assert [q.question_id for q in select(qs, ["rag"], 2)] == ["4", "5"]
+    assert len(select(qs, None, None)) == 7
+    assert len(select(qs, ["writing", "mt_bench"], None)) == 4  # no duplicates
+    with pytest.raises(InvalidRequest, match="unknown category translation"):
+        select(qs, ["translation"], None)
+    with pytest.raises(InvalidRequest, match="--limit"):
+        select(qs, None, 0)
+    plain = load_questions(write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hello"}, {"prompt": "bye"}]))
+    assert [(q.question_id, q.category, q.turns) for q in plain] == [("1", "prompts", ("hello",)),
+                                                                      ("2", "prompts", ("bye",))]
+
+
+@pytest.mark.parametrize("content, words", [
+    ("{not json\n", "not valid JSON"),
+    ('{"text": "x"}\n', '"turns"'),
+    ('{"prompt": ""}\n', "non-empty"),
+    ("\n", "holds no prompts"),
+])
+def test_bad_prompt_files_are_clear_errors(tmp_path, content, words):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(InvalidRequest, match=words):
+        load_questions(path)
+
+
+def test_missing_prompt_file(tmp_path):
+    with pytest.raises(InvalidRequest, match="does not exist"):
+        load_questions(tmp_path / "nope.jsonl")
+
+
+def test_method_specs(tiny_target):
+    assert parse_spec("model:some/path:k=4") == ("model", ["some/path"], {"k": "4"})
+    assert parse_spec("hf:assisted:REF") == ("hf:assisted", ["REF"], {})
+    assert parse_spec("ngram:k=3:max_n=5") == ("ngram", [], {"k": "3", "max_n": "5"})
+    m = build_method("ngram:k=3:max_n=5", tiny_target, load=None)
+    assert (m.family, m.drafter, m.k) == ("verispec", "ngram", 3)
+    assert build_method("hf:pld", tiny_target, load=None).k == 10
+    assert build_method("baseline", tiny_target, load=None).k is None
+
+
+@pytest.mark.parametrize("spec, words", [
+    ("bogus", "unknown method"),
+    ("hf", "needs a kind"),
+    ("hf:beam", "unknown transformers method"),
+    ("model", "needs a draft model"),
+    ("ngram:k=x", "must be a number"),
+    ("ngram:colour=3", "colour"),
+    ("ngram:extra", "unexpected part"),
+    ("hf:greedy:k=2", "takes no options"),
+])
+def test_bad_method_specs(tiny_target, spec, words):
+    with pytest.raises(InvalidRequest, match=words):
+        build_method(spec, tiny_target, load=None)
+
+
+@pytest.fixture()
+def tiny_prompts(tmp_path):
+    rows = [{"question_id": 1, "category": "writing", "turns": ["w3 w4 w5 w6 w3 w4 w5", "w7 w8"]},
+            {"question_id": 2, "category": "rag", "turns": ["w9 w10 w11 w9 w10"]},
+            {"question_id": 3, "category": "rag", "turns": ["w12 w13 w14 w12 w13 w14"]}]
+    return write_jsonl(tmp_path / "tiny.jsonl", rows)
+
+
+def last_json(out: str) -> dict:
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_bench_command_on_tiny_model(tiny_dir, tiny_prompts, tmp_path, capsys):
+    out_dir = tmp_path / "bench"
+    code = main(["bench", "--target", str(tiny_dir), "--prompts", str(tiny_prompts), "--max-new-tokens", "12",
+                 "--methods", "baseline,ngram:k=4,hf:greedy,hf:pld:k=4", "--out", str(out_dir)])
+    assert code == 0
+    out = capsys.readouterr().out
+    result = last_json(out)
+    assert "| method | mt_bench | rag | overall |" in out
+    assert set(result["groups"]) == {"mt_bench", "rag"}
+    assert result["environment"]["dtype"] == "float32" and result["environment"]["versions"]["torch"]
+    for name, s in result["overall"].items():
+        assert s["identical"] == 1.0, name  # greedy: every method reproduces plain decoding
+        assert s["questions"] == 3 and s["records"] == 4
+    records = [json.loads(line) for line in (out_dir / "records.jsonl").read_text().splitlines()]
+    assert len(records) == 4 * 4
+    assert {r["turn"] for r in records if r["question_id"] == "1"} == {1, 2}
+    assert all(sum(r["step_tokens"]) == r["new_tokens"] == len(r["token_ids"]) for r in records)
+    for name in ("summary.md", "summary.json", "speedup.png", "acceptance_by_position.png"):
+        assert (out_dir / name).stat().st_size > 0
+
+
+def test_bench_sampling_run_reports_identity_not_applicable(tiny_dir, tiny_prompts, tmp_path, capsys):
+    code = main(["bench", "--target", str(tiny_dir), "--prompts", str(tiny_prompts), "--max-new-tokens", "6",
+                 "--methods", "baseline,ngram", "--temperature", "1", "--limit", "1", "--no-plots",
+                 "--out", str(tmp_path / "b")])
+    assert code == 0
+    result = last_json(capsys.readouterr().out)
+    assert result["greedy"] is False and result["overall"]["ngram"]["identical"] is None
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--methods", "baseline,baseline"], "twice"),
+    (["--methods", "nope"], "unknown method"),
+    (["--categories", "translation"], "unknown category"),
+    (["--temperature", "-1"], "temperature"),
+])
+def test_bench_errors_exit_2(tiny_dir, tiny_prompts, capsys, args, words):
+    assert main(["bench", "--target", str(tiny_dir), "--prompts", str(tiny_prompts), *args]) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_analyze_command_with_the_target_as_its_own_draft(tiny_dir, tiny_prompts, tmp_path, capsys):
+    """A draft model identical to the target: teacher-forced beta is 1 and every draft is accepted."""
+    code = main(["analyze", "--target", str(tiny_dir), "--prompts", str(tiny_prompts), "--drafter",
+                 f"model:{tiny_dir}", "--k-max", "4", "--max-new-tokens", "10", "--repeats", "1",
+                 "--sweep-k", "1,4", "--out", str(tmp_path / "a")])
+    assert code == 0
+    out = capsys.readouterr().out
+    result = last_json(out)
+    assert result["teacher_forced_beta"] == pytest.approx(1.0)
+    assert result["position_acceptance"] == pytest.approx([1.0] * len(result["position_acceptance"]))
+    assert [p["k"] for p in result["predictions"]] == [1, 2, 3, 4]
+    assert sorted(result["verify_cost_ms"], key=int) == ["0", "1", "2", "3", "4"]
+    assert [m["k"] for m in result["measured"]] == [1, 4]
+    assert all(m["identical"] == 1.0 for m in result["measured"])
+    assert 1 <= result["optimal_k"] <= 4 and "predicted optimal k" in out
+    assert (tmp_path / "a" / "analysis.png").stat().st_size > 0
+
+
+def test_analyze_rejects_a_k_in_the_drafter_spec(tiny_dir, tiny_prompts, capsys):
+    assert main(["analyze", "--target", str(tiny_dir), "--prompts", str(tiny_prompts), "--drafter", "ngram:k=3"]) == 2
+    assert "--k-max" in capsys.readouterr().err

@@ -1,0 +1,9 @@
+"""Benchmarks: prompt sets, methods (verispec and transformers' peers), the interleaved runner, summaries."""
+
+from .methods import Method, Run, build_method, parse_spec
+from .prompts import GROUPS, Question, load_questions, select
+from .runner import run_benchmark
+from .summary import markdown, summarize
+
+__all__ = ["GROUPS", "Method", "Question", "Run", "build_method", "load_questions", "markdown", "parse_spec",
+           "run_benchmark", "select", "summarize"]

@@ -1,0 +1,180 @@
+"""Benchmark methods: verispec configurations and transformers' own generation paths, on one loaded target.
+
+A method spec is a name followed by ``:``-separated parts; a part with ``=`` is an option, any other part
+is a model reference:
+
+    baseline                     plain decoding through verispec (drafter none)
+    ngram  ngram:k=4:max_n=3     verispec's n-gram drafter, with k and NgramDrafter options
+    model:REF  model:REF:k=4     verispec with a separate draft model REF
+    hf:greedy                    transformers ``generate`` (greedy or sampling)
+    hf:pld  hf:pld:k=10          transformers prompt lookup (``prompt_lookup_num_tokens``, default 10)
+    hf:assisted:REF              transformers assisted generation with draft model REF
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from ..drafters import make_drafter
+from ..engine import SpeculativeDecoder
+from ..errors import InvalidRequest
+from ..models import LoadedModel
+
+
+@dataclass
+class Run:
+    """What one method did on one prompt; raw numbers only."""
+
+    token_ids: list[int]
+    wall_seconds: float
+    step_tokens: list[int]  # tokens committed by each target step (accepted drafts + 1)
+    step_seconds: list[float]  # wall time of each step; the first one includes the prefill
+    finish_reason: str = ""
+    lossy: bool = False
+    step_drafted: list[int] | None = None  # None: the method does not report its drafts
+    step_accepted: list[int] | None = None
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    draft_seconds: float | None = None  # time spent proposing, when the method reports it
+
+
+@dataclass
+class Method:
+    name: str
+    run: Callable[..., Run]  # run(prompt_ids, max_new_tokens, temperature, top_p, seed) -> Run
+    family: str  # "verispec" or "transformers"
+    drafter: str = "none"
+    k: int | None = None
+
+
+def parse_spec(spec: str) -> tuple[str, list[str], dict[str, str]]:
+    """'model:path:k=4' -> ('model', ['path'], {'k': '4'}); 'hf:assisted:REF' -> ('hf:assisted', ['REF'], {})."""
+    parts = [p for p in spec.strip().split(":")]
+    if not parts[0]:
+        raise InvalidRequest(f"empty method name in {spec!r}")
+    head, rest = parts[0], parts[1:]
+    if head == "hf":
+        if not rest:
+            raise InvalidRequest("hf needs a kind: hf:greedy, hf:pld or hf:assisted:REF")
+        head, rest = f"hf:{rest[0]}", rest[1:]
+    refs = [p for p in rest if "=" not in p]
+    opts = dict(p.split("=", 1) for p in rest if "=" in p)
+    return head, refs, opts
+
+
+def _number(key: str, value: str):
+    try:
+        return int(value)
+    except ValueError:
+        try:
+            return float(value)
+        except ValueError:
+            raise InvalidRequest(f"option {key}={value!r} must be a number") from None
+
+
+def build_method(spec: str, target: LoadedModel, load: Callable[[str], LoadedModel], default_k: int = 8) -> Method:
+    """Build a method from its spec; ``load`` resolves model references (shared between methods)."""
+    head, refs, raw_opts = parse_spec(spec)
+    opts = {key: _number(key, v) for key, v in raw_opts.items()}
+    if head in ("baseline", "none", "ngram", "model"):
+        k = int(opts.pop("k", default_k))
+        if head == "model" and len(refs) != 1:
+            raise InvalidRequest(f"{spec!r}: the model method needs a draft model reference, e.g. model:PATH")
+        if head != "model" and refs:
+            raise InvalidRequest(f"{spec!r}: unexpected part {refs[0]!r} (options are written key=value)")
+        draft = load(refs[0]) if head == "model" else None
+        try:
+            drafter = make_drafter("none" if head == "baseline" else head, target=target, draft_model=draft, **opts)
+        except TypeError as exc:
+            raise InvalidRequest(f"{spec!r}: {exc}") from None
+        # no prefix reuse: transformers' generate starts every prompt from an empty cache, so must we
+        decoder = SpeculativeDecoder(target, drafter, k=k, reuse_prefix=False)
+        return Method(spec, _verispec_runner(decoder), "verispec", decoder.drafter_name,
+                      k if drafter is not None else None)
+    if head.startswith("hf:"):
+        kind = head[3:]
+        extra: dict = {}
+        k = None
+        if kind == "greedy":
+            if refs or opts:
+                raise InvalidRequest(f"{spec!r}: hf:greedy takes no options")
+        elif kind == "pld":
+            k = int(opts.pop("k", 10))
+            extra = {"prompt_lookup_num_tokens": k}
+            if "ngram" in opts:
+                extra["max_matching_ngram_size"] = int(opts.pop("ngram"))
+        elif kind == "assisted":
+            if len(refs) != 1:
+                raise InvalidRequest(f"{spec!r}: hf:assisted needs a draft model reference, e.g. hf:assisted:PATH")
+            extra = {"assistant_model": load(refs[0]).model}
+        else:
+            raise InvalidRequest(f"unknown transformers method {head!r}; choose hf:greedy, hf:pld or hf:assisted:REF")
+        if opts:
+            raise InvalidRequest(f"{spec!r}: unknown option(s) {', '.join(opts)}")
+        return Method(spec, _hf_runner(target, extra), "transformers", kind, k)
+    raise InvalidRequest(f"unknown method {spec!r}; choose baseline, ngram, model:REF, hf:greedy, hf:pld or "
+                         "hf:assisted:REF")
+
+
+def _verispec_runner(decoder: SpeculativeDecoder):
+    def run(prompt_ids, max_new_tokens, temperature=0.0, top_p=1.0, seed=0) -> Run:
+        out = decoder.generate(prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                               seed=seed)
+        s = out.stats
+        steps = list(s.step_seconds)
+        if steps:
+            steps[0] += s.prefill_seconds
+        return Run(out.token_ids, s.wall_seconds, list(s.step_tokens), steps, s.finish_reason, s.lossy,
+                   list(s.step_drafted), list(s.step_accepted), list(s.drafted_per_position),
+                   list(s.accepted_per_position), s.draft_seconds)
+
+    return run
+
+
+class _TimingStreamer(BaseStreamer):
+    """Records when each batch of new tokens arrives from transformers' generate (the prompt comes first)."""
+
+    def __init__(self) -> None:
+        self.arrivals: list[tuple[float, int]] = []
+        self._prompt_seen = False
+
+    def put(self, value) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.arrivals.append((time.perf_counter(), int(value.numel())))
+
+    def end(self) -> None:
+        pass
+
+
+def _hf_runner(target: LoadedModel, extra: dict):
+    model, tok = target.model, target.tokenizer
+    eos = sorted(target.eos_token_ids)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else 0)
+
+    @torch.inference_mode()
+    def run(prompt_ids, max_new_tokens, temperature=0.0, top_p=1.0, seed=0) -> Run:
+        ids = torch.tensor([prompt_ids], device=target.device)
+        sampling = (dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=None) if temperature > 0
+                    else dict(do_sample=False, temperature=None, top_p=None, top_k=None))
+        if temperature > 0:
+            torch.manual_seed(seed)  # transformers samples from the global generator
+        streamer = _TimingStreamer()
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             eos_token_id=eos or None, pad_token_id=pad, streamer=streamer, **sampling, **extra)
+        wall = time.perf_counter() - start
+        new = out[0, len(prompt_ids):].tolist()
+        times = [start] + [t for t, _ in streamer.arrivals]
+        steps = [b - a for a, b in zip(times, times[1:])]
+        counts = [n for _, n in streamer.arrivals]
+        finish = "stop" if new and new[-1] in target.eos_token_ids else "length"
+        return Run(new, wall, counts, steps, finish)
+
+    return run

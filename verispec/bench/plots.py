@@ -1,0 +1,57 @@
+"""PNG plots of a benchmark summary (matplotlib, headless)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def speedup_by_group(summary: dict, path: Path) -> Path:
+    """Grouped bars: speedup of each method in each group and overall; the reference's 1.0 as a line."""
+    plt = _pyplot()
+    groups = list(summary["groups"]) + ["overall"]
+    methods = [m for m in summary["overall"] if m != summary["reference"]] or list(summary["overall"])
+    width = 0.8 / max(1, len(methods))
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(groups) + 2), 4))
+    for i, m in enumerate(methods):
+        blocks = [summary["overall"] if g == "overall" else summary["groups"][g] for g in groups]
+        values = [b.get(m, {}).get("speedup") or 0.0 for b in blocks]
+        xs = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(groups))]
+        ax.bar(xs, values, width, label=m)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(groups)), groups)
+    ax.set_ylabel(f"speedup over {summary['reference']}")
+    ax.set_title("Speedup per group (mean tokens/s ratio)")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def acceptance_by_position(summary: dict, path: Path) -> Path | None:
+    """P(accept | draft position reached) per position, for methods that report their drafts."""
+    series = {m: s["position_acceptance"] for m, s in summary["overall"].items() if s.get("position_acceptance")}
+    if not series:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m, values in series.items():
+        ax.plot(range(1, len(values) + 1), values, marker="o", label=m)
+    ax.set_xlabel("draft position i")
+    ax.set_ylabel("acceptance rate at i (given i reached)")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("Acceptance by draft position")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,362 @@
+"""Command line for ``verispec bench`` and ``verispec analyze`` (parsing, progress bars and printing only)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from .errors import InvalidRequest
+from .models import BUILTINS, DEFAULT_MODEL, DTYPES
+
+DEFAULT_METHODS = "baseline,ngram,hf:pld"
+
+
+def _prompt_options(p: argparse.ArgumentParser, limit_default: int | None) -> None:
+    g = p.add_argument_group("prompts")
+    g.add_argument("--prompts", metavar="FILE",
+                   help="JSONL prompt set: Spec-Bench records {question_id, category, turns} or {\"prompt\": ...} "
+                        "lines (default: Spec-Bench's 480 questions, shipped with verispec; "
+                        "$VERISPEC_SPECBENCH overrides)")
+    g.add_argument("--categories", metavar="A,B",
+                   help="comma-separated groups (mt_bench, translation, summarization, qa, math_reasoning, rag) or "
+                        "categories (e.g. writing) (default: all)")
+    g.add_argument("--limit", type=int, default=limit_default, metavar="N",
+                   help="at most N questions per group or category; mt_bench's eight categories take turns "
+                        f"(default: {limit_default or 'all'})")
+    g.add_argument("--max-new-tokens", type=int, default=256, help="most new tokens per answer (default: 256)")
+
+
+def _target_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--target", default=DEFAULT_MODEL, metavar="REF",
+                   help=f"target model: built-in name ({', '.join(BUILTINS)}), local directory, .gguf or hub id "
+                        f"(default: {DEFAULT_MODEL})")
+    g.add_argument("--dtype", default="float32", choices=list(DTYPES), help="weights and activations (default: float32)")
+    g.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+
+
+def add_parsers(sub) -> None:
+    b = sub.add_parser(
+        "bench", help="benchmark methods side by side on Spec-Bench (or any prompt set)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Run methods over a prompt set at batch 1, interleaved per question, after a warm-up. Writes "
+                    "raw records (records.jsonl), a Markdown table (summary.md), the JSON summary (summary.json) "
+                    "and PNG plots to --out; prints the table, and last a one-line JSON summary.",
+        epilog="methods (comma-separated; options as :key=value):\n"
+               "  baseline            plain decoding through verispec (the reference for speedups)\n"
+               "  ngram[:k=8:min_n=2:max_n=4]   verispec's n-gram drafter\n"
+               "  model:REF[:k=4]     verispec with a separate draft model\n"
+               "  hf:greedy           transformers generate\n"
+               "  hf:pld[:k=10]       transformers prompt lookup (prompt_lookup_num_tokens)\n"
+               "  hf:assisted:REF     transformers assisted generation with a draft model\n\n"
+               "example: verispec bench --categories summarization,rag --limit 5 --methods baseline,ngram,hf:pld")
+    b.add_argument("--methods", default=DEFAULT_METHODS, help=f"methods to compare (default: {DEFAULT_METHODS})")
+    b.add_argument("--k", type=int, default=8, help="default draft length for verispec methods (default: 8)")
+    _prompt_options(b, limit_default=None)
+    _target_options(b)
+    g = b.add_argument_group("sampling and output")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default); > 0 samples, and losslessness is then checked by `verispec audit`")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass for sampling (default: 1)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed for every answer (default: 0)")
+    g.add_argument("--warmup", type=int, default=1, help="questions answered untimed first (default: 1)")
+    g.add_argument("--out", metavar="DIR", help="results folder (default: bench-results/<UTC time>)")
+    g.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    b.set_defaults(func=cmd_bench)
+
+
+def _setup(args):
+    import torch
+
+    from .models import load_model
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise InvalidRequest(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    if args.max_new_tokens < 1:
+        raise InvalidRequest(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    loaded = {}
+
+    def load(ref: str):
+        if ref not in loaded:
+            loaded[ref] = load_model(ref, dtype=args.dtype)
+        return loaded[ref]
+
+    return load(args.target), load
+
+
+def _questions(args):
+    from .bench.prompts import load_questions, select
+
+    cats = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
+    return select(load_questions(args.prompts), cats, args.limit)
+
+
+def _out_dir(args, kind: str) -> Path:
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    out = Path(args.out) if args.out else Path(f"{kind}-results") / stamp
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def cmd_bench(args) -> int:
+    from tqdm import tqdm
+
+    from .bench import build_method, markdown, run_benchmark, summarize
+    from .bench.runner import prompt_encoder
+    from .bench.environment import environment
+    from .bench.plots import acceptance_by_position, speedup_by_group
+    from .engine import SpeculativeDecoder
+
+    if args.temperature < 0:
+        raise InvalidRequest(f"--temperature must be >= 0, got {args.temperature}")
+    specs = [s.strip() for s in args.methods.split(",") if s.strip()]
+    if not specs:
+        raise InvalidRequest("--methods is empty; e.g. --methods baseline,ngram,hf:pld")
+    if len(set(specs)) != len(specs):
+        raise InvalidRequest("--methods lists a method twice")
+    questions = _questions(args)
+    target, load = _setup(args)
+    methods = [build_method(s, target, load, default_k=args.k) for s in specs]
+    reference = "baseline" if "baseline" in specs else specs[0]
+    encode = prompt_encoder(SpeculativeDecoder(target))
+    out = _out_dir(args, "bench")
+    total = len(methods) * sum(len(q.turns) for q in questions)
+    print(f"bench: {len(questions)} questions, {total} answers, methods {', '.join(specs)}; results in {out}",
+          file=sys.stderr)
+    records = []
+    with open(out / "records.jsonl", "w", encoding="utf-8") as fh, \
+            tqdm(total=total, desc="answers", unit="answer", file=sys.stderr, disable=None) as bar:
+        for rec in run_benchmark(methods, questions, encode,
+                                 lambda ids: target.tokenizer.decode(ids, skip_special_tokens=True),
+                                 max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                                 seed=args.seed, warmup=args.warmup):
+            fh.write(json.dumps(rec) + "\n")
+            fh.flush()
+            records.append(rec)
+            bar.set_postfix_str(f"{rec['method']} q{rec['question_id']}")
+            bar.update(1)
+    summary = summarize(records, reference, greedy=args.temperature == 0)
+    table = markdown(summary)
+    files = {"records": str(out / "records.jsonl"), "table": str(out / "summary.md"),
+             "summary": str(out / "summary.json")}
+    if not args.no_plots:
+        files["speedup_plot"] = str(speedup_by_group(summary, out / "speedup.png"))
+        plot = acceptance_by_position(summary, out / "acceptance_by_position.png")
+        if plot:
+            files["acceptance_plot"] = str(plot)
+    result = {
+        "command": "verispec " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("verispec") else None,
+        "config": {"methods": specs, "target": args.target, "prompts": args.prompts or "spec-bench",
+                   "categories": args.categories, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
+                   "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed, "k": args.k,
+                   "warmup": args.warmup},
+        "environment": environment(args.dtype, str(target.device)),
+        "files": files,
+        **summary,
+    }
+    header = (f"verispec bench · {target.name} · {args.dtype} · {result['environment']['torch_threads']} threads · "
+              f"max {args.max_new_tokens} new tokens · temperature {args.temperature}\n\n")
+    (out / "summary.md").write_text(header + table, encoding="utf-8")
+    (out / "summary.json").write_text(json.dumps(result, indent=2), encoding="utf-8")
+    print(header + table)
+    print(json.dumps(result))
+    return 0
+
+
+def add_analyze_parser(sub) -> None:
+    a = sub.add_parser(
+        "analyze", help="acceptance analysis: beta per draft position, cost ratio, predicted speedup and optimal k",
+        description="Run a drafter at --k-max over a prompt set and measure, without timing noise, the acceptance "
+                    "probability per draft position (and, for model drafters, teacher-forced beta = sum min(p, q)); "
+                    "measure the draft cost ratio c and the verify cost per number of verified tokens; predict "
+                    "speedup(k) = E(k) / (k c + r(k)) and the optimal k. --sweep-k measures the real speedup "
+                    "for the same ks beside the prediction (interleaved with plain decoding per question).")
+    a.add_argument("--drafter", default="ngram",
+                   help="a verispec method spec: ngram[:min_n=2:max_n=4] or model:REF (default: ngram)")
+    a.add_argument("--k-max", type=int, default=16, help="draft length of the measuring run; predictions cover "
+                                                         "k = 1..k-max (default: 16)")
+    _prompt_options(a, limit_default=3)
+    _target_options(a)
+    a.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    a.add_argument("--repeats", type=int, default=7, help="timed repeats per verify width (default: 7)")
+    a.add_argument("--sweep-k", nargs="?", const="1,2,3,4,6,8,12,16", metavar="K,K,...",
+                   help="also measure the speedup at these ks (default list when given bare: 1,2,3,4,6,8,12,16)")
+    a.add_argument("--out", metavar="DIR", help="results folder (default: analyze-results/<UTC time>)")
+    a.set_defaults(func=cmd_analyze)
+
+
+def _ks(text: str, k_max: int) -> list[int]:
+    try:
+        ks = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise InvalidRequest(f"--sweep-k takes comma-separated whole numbers, got {text!r}") from None
+    if not ks or ks[0] < 1 or ks[-1] > k_max:
+        raise InvalidRequest(f"--sweep-k values must lie in 1..{k_max} (--k-max)")
+    return ks
+
+
+def cmd_analyze(args) -> int:
+    from tqdm import tqdm
+
+    from .bench import build_method, parse_spec, run_benchmark, summarize
+    from .bench.runner import prompt_encoder
+    from .bench.analyze import analyze, teacher_forced_beta, verify_cost_curve
+    from .bench.environment import environment
+    from .engine import SpeculativeDecoder
+    from .sampling import SamplingParams
+
+    if not 1 <= args.k_max <= 64:
+        raise InvalidRequest(f"--k-max must be in 1..64, got {args.k_max}")
+    if args.repeats < 1:
+        raise InvalidRequest(f"--repeats must be >= 1, got {args.repeats}")
+    head, refs, opts = parse_spec(args.drafter)
+    if head not in ("ngram", "model") or "k" in opts:
+        raise InvalidRequest(f"--drafter must be ngram[:options] or model:REF (k comes from --k-max), got {args.drafter!r}")
+    sweep = _ks(args.sweep_k, args.k_max) if args.sweep_k else []
+    questions = _questions(args)
+    target, load = _setup(args)
+    sampling = SamplingParams(temperature=args.temperature)
+    encode = prompt_encoder(SpeculativeDecoder(target))
+    decode = lambda ids: target.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    out = _out_dir(args, "analyze")
+    spec = f"{args.drafter}:k={args.k_max}"
+    method = build_method(spec, target, load)
+    answers = sum(len(q.turns) for q in questions)
+
+    with tqdm(total=answers, desc=f"acceptance run ({spec})", file=sys.stderr, disable=None) as bar:
+        records = []
+        for rec in run_benchmark([method], questions, encode, decode, args.max_new_tokens,
+                                 args.temperature, seed=0, warmup=0):
+            records.append(rec)
+            bar.update(1)
+    steps = [list(zip(r["step_drafted"], r["step_accepted"])) for r in records]
+    width = max(len(r["drafted_per_position"]) for r in records)
+    per_pos = [[0] * width, [0] * width]
+    for r in records:
+        for i, (d, a) in enumerate(zip(r["drafted_per_position"], r["accepted_per_position"])):
+            per_pos[0][i] += d
+            per_pos[1][i] += a
+
+    teacher = None
+    if head == "model":
+        first = {r["question_id"]: r["token_ids"] for r in records if r["turn"] == 1}
+        seqs = [(encode([{"role": "user", "content": q.turns[0]}]), first[q.question_id]) for q in questions]
+        print("teacher-forced beta ...", file=sys.stderr)
+        teacher = teacher_forced_beta(target, load(refs[0]), seqs, sampling)
+
+    first_rec = records[0]
+    context_len = int(statistics.median([r["prompt_tokens"] for r in records])) + args.max_new_tokens // 2
+    seed_ids = encode([{"role": "user", "content": questions[0].turns[0]}]) + first_rec["token_ids"]
+    context = (seed_ids * (context_len // len(seed_ids) + 1))[:context_len]
+    with tqdm(total=(args.repeats + 1) * (args.k_max + 1), desc="verify cost curve", file=sys.stderr,
+              disable=None) as bar:
+        costs = verify_cost_curve(target, context, args.k_max, args.repeats, sampling, progress=lambda: bar.update(1))
+    result = analyze(method.drafter, steps, per_pos[0], per_pos[1],
+                     sum(r["draft_seconds"] or 0.0 for r in records), sum(sum(r["step_drafted"]) for r in records),
+                     costs, args.k_max, teacher,
+                     ks=range(1, args.k_max + 1))
+
+    if sweep:
+        base_name = "baseline"
+        methods = [build_method(base_name, target, load)] + [build_method(f"{args.drafter}:k={k}", target, load)
+                                                              for k in sweep]
+        with tqdm(total=answers * len(methods), desc="k sweep", file=sys.stderr, disable=None) as bar:
+            sweep_records = []
+            for rec in run_benchmark(methods, questions, encode, decode, args.max_new_tokens,
+                                     args.temperature, seed=0, warmup=1):
+                sweep_records.append(rec)
+                bar.update(1)
+        summary = summarize(sweep_records, base_name, greedy=args.temperature == 0)["overall"]
+        result.measured = [{"k": k, "speedup": summary[m.name]["speedup"],
+                            "mean_accepted_tokens": summary[m.name]["mean_accepted_tokens"],
+                            "identical": summary[m.name]["identical"]}
+                           for k, m in zip(sweep, methods[1:])]
+        with open(out / "sweep_records.jsonl", "w", encoding="utf-8") as fh:
+            fh.writelines(json.dumps(r) + "\n" for r in sweep_records)
+
+    text = _analysis_text(result, target.name, args)
+    (out / "analysis.md").write_text(text, encoding="utf-8")
+    files = {"table": str(out / "analysis.md"), "json": str(out / "analysis.json"),
+             "plot": str(_analysis_plot(result, out / "analysis.png"))}
+    payload = {"config": {"drafter": args.drafter, "target": args.target, "k_max": args.k_max,
+                          "categories": args.categories, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
+                          "temperature": args.temperature, "sweep_k": sweep, "context_tokens": context_len},
+               "environment": environment(args.dtype, str(target.device)), "files": files, **result.to_dict()}
+    (out / "analysis.json").write_text(json.dumps(payload, indent=2), encoding="utf-8")
+    print(text)
+    print(json.dumps(payload))
+    return 0
+
+
+def _f(x, spec=".3f"):
+    return "n/a" if x is None else f"{x:{spec}}"
+
+
+def _analysis_text(r, target_name: str, args) -> str:
+    lines = [f"verispec analyze · {target_name} · drafter {r.drafter} · k-max {r.k_max} · {r.steps} steps · "
+             f"{args.dtype} · temperature {args.temperature}", "",
+             "Acceptance per draft position (beta_i counts a missing draft as a rejection; P(accept | drafted) "
+             "does not)", "",
+             "| position i | beta_i | drafts reaching i | P(accept \\| drafted) |", "|---:|---:|---:|---:|"]
+    for i, (b, av, c) in enumerate(zip(r.position_betas, r.draft_availability, r.position_acceptance), 1):
+        lines.append(f"| {i} | {b:.3f} | {100 * av:.1f}% | {c:.3f} |")
+    lines.append("")
+    if r.teacher_forced_beta is not None:
+        lines.append(f"teacher-forced beta = sum min(p, q) = 1 - TV(p, q): {r.teacher_forced_beta:.3f} "
+                     f"(measured beta_1: {r.position_betas[0]:.3f})")
+    lines += [f"draft cost ratio c = {r.draft_cost_ratio:.4f} (draft time per drafted token / one plain step of "
+              f"{r.verify_cost_ms[0]:.1f} ms)",
+              f"geometric approximation uses alpha = {r.geometric_alpha:.3f}", "",
+              "E(k) per-position = 1 + beta_1 + beta_1 beta_2 + ... from the k-max run (assumes acceptance at a "
+              "position does not depend on k); predicted tokens/step and speedup replay that run's accepted runs "
+              "at draft length k (see verispec.analysis.replay_speedup)", "",
+              "| k | E(k) per-position | E(k) geometric | predicted tokens/step | verify cost r(k) | "
+              "predicted speedup | measured #MAT | measured speedup |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    measured = {m["k"]: m for m in r.measured}
+    for p in r.predictions:
+        m = measured.get(p["k"], {})
+        lines.append(f"| {p['k']} | {p['expected_tokens']:.3f} | {p['expected_tokens_geometric']:.3f} | "
+                     f"{p['predicted_tokens_per_step']:.3f} | {p['relative_verify_cost']:.2f} | {p['predicted_speedup']:.3f}x | "
+                     f"{_f(m.get('mean_accepted_tokens'))} | {_f(m.get('speedup'))}{'x' if m else ''} |")
+    lines += ["", f"predicted optimal k: {r.optimal_k}"]
+    if r.measured:
+        best = max(r.measured, key=lambda m: m["speedup"] or 0)
+        lines.append(f"measured best k in the sweep: {best['k']} ({best['speedup']:.3f}x)")
+    return "\n".join(lines) + "\n"
+
+
+def _analysis_plot(r, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    pos = range(1, len(r.position_betas) + 1)
+    left.bar(pos, r.position_betas, label="beta_i (missing draft = rejection)")
+    left.plot(pos, r.position_acceptance, "o-", color="black", label="P(accept | drafted)")
+    if r.teacher_forced_beta is not None:
+        left.axhline(r.teacher_forced_beta, linestyle="--", color="red", label="teacher-forced beta")
+    left.set_xlabel("draft position i")
+    left.set_ylim(0, 1.05)
+    left.set_title("Acceptance by draft position")
+    left.legend(fontsize="small")
+    ks = [p["k"] for p in r.predictions]
+    right.plot(ks, [p["predicted_speedup"] for p in r.predictions], "-", label="predicted")
+    if r.measured:
+        right.plot([m["k"] for m in r.measured], [m["speedup"] for m in r.measured], "o", label="measured (sweep)")
+    right.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    right.set_xlabel("k (draft tokens per step)")
+    right.set_ylabel("speedup over plain decoding")
+    right.set_title(f"Speedup vs k ({r.drafter})")
+    right.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
