@@ -1,4 +1,4 @@
-"""Command line: ``verispec generate | audit | bench | analyze | models``. All argument parsing and printing lives here."""
+"""Command line: ``verispec generate | audit | bench | analyze | serve | models``. All argument parsing and printing lives here."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 
 from . import __version__
 from .cli_bench import add_analyze_parser, add_parsers as add_bench_parsers
+from .cli_serve import add_serve_parser
 from .drafters import DRAFTERS
 from .errors import VerispecError
 from .models import BUILTINS, DEFAULT_MODEL, DTYPES
@@ -89,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parsers(sub)
     add_analyze_parser(sub)
+    add_serve_parser(sub, _model_options)
 
     mod = sub.add_parser("models", help="list built-in models and where they are cached")
     mod.set_defaults(func=cmd_models)

@@ -75,11 +75,13 @@ class SequenceState:
 
 
 class GenerationStream:
-    """Iterate for text deltas; ``result`` holds the Generation once iteration ends. ``close()`` stops
-    the generation early (a client went away)."""
+    """Iterate for text deltas; ``result`` holds the Generation once iteration ends. ``stats`` are the
+    live counters, updated after every step (a server reads them while streaming). ``close()`` stops the
+    generation early (a client went away)."""
 
-    def __init__(self, steps: Iterator[str]):
+    def __init__(self, steps: Iterator[str], stats: GenerationStats):
         self._steps = steps
+        self.stats = stats
         self.result: Generation | None = None
 
     def __iter__(self) -> Iterator[str]:
@@ -204,18 +206,19 @@ class SpeculativeDecoder:
                 f"prompt has {len(ids)} tokens but the model's context window is {limit}; shorten the prompt"
             )
         seed = secrets.randbits(63) if seed is None else seed
-        return GenerationStream(self._run(ids, sampling, max_new_tokens, seed, stops, self.k if k is None else k))
-
-    # ----------------------------------------------------------------- loop
-    @torch.inference_mode()
-    def _run(self, ids, sampling, max_new_tokens, seed, stops, k) -> Iterator[str]:
-        start = time.perf_counter()
-        generator = torch.Generator(device=self.target.device)
-        generator.manual_seed(seed)
+        k = self.k if k is None else k
         stats = GenerationStats(
             drafter=self.drafter_name, acceptance=self.acceptance, lossy=self.lossy,
             k=k if self.drafter is not None else 0, prompt_tokens=len(ids),
         )
+        return GenerationStream(self._run(ids, sampling, max_new_tokens, seed, stops, k, stats), stats)
+
+    # ----------------------------------------------------------------- loop
+    @torch.inference_mode()
+    def _run(self, ids, sampling, max_new_tokens, seed, stops, k, stats: GenerationStats) -> Iterator[str]:
+        start = time.perf_counter()
+        generator = torch.Generator(device=self.target.device)
+        generator.manual_seed(seed)
         state = SequenceState(
             tokens=list(ids), prompt_len=len(ids), max_new_tokens=max_new_tokens, sampling=sampling,
             generator=generator, text=TextAssembler(self.target.tokenizer, stops), stats=stats,

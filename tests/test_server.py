@@ -1,0 +1,241 @@
+"""The OpenAI-compatible server, started for real on a loopback port, on the tiny model (a chat template
+is added so that chat requests work): the official openai client, streaming, errors, concurrency,
+back-pressure, metrics and the off switch."""
+
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+
+from serving import Server
+from verispec.cli import main
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+PROMPT = "w3 w4 w5 w6 w3 w4 w5 w6 w3 w4"
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory, tiny_target):
+    path = tmp_path_factory.mktemp("tiny-chat")
+    tiny_target.model.save_pretrained(path)
+    tok = tiny_target.tokenizer
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(path)
+    tok.chat_template = None
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(chat_dir):
+    s = Server("--target", str(chat_dir), "--max-queue", "32", "--admin-token", "sesame")
+    yield s
+    s.stop()
+
+
+@pytest.fixture()
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_models_and_health(server, client, chat_dir):
+    ids = [m.id for m in client.models.list().data]
+    assert ids == [str(chat_dir)]
+    health = httpx.get(server.url + "/health").json()
+    assert health["status"] == "ok" and health["speculation"] is True and "ngram" in health["drafters"]
+
+
+def test_chat_greedy_equals_verispec_generate(server, client, chat_dir, capsys):
+    resp = client.chat.completions.create(model=str(chat_dir), messages=[{"role": "user", "content": PROMPT}],
+                                          temperature=0, max_tokens=20)
+    assert main(["generate", PROMPT, "--target", str(chat_dir), "--max-new-tokens", "20", "--json"]) == 0
+    cli = json.loads(capsys.readouterr().out)
+    assert resp.choices[0].message.content == cli["text"]
+    assert resp.choices[0].finish_reason == cli["finish_reason"]
+    assert resp.usage.completion_tokens == len(cli["token_ids"])
+    meta = resp.model_extra["verispec"]
+    assert meta["speculation"] is True and meta["drafter"] == "ngram" and meta["lossy"] is False
+
+
+def test_chat_stream_matches_non_stream(server, client, chat_dir):
+    kwargs = dict(model=str(chat_dir), messages=[{"role": "user", "content": PROMPT}], temperature=0, max_tokens=24)
+    full = client.chat.completions.create(**kwargs).choices[0].message.content
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1 and finals[0].model_extra["verispec"]["drafter"] == "ngram"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+
+
+def test_stream_ends_with_done(server, chat_dir):
+    body = {"model": str(chat_dir), "messages": [{"role": "user", "content": PROMPT}], "stream": True,
+            "max_tokens": 5, "temperature": 0}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert r.headers["content-type"].startswith("text/event-stream")
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+
+
+def test_completions_sampling_is_reproducible_by_seed(server, client, chat_dir):
+    kwargs = dict(model=str(chat_dir), prompt=PROMPT, max_tokens=16, temperature=1.0, seed=11)
+    a, b = client.completions.create(**kwargs), client.completions.create(**kwargs)
+    assert a.choices[0].text == b.choices[0].text
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs))
+    assert streamed == a.choices[0].text
+    assert a.model_extra["verispec"]["seed"] == 11
+
+
+def test_request_can_turn_speculation_off(server, client, chat_dir):
+    resp = client.completions.create(model=str(chat_dir), prompt=PROMPT, max_tokens=12, temperature=0,
+                                     extra_body={"verispec": {"speculation": False}})
+    meta = resp.model_extra["verispec"]
+    assert meta["speculation"] is False and meta["speculation_disabled_by"] == "request" and meta["drafted"] == 0
+    on = client.completions.create(model=str(chat_dir), prompt=PROMPT, max_tokens=12, temperature=0)
+    assert on.choices[0].text == resp.choices[0].text  # lossless: the switch changes speed, not text
+
+
+def malformed_requests(model):
+    chat = "/v1/chat/completions"
+    good = {"model": model, "messages": [{"role": "user", "content": "w3"}], "max_tokens": 2}
+    cases = [(chat, raw) for raw in ["", "{", "not json", "[]", "123", "null", '"text"', b"\xff\xfe"]]
+    edits = [
+        {"model": None}, {"messages": None}, {"messages": []}, {"messages": "hi"}, {"messages": [{"role": "user"}]},
+        {"messages": [{"role": "robot", "content": "x"}]}, {"messages": [{"role": "user", "content": 5}]},
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        {"model": 5}, {"model": ""}, {"model": "no-such-model"},
+        {"max_tokens": 0}, {"max_tokens": -1}, {"max_tokens": "ten"}, {"max_tokens": 1.5}, {"max_tokens": True},
+        {"temperature": -0.1}, {"temperature": 2.5}, {"temperature": "hot"}, {"temperature": True},
+        {"top_p": 0}, {"top_p": 1.5}, {"top_p": "x"}, {"seed": -1}, {"seed": "abc"}, {"seed": 1.5},
+        {"stop": 5}, {"stop": [""]}, {"stop": ["a", "b", "c", "d", "e"]}, {"stream": "yes"}, {"n": 2},
+        {"logprobs": True}, {"presence_penalty": 1}, {"frequency_penalty": 0.5},
+        {"tools": [{"type": "function", "function": {"name": "f"}}]}, {"response_format": {"type": "json_object"}},
+        {"unknown_param": 1}, {"verispec": {"drafter": "eagle"}}, {"verispec": {"k": 0}},
+        {"verispec": {"speculation": "no"}}, {"verispec": {"foo": 1}}, {"stream_options": {"include_usage": True}},
+        {"max_completion_tokens": 0}, {"best_of": 2},
+    ]
+    for edit in edits:
+        body = {**good, **edit}
+        cases.append((chat, json.dumps({k: v for k, v in body.items() if v is not None})))
+    comp = {"model": model, "max_tokens": 2}
+    for prompt in [None, [], ["a", "b"], 5, [99999], "", " ", "w3 " * 400]:
+        body = dict(comp) if prompt is None else {**comp, "prompt": prompt}
+        cases.append(("/v1/completions", json.dumps(body)))
+    return cases
+
+
+def test_fifty_malformed_requests_get_openai_style_4xx(server, chat_dir):
+    cases = malformed_requests(str(chat_dir))
+    assert len(cases) >= 50
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for path, content in cases:
+            r = http.post(path, content=content, headers={"content-type": "application/json"})
+            assert 400 <= r.status_code < 500, (path, content, r.status_code, r.text)
+            err = r.json()["error"]
+            assert err["message"] and err["type"], (content, err)
+        assert http.get("/v1/nope").status_code == 404
+        assert http.delete("/v1/models").status_code == 405
+    assert server.alive()
+
+
+def test_specific_statuses_and_messages(server, chat_dir):
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        r = http.post("/v1/chat/completions", json={"model": "gpt-4", "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+        r = http.post("/v1/completions", json={"model": str(chat_dir), "prompt": "w3 " * 400})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        r = http.post("/v1/chat/completions", json={"model": str(chat_dir), "n": 3,
+                                                     "messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 400 and "'n'" in r.json()["error"]["message"]
+        r = http.post("/v1/chat/completions", content="{", headers={"content-type": "application/json"})
+        assert "not valid JSON" in r.json()["error"]["message"]
+
+
+def test_eight_concurrent_clients(server, chat_dir):
+    statuses, texts = [], []
+
+    def client_loop(i):
+        with httpx.Client(base_url=server.url, timeout=120) as http:
+            for j in range(5):
+                r = http.post("/v1/completions", json={"model": str(chat_dir), "prompt": PROMPT, "max_tokens": 16,
+                                                       "temperature": 0, "stream": j % 2 == 1})
+                statuses.append(r.status_code)
+                if j % 2 == 0:
+                    texts.append(r.json()["choices"][0]["text"])
+
+    threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert statuses == [200] * 40
+    assert len(set(texts)) == 1  # greedy answers do not depend on who else was being served
+
+
+def test_metrics_move_and_admin_switch_stops_them(server, client, chat_dir):
+    def drafted():
+        return server.metric("verispec_draft_tokens_total", 'drafter="ngram"')
+
+    before = drafted()
+    client.completions.create(model=str(chat_dir), prompt=PROMPT, max_tokens=24, temperature=0)
+    assert drafted() > before
+    assert server.metric("verispec_generated_tokens_total") > 0
+    assert server.metric("verispec_requests_total", 'endpoint="/v1/completions",status="200"') > 0
+    text = httpx.get(server.url + "/metrics").text
+    for name in ("verispec_accepted_tokens_by_position_total", "verispec_token_latency_seconds_bucket",
+                 "verispec_request_duration_seconds_bucket", "verispec_queue_depth",
+                 "verispec_acceptance_rate_recent", "verispec_speculation_enabled 1.0"):
+        assert name in text
+
+    assert httpx.post(server.url + "/admin/speculation", json={"enabled": False}).status_code == 401
+    auth = {"Authorization": "Bearer sesame"}
+    r = httpx.post(server.url + "/admin/speculation", json={"enabled": False}, headers=auth)
+    assert r.json() == {"enabled": False}
+    try:
+        frozen = drafted()
+        tokens = server.metric("verispec_generated_tokens_total")
+        resp = client.completions.create(model=str(chat_dir), prompt=PROMPT, max_tokens=24, temperature=0)
+        assert resp.model_extra["verispec"]["speculation_disabled_by"] == "server"
+        assert drafted() == frozen
+        assert server.metric("verispec_generated_tokens_total") > tokens
+        assert server.metric("verispec_speculation_enabled") == 0
+    finally:
+        httpx.post(server.url + "/admin/speculation", json={"enabled": True}, headers=auth)
+    client.completions.create(model=str(chat_dir), prompt=PROMPT, max_tokens=24, temperature=0)
+    assert drafted() > frozen
+
+
+def test_burst_past_the_limit_gets_429_and_server_recovers(chat_dir):
+    s = Server("--target", str(chat_dir), "--max-concurrency", "1", "--max-queue", "1")
+    try:
+        statuses = []
+        barrier = threading.Barrier(12)
+
+        def hit():
+            barrier.wait()
+            r = httpx.post(s.url + "/v1/completions", timeout=120,
+                           json={"model": str(chat_dir), "prompt": PROMPT, "max_tokens": 200, "temperature": 0})
+            statuses.append((r.status_code, r.json()))
+
+        threads = [threading.Thread(target=hit) for _ in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        codes = [c for c, _ in statuses]
+        assert 429 in codes and 200 in codes and all(c in (200, 429) for c in codes)
+        busy = next(body for c, body in statuses if c == 429)
+        assert busy["error"]["code"] == "rate_limit_exceeded" and "retry" in busy["error"]["message"]
+        r = httpx.post(s.url + "/v1/completions", json={"model": str(chat_dir), "prompt": PROMPT, "max_tokens": 4})
+        assert r.status_code == 200
+        assert s.metric("verispec_requests_total", 'endpoint="/v1/completions",status="429"') == codes.count(429)
+    finally:
+        s.stop()
+
+
+def test_serve_rejects_bad_options(chat_dir, capsys):
+    assert main(["serve", "--target", str(chat_dir), "--max-concurrency", "0"]) == 2
+    assert "--max-concurrency must be >= 1" in capsys.readouterr().err
+    assert main(["serve", "--target", str(chat_dir), "--acceptance", "typical"]) == 2
+    assert "strict" in capsys.readouterr().err

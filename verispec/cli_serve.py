@@ -1,0 +1,76 @@
+"""Command line for ``verispec serve``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .errors import InvalidRequest
+
+
+def add_serve_parser(sub, model_options) -> None:
+    s = sub.add_parser(
+        "serve", help="run an OpenAI-compatible HTTP server with speculative decoding",
+        description="Serve the target through an OpenAI-compatible API (POST /v1/chat/completions, "
+                    "/v1/completions; GET /v1/models, /health, /metrics; GET/POST /admin/speculation). "
+                    "Requests choose per call with the extension field {\"verispec\": {\"speculation\": false | "
+                    "\"drafter\": NAME | \"k\": N}}.")
+    model_options(s)
+    g = s.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="interface to bind (default: 127.0.0.1; 0.0.0.0 for all)")
+    g.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
+    g.add_argument("--max-concurrency", type=int, default=1,
+                   help="generations running at once, each with its own KV cache (default: 1; on a CPU more "
+                        "only share the same cores)")
+    g.add_argument("--max-queue", type=int, default=16,
+                   help="requests that may wait for a slot; beyond concurrency + queue the server answers 429 "
+                        "(default: 16)")
+    g.add_argument("--default-max-tokens", type=int, default=256,
+                   help="max_tokens when a request gives none (default: 256)")
+    g.add_argument("--served-model-name", metavar="NAME", help="model id clients send (default: the target's name)")
+    g.add_argument("--admin-token", default=os.environ.get("VERISPEC_ADMIN_TOKEN"),
+                   help="require 'Authorization: Bearer TOKEN' on /admin endpoints (default: $VERISPEC_ADMIN_TOKEN; "
+                        "unset = open, fine on loopback only)")
+    g.add_argument("--acceptance-window", type=float, default=600.0, metavar="SECONDS",
+                   help="window of the verispec_acceptance_rate_recent gauge (default: 600)")
+    g.add_argument("--speculation-off", action="store_true",
+                   help="start with speculation turned off (turn it on with POST /admin/speculation)")
+    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from .drafters import ModelDrafter, NgramDrafter
+    from .models import load_model
+    from .server import ServerConfig, create_app
+
+    for name, value, low in (("--port", args.port, 0), ("--max-concurrency", args.max_concurrency, 1),
+                             ("--max-queue", args.max_queue, 0), ("--default-max-tokens", args.default_max_tokens, 1),
+                             ("--k", args.k, 1)):
+        if value < low:
+            raise InvalidRequest(f"{name} must be >= {low}, got {value}")
+    if args.acceptance != "strict":
+        raise InvalidRequest("the server runs strict (lossless) acceptance only; drop --acceptance")
+    if args.drafter == "model" and not args.draft_model:
+        raise InvalidRequest("--drafter model needs --draft-model REF")
+    target = load_model(args.target, dtype=args.dtype)
+    drafters = {"ngram": lambda: NgramDrafter(min_n=args.ngram_min, max_n=args.ngram_max)}
+    if args.draft_model:
+        draft = load_model(args.draft_model, dtype=args.dtype)
+        ModelDrafter(draft, target)  # checks compatibility now, not on the first request
+        drafters["model"] = lambda: ModelDrafter(draft, target)
+    config = ServerConfig(
+        target=target, drafters=drafters, default_drafter=args.drafter, k=args.k,
+        served_model_name=args.served_model_name, max_concurrency=args.max_concurrency, max_queue=args.max_queue,
+        default_max_tokens=args.default_max_tokens, admin_token=args.admin_token,
+        window_seconds=args.acceptance_window, speculation=not args.speculation_off,
+    )
+    app = create_app(config)
+    print(f"verispec: serving {config.served_model_name or target.name} on http://{args.host}:{args.port} "
+          f"(drafter {args.drafter}, k {args.k}, {args.dtype}, {args.max_concurrency} slot(s), queue "
+          f"{args.max_queue})", file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0
