@@ -50,6 +50,12 @@ class Server:
                 return float(line.rsplit(" ", 1)[1])
         return 0.0
 
+    def client(self, timeout: float = 300):
+        """The official openai client pointed at this server (no retries: a 429 must show)."""
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=timeout)
+
     def stop(self) -> str:
         if self.proc.poll() is None:
             self.proc.terminate()

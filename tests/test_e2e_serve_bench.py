@@ -41,7 +41,7 @@ def server(default_model):  # default_model: the model is fetched and cached bef
 
 @pytest.fixture()
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    return server.client()
 
 
 def test_openai_client_chat_equals_verispec_generate(server, client, capsys):
@@ -80,7 +80,7 @@ def test_eight_clients_five_requests_each(server):
     codes = []
 
     def loop(i):
-        c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        c = server.client()
         for j in range(5):
             try:
                 c.completions.create(model="smollm2-135m", prompt=f"Count from {i} to {i + 5}:", max_tokens=8,

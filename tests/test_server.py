@@ -6,7 +6,6 @@ import json
 import threading
 
 import httpx
-import openai
 import pytest
 
 from serving import Server
@@ -36,7 +35,7 @@ def server(chat_dir):
 
 @pytest.fixture()
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    return server.client(timeout=60)
 
 
 def test_models_and_health(server, client, chat_dir):

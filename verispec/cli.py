@@ -1,4 +1,5 @@
-"""Command line: ``verispec generate | audit | bench | analyze | serve | models``. All argument parsing and printing lives here."""
+"""Command line: ``verispec generate | audit | bench | analyze | serve | models``. Argument parsing and printing
+live in the cli*.py modules, never in the library."""
 
 from __future__ import annotations
 
@@ -169,6 +170,7 @@ def cmd_models(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # recorded by bench/analyze results
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="verispec: %(message)s")
     if not args.command:
         parser.print_help()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -151,7 +152,7 @@ def cmd_bench(args) -> int:
         if plot:
             files["acceptance_plot"] = str(plot)
     result = {
-        "command": "verispec " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("verispec") else None,
+        "command": "verispec " + shlex.join(args.argv),
         "config": {"methods": specs, "target": args.target, "prompts": args.prompts or "spec-bench",
                    "categories": args.categories, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
                    "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed, "k": args.k,
@@ -207,6 +208,7 @@ def cmd_analyze(args) -> int:
     from .bench import build_method, parse_spec, run_benchmark, summarize
     from .bench.runner import prompt_encoder
     from .bench.analyze import analyze, teacher_forced_beta, verify_cost_curve
+    from .bench.plots import analysis_plot
     from .bench.environment import environment
     from .engine import SpeculativeDecoder
     from .sampling import SamplingParams
@@ -283,10 +285,11 @@ def cmd_analyze(args) -> int:
     text = _analysis_text(result, target.name, args)
     (out / "analysis.md").write_text(text, encoding="utf-8")
     files = {"table": str(out / "analysis.md"), "json": str(out / "analysis.json"),
-             "plot": str(_analysis_plot(result, out / "analysis.png"))}
-    payload = {"config": {"drafter": args.drafter, "target": args.target, "k_max": args.k_max,
-                          "categories": args.categories, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
-                          "temperature": args.temperature, "sweep_k": sweep, "context_tokens": context_len},
+             "plot": str(analysis_plot(result, out / "analysis.png"))}
+    config = {"drafter": args.drafter, "target": args.target, "k_max": args.k_max, "categories": args.categories,
+              "limit": args.limit, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+              "sweep_k": sweep, "context_tokens": context_len}
+    payload = {"command": "verispec " + shlex.join(args.argv), "config": config,
                "environment": environment(args.dtype, str(target.device)), "files": files, **result.to_dict()}
     (out / "analysis.json").write_text(json.dumps(payload, indent=2), encoding="utf-8")
     print(text)
@@ -329,34 +332,3 @@ def _analysis_text(r, target_name: str, args) -> str:
         best = max(r.measured, key=lambda m: m["speedup"] or 0)
         lines.append(f"measured best k in the sweep: {best['k']} ({best['speedup']:.3f}x)")
     return "\n".join(lines) + "\n"
-
-
-def _analysis_plot(r, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    pos = range(1, len(r.position_betas) + 1)
-    left.bar(pos, r.position_betas, label="beta_i (missing draft = rejection)")
-    left.plot(pos, r.position_acceptance, "o-", color="black", label="P(accept | drafted)")
-    if r.teacher_forced_beta is not None:
-        left.axhline(r.teacher_forced_beta, linestyle="--", color="red", label="teacher-forced beta")
-    left.set_xlabel("draft position i")
-    left.set_ylim(0, 1.05)
-    left.set_title("Acceptance by draft position")
-    left.legend(fontsize="small")
-    ks = [p["k"] for p in r.predictions]
-    right.plot(ks, [p["predicted_speedup"] for p in r.predictions], "-", label="predicted")
-    if r.measured:
-        right.plot([m["k"] for m in r.measured], [m["speedup"] for m in r.measured], "o", label="measured (sweep)")
-    right.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
-    right.set_xlabel("k (draft tokens per step)")
-    right.set_ylabel("speedup over plain decoding")
-    right.set_title(f"Speedup vs k ({r.drafter})")
-    right.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path

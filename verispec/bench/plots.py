@@ -14,6 +14,13 @@ def _pyplot():
     return plt
 
 
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    _pyplot().close(fig)
+    return path
+
+
 def speedup_by_group(summary: dict, path: Path) -> Path:
     """Grouped bars: speedup of each method in each group and overall; the reference's 1.0 as a line."""
     plt = _pyplot()
@@ -31,10 +38,7 @@ def speedup_by_group(summary: dict, path: Path) -> Path:
     ax.set_ylabel(f"speedup over {summary['reference']}")
     ax.set_title("Speedup per group (mean tokens/s ratio)")
     ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def acceptance_by_position(summary: dict, path: Path) -> Path | None:
@@ -51,7 +55,29 @@ def acceptance_by_position(summary: dict, path: Path) -> Path | None:
     ax.set_ylim(0, 1.05)
     ax.set_title("Acceptance by draft position")
     ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
+
+
+def analysis_plot(r, path: Path) -> Path:
+    """Acceptance by draft position (left) and predicted vs measured speedup per k (right)."""
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    pos = range(1, len(r.position_betas) + 1)
+    left.bar(pos, r.position_betas, label="beta_i (missing draft = rejection)")
+    left.plot(pos, r.position_acceptance, "o-", color="black", label="P(accept | drafted)")
+    if r.teacher_forced_beta is not None:
+        left.axhline(r.teacher_forced_beta, linestyle="--", color="red", label="teacher-forced beta")
+    left.set_xlabel("draft position i")
+    left.set_ylim(0, 1.05)
+    left.set_title("Acceptance by draft position")
+    left.legend(fontsize="small")
+    ks = [p["k"] for p in r.predictions]
+    right.plot(ks, [p["predicted_speedup"] for p in r.predictions], "-", label="predicted")
+    if r.measured:
+        right.plot([m["k"] for m in r.measured], [m["speedup"] for m in r.measured], "o", label="measured (sweep)")
+    right.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    right.set_xlabel("k (draft tokens per step)")
+    right.set_ylabel("speedup over plain decoding")
+    right.set_title(f"Speedup vs k ({r.drafter})")
+    right.legend(fontsize="small")
+    return _save(fig, path)
