@@ -107,13 +107,12 @@ def analyze(drafter: str, questions: Sequence[Sequence[tuple[int, int]]], drafte
     answered = [q for q in questions if q]
     preds = []
     for k in ks:
-        capped_tokens, _ = analysis.step_speedup(steps, k, c, rel)
         replay_tokens, _ = analysis.replay_speedup(steps, k, c, rel)
         preds.append({
             "k": k,
+            # from the same steps, this equals step_speedup's capped tokens per step exactly
             "expected_tokens": analysis.expected_tokens(analysis.extend_betas(betas, k)),
             "expected_tokens_geometric": analysis.expected_tokens_geometric(min(alpha, 1.0), k),
-            "expected_tokens_capped": capped_tokens,
             "predicted_tokens_per_step": replay_tokens,
             "relative_verify_cost": rel(k),
             "predicted_speedup": statistics.mean(analysis.replay_speedup(q, k, c, rel)[1] for q in answered),
