@@ -124,3 +124,10 @@ def test_replay_splits_accepted_runs_at_smaller_k():
     # by hand at k=2: (4,2) one step, 3 tokens, r(2); (0,0) 1 token, r(0); (4,4) steps of 3 then 2 tokens
     # drafting 2 then 1, r(2) + r(1); (3,0) 1 token, r(2): 10 tokens in 5 steps costing 7.1
     assert analysis.replay_speedup(steps, 2, 0.0, r) == pytest.approx((10 / 5, 10 / 7.1))
+
+
+def test_per_position_expectation_equals_capped_steps_for_any_draft_lengths():
+    steps = [(0, 0), (3, 1), (8, 8), (5, 0), (2, 2), (8, 3)]
+    betas = analysis.position_betas(steps, 8)
+    for k in range(1, 9):
+        assert analysis.expected_tokens(betas[:k]) == pytest.approx(analysis.step_speedup(steps, k, 0.0, lambda j: 1)[0])
