@@ -209,6 +209,7 @@ def cmd_analyze(args) -> int:
     from .bench.runner import prompt_encoder
     from .bench.analyze import analyze, teacher_forced_beta, verify_cost_curve
     from .bench.plots import analysis_plot
+    from .bench.summary import position_acceptance
     from .bench.environment import environment
     from .engine import SpeculativeDecoder
     from .sampling import SamplingParams
@@ -238,12 +239,6 @@ def cmd_analyze(args) -> int:
             records.append(rec)
             bar.update(1)
     steps = [list(zip(r["step_drafted"], r["step_accepted"])) for r in records]
-    width = max(len(r["drafted_per_position"]) for r in records)
-    per_pos = [[0] * width, [0] * width]
-    for r in records:
-        for i, (d, a) in enumerate(zip(r["drafted_per_position"], r["accepted_per_position"])):
-            per_pos[0][i] += d
-            per_pos[1][i] += a
 
     teacher = None
     if head == "model":
@@ -259,7 +254,7 @@ def cmd_analyze(args) -> int:
     with tqdm(total=(args.repeats + 1) * (args.k_max + 1), desc="verify cost curve", file=sys.stderr,
               disable=None) as bar:
         costs = verify_cost_curve(target, context, args.k_max, args.repeats, sampling, progress=lambda: bar.update(1))
-    result = analyze(method.drafter, steps, per_pos[0], per_pos[1],
+    result = analyze(method.drafter, steps, position_acceptance(records),
                      sum(r["draft_seconds"] or 0.0 for r in records), sum(sum(r["step_drafted"]) for r in records),
                      costs, args.k_max, teacher,
                      ks=range(1, args.k_max + 1))

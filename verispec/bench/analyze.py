@@ -87,8 +87,8 @@ class Analysis:
         return asdict(self)
 
 
-def analyze(drafter: str, questions: Sequence[Sequence[tuple[int, int]]], drafted_per_position: Sequence[int],
-            accepted_per_position: Sequence[int], draft_seconds: float, drafted_tokens: int,
+def analyze(drafter: str, questions: Sequence[Sequence[tuple[int, int]]], position_acceptance: Sequence[float],
+            draft_seconds: float, drafted_tokens: int,
             verify_cost: dict[int, float], k_max: int, teacher_beta: float | None = None,
             ks: Sequence[int] = range(1, 17)) -> Analysis:
     """Turn the recorded (drafted, accepted) steps of a run at ``k_max`` (one list per answer) and a verify
@@ -101,7 +101,7 @@ def analyze(drafter: str, questions: Sequence[Sequence[tuple[int, int]]], drafte
     base = verify_cost[0]
     c = (draft_seconds / drafted_tokens) / base if drafted_tokens else 0.0
     rel = analysis.interpolate({j: t / base for j, t in verify_cost.items()})
-    cond = [a / d if d else 0.0 for a, d in zip(accepted_per_position, drafted_per_position)]
+    cond = list(position_acceptance)
     avail = [sum(1 for d, _ in steps if d >= i) / len(steps) for i in range(1, k_max + 1)]
     alpha = teacher_beta if teacher_beta is not None else (cond[0] if cond else 0.0)
     answered = [q for q in questions if q]

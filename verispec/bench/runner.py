@@ -48,7 +48,6 @@ def run_benchmark(
     top_p: float = 1.0,
     seed: int = 0,
     warmup: int = 1,
-    on_record: Callable[[dict], None] | None = None,
 ) -> Iterator[dict]:
     """Yield raw records. ``encode`` turns chat messages into prompt ids (the target's chat template);
     ``decode`` turns a method's answer into text for the next turn. ``warmup`` questions are answered by
@@ -65,7 +64,4 @@ def run_benchmark(
                 ids = encode(messages)
                 run = m.run(ids, max_new_tokens, temperature, top_p, seed)
                 history[m.name] = messages + [{"role": "assistant", "content": decode(run.token_ids)}]
-                rec = record(m, q, turn, ids, run)
-                if on_record is not None:
-                    on_record(rec)
-                yield rec
+                yield record(m, q, turn, ids, run)
