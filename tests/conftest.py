@@ -6,7 +6,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from tiny import loaded, make_model, noisy_copy  # noqa: E402
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+torch.set_num_threads(int(os.environ.get("VERISPEC_TEST_THREADS", max(1, min(2, os.cpu_count() or 1)))))
 
 
 @pytest.fixture(scope="session")

@@ -3,10 +3,12 @@
 Plain autoregressive decoding is the same loop with no drafter (every step verifies zero draft tokens),
 so the baseline and the speculative path share every line that decides what is emitted.
 
-KV-cache invariant: the target cache holds every committed token except the newest one (``tokens[-1]``,
-the *pending* token). A step feeds [pending, x_1..x_k] in one forward, which yields p_1..p_{k+1}; after
-verification the cache is cropped to keep pending + the accepted drafts, and the correction/bonus
-token becomes the new pending token.
+KV-cache invariant: the target cache holds a prefix of the committed tokens that excludes at least the newest
+one (``tokens[-1]``, the *pending* token). A step feeds the uncached committed tokens (normally just the pending
+one) and the drafts x_1..x_k in one forward, which yields p_1..p_{k+1}; after verification the cache is cropped
+to keep the fed tokens + the accepted drafts, and the correction/bonus token becomes the new pending token.
+A *tree* of drafts (greedy only) is fed with a tree attention mask; then every node is cropped and the
+accepted path is fed again, in front of the next step's drafts.
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ from .cache import truncate
 from .drafters.base import EMPTY_DRAFT, Draft, Drafter
 from .drafters.model import common_prefix_length
 from .errors import InvalidRequest
+from .features import FeatureBuffer, select_layers
 from .models import LoadedModel
 from .sampling import SamplingParams, probabilities
 from .stats import GenerationStats
 from .text import TextAssembler
-from .verify import ACCEPTANCE_MODES, LOSSY_MODES, STRICT, verify, verify_typical
+from .tree import tree_inputs
+from .verify import ACCEPTANCE_MODES, LOSSY_MODES, STRICT, verify, verify_tree_greedy, verify_typical
 
 Prompt = str | Sequence[dict] | Sequence[int]
 
@@ -67,6 +71,7 @@ class SequenceState:
     stats: GenerationStats
     cache: DynamicCache
     cached_tokens: list[int] = field(default_factory=list)  # exactly the tokens whose keys/values are cached
+    features: FeatureBuffer = field(default_factory=FeatureBuffer)  # target hidden states of cached_tokens
     finish_reason: str = ""
 
     @property
@@ -126,6 +131,10 @@ class SpeculativeDecoder:
         self.reuse_prefix = reuse_prefix
         self._cache: DynamicCache | None = None
         self._cached_tokens: list[int] = []
+        self._features = FeatureBuffer()
+        # drafters that read the target's hidden states (EAGLE heads) name the layers; the engine then takes
+        # them from the forward passes it runs anyway and hands them to propose()
+        self.feature_layers: tuple[int, ...] = tuple(getattr(drafter, "feature_layers", None) or ())
 
     @property
     def drafter_name(self) -> str:
@@ -230,12 +239,11 @@ class SpeculativeDecoder:
         try:
             while not state.finish_reason:
                 t0 = time.perf_counter()
-                new_tokens, drafted = self._step(state, k)
+                new_tokens, drafted, accepted = self._step(state, k)
                 before = len(state.tokens)
                 delta = self._commit(state, new_tokens)
                 # accepted draft tokens are verify's raw count; committed tokens are what EOS/limits kept
-                stats.record_step(drafted, len(new_tokens) - 1, len(state.tokens) - before,
-                                  time.perf_counter() - t0)
+                stats.record_step(drafted, accepted, len(state.tokens) - before, time.perf_counter() - t0)
                 if delta:
                     yield delta
             tail = state.text.finish()
@@ -244,7 +252,7 @@ class SpeculativeDecoder:
         finally:
             # keep the cache for the next request only if it is exactly what we think it holds
             if self.reuse_prefix and state.cache.get_seq_length() == len(state.cached_tokens):
-                self._cache, self._cached_tokens = state.cache, state.cached_tokens
+                self._cache, self._cached_tokens, self._features = state.cache, state.cached_tokens, state.features
         generated = state.generated
         if state.text.stop_token_count is not None:
             generated = generated[: state.text.stop_token_count]
@@ -263,56 +271,92 @@ class SpeculativeDecoder:
         if self.reuse_prefix and self._cache is not None:
             keep = min(common_prefix_length(self._cached_tokens, ids), len(ids) - 1)
             truncate(self._cache, keep)
+            if self.feature_layers:
+                keep = min(keep, len(self._features))
+                truncate(self._cache, keep)
+                self._features.truncate(keep)
+                state.features = self._features
             state.cache, state.cached_tokens = self._cache, self._cached_tokens[:keep]
             self._cache = None  # owned by this sequence now
         state.stats.reused_prompt_tokens = keep
         feed = ids[keep:-1]
         if feed:
-            self.target.model(
+            out = self.target.model(
                 input_ids=torch.tensor([feed], device=self.target.device),
                 past_key_values=state.cache, use_cache=True, logits_to_keep=1,
+                output_hidden_states=bool(self.feature_layers),
             )
             state.cached_tokens.extend(feed)
+            if self.feature_layers:
+                state.features.append(select_layers(out.hidden_states, self.feature_layers))
         state.stats.prefill_seconds = time.perf_counter() - t0
 
-    def _step(self, state: SequenceState, k: int) -> tuple[list[int], int]:
-        """One propose -> verify -> roll back -> observe step; returns (tokens to commit, draft length)."""
+    def _step(self, state: SequenceState, k: int) -> tuple[list[int], int, int]:
+        """One propose -> verify -> roll back -> observe step; returns (tokens to commit, draft depth,
+        accepted draft tokens)."""
         t0 = time.perf_counter()
         remaining = state.max_new_tokens - len(state.generated)
         room = (self.target.context_length or 1 << 30) - len(state.tokens)
         k = max(0, min(k, remaining - 1, room))
         draft: Draft = EMPTY_DRAFT
         if self.drafter is not None and k > 0:
-            draft = self.drafter.propose(state.tokens, k)
+            if self.feature_layers:
+                draft = self.drafter.propose(state.tokens, k, features=state.features.view())
+            else:
+                draft = self.drafter.propose(state.tokens, k)
+            if draft.parents is not None and not state.sampling.greedy:
+                raise RuntimeError(f"drafter {self.drafter_name} proposed a tree while sampling; trees are "
+                                   "verified for greedy decoding only")
             if len(draft) > k:
-                draft = Draft(draft.tokens[:k], None if draft.probs is None else draft.probs[:k])
+                draft = draft.truncated(k)
         t1 = time.perf_counter()
 
         device = self.target.device
-        pending = state.tokens[-1]
-        logits = self.target.model(
-            input_ids=torch.tensor([[pending, *draft.tokens]], device=device),
-            past_key_values=state.cache, use_cache=True,
-        ).logits[0]  # [k+1, vocab]
+        # committed tokens not in the cache yet: the pending token, after a tree step also the accepted path
+        past = len(state.cached_tokens)
+        fed = state.tokens[past:]
+        extra = {}
+        if draft.parents is not None:
+            positions, mask = tree_inputs(past, len(fed), draft.parents, self.target.dtype, device)
+            extra = dict(position_ids=positions, attention_mask=mask)
+        out = self.target.model(
+            input_ids=torch.tensor([[*fed, *draft.tokens]], device=device),
+            past_key_values=state.cache, use_cache=True, output_hidden_states=bool(self.feature_layers), **extra,
+        )
+        logits = out.logits[0, len(fed) - 1 :]  # [k+1, vocab]: after the pending token, then after each draft
         p = probabilities(logits, state.sampling)  # [k+1, vocab]
-        x = torch.tensor(draft.tokens, dtype=torch.long, device=device)  # [k]
-        if self.acceptance == STRICT:
-            q = None if draft.probs is None else draft.probs.to(device)
-            verdict = verify(x, q, p, state.generator)
+        if draft.parents is not None:
+            path, next_token = verify_tree_greedy(draft.tokens, draft.parents, p.argmax(dim=-1).tolist())
+            n, accepted = len(path), [draft.tokens[i] for i in path]
+            keep_rows = list(range(len(fed))) + [len(fed) + i for i in path]
+            # the accepted nodes' keys sit between rejected siblings: drop every node and feed the accepted
+            # path again with the next step's pass (no extra forward; only the cache API's crop)
+            truncate(state.cache, past + len(fed))
+            state.cached_tokens.extend(fed)
         else:
-            verdict = verify_typical(x, p, state.generator, *self.typical)
-        n = verdict.num_accepted
-        truncate(state.cache, len(state.cached_tokens) + 1 + n)
-        state.cached_tokens.append(pending)
-        state.cached_tokens.extend(draft.tokens[:n])
+            x = torch.tensor(draft.tokens, dtype=torch.long, device=device)  # [k]
+            if self.acceptance == STRICT:
+                q = None if draft.probs is None else draft.probs.to(device)
+                verdict = verify(x, q, p, state.generator)
+            else:
+                verdict = verify_typical(x, p, state.generator, *self.typical)
+            n, next_token = verdict.num_accepted, verdict.next_token
+            accepted = draft.tokens[:n]
+            keep_rows = list(range(len(fed) + n))
+            truncate(state.cache, past + len(fed) + n)
+            state.cached_tokens.extend([*fed, *accepted])
+        if self.feature_layers:
+            # hidden states of every committed token but the new pending one, from this same forward; rows of
+            # tokens fed again after a tree step are already recorded
+            rows = select_layers(out.hidden_states, self.feature_layers)[keep_rows]
+            state.features.append(rows[len(state.features) - past :])
         if self.drafter is not None and len(draft):
             self.drafter.observe(n)
         t2 = time.perf_counter()
 
-        new_tokens = [*draft.tokens[:n], verdict.next_token]
         state.stats.draft_seconds += t1 - t0
         state.stats.verify_seconds += t2 - t1
-        return new_tokens, len(draft)
+        return [*accepted, next_token], draft.depth, n
 
     def _commit(self, state: SequenceState, new_tokens: list[int]) -> str:
         """Append tokens, apply EOS / length / context stops; return the text they release."""

@@ -99,3 +99,29 @@ def verify_typical(
     threshold = torch.minimum(torch.full_like(entropy, epsilon), delta * torch.exp(-entropy))
     n = _first_rejection(p_x > threshold)
     return Verdict(n, sample(p[n], generator))
+
+
+def verify_tree_greedy(draft_tokens: list[int], parents: list[int], target_tokens: list[int]) -> tuple[list[int], int]:
+    """Greedy verification of a *tree* of drafts. Node i is token ``draft_tokens[i]`` whose parent is node
+    ``parents[i]`` (-1 = the pending token); parents come before their children. ``target_tokens[0]`` is the
+    target's greedy token after the pending token and ``target_tokens[i + 1]`` its greedy token after node i
+    (each computed with the node's ancestors as context).
+
+    Walks from the root: while a child of the current node carries the target's greedy token, accept it and
+    descend. Returns (the accepted nodes along the path, the target's greedy token after the last one), so the
+    committed tokens are exactly those plain greedy decoding produces. Sampling needs a different rule
+    (recursive rejection over siblings), so trees are used for greedy decoding only."""
+    children: dict[int, dict[int, int]] = {}
+    for i, (token, parent) in enumerate(zip(draft_tokens, parents)):
+        if not -1 <= parent < i:
+            raise ValueError(f"node {i} has parent {parent}; parents must come before their children")
+        children.setdefault(parent, {}).setdefault(token, i)
+    path: list[int] = []
+    node = -1
+    while True:
+        token = target_tokens[node + 1]
+        child = children.get(node, {}).get(token)
+        if child is None:
+            return path, token
+        path.append(child)
+        node = child

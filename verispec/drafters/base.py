@@ -8,18 +8,35 @@ from typing import Protocol, Sequence, runtime_checkable
 import torch
 
 from ..sampling import SamplingParams
+from ..tree import depths
 
 
 @dataclass
 class Draft:
     """Proposed continuation. ``probs`` is q, the drafter's distribution for each token ([k, vocab]),
-    or None when the drafter is deterministic (then q is one-hot on each proposed token)."""
+    or None when the drafter is deterministic (then q is one-hot on each proposed token).
+
+    ``parents`` makes the draft a tree (greedy decoding only): node i is ``tokens[i]`` and follows node
+    ``parents[i]`` (-1 = the pending token); parents come before children. None = a chain."""
 
     tokens: list[int]
     probs: torch.Tensor | None = None
+    parents: list[int] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @property
+    def depth(self) -> int:
+        """Draft positions proposed: the chain length, or the depth of the deepest tree node."""
+        if self.parents is None:
+            return len(self.tokens)
+        return max(depths(self.parents), default=0)
+
+    def truncated(self, n: int) -> "Draft":
+        """The first n nodes (a prefix of a tree is a tree, since parents come first)."""
+        return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n],
+                     None if self.parents is None else self.parents[:n])
 
 
 EMPTY_DRAFT = Draft([])
@@ -37,3 +54,10 @@ class Drafter(Protocol):
 
     def observe(self, num_accepted: int) -> None:
         """How many tokens of the last proposal the target accepted."""
+
+
+# A drafter that reads the target's hidden states (EAGLE-style heads) also has
+#     feature_layers: tuple[int, ...]   indices into transformers' ``hidden_states`` (0 = embeddings)
+# and the engine then calls ``propose(context, k, features=F)`` with F [len(context) - 1, L, H]: the target's
+# hidden states at every committed position but the pending one, taken from the prefill and verify passes the
+# engine runs anyway (no extra target forward).
