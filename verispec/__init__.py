@@ -1,6 +1,6 @@
 """verispec: lossless speculative decoding for Hugging Face causal language models."""
 
-from .drafters import Draft, Drafter, ModelDrafter, NgramDrafter, make_drafter
+from .drafters import Draft, Drafter, EagleDrafter, ModelDrafter, NgramDrafter, make_drafter
 from .engine import Generation, GenerationStream, SpeculativeDecoder
 from .errors import IncompatibleDrafter, InvalidRequest, ModelNotFound, VerispecError
 from .models import BUILTINS, DEFAULT_MODEL, LoadedModel, load_model
@@ -11,7 +11,7 @@ from .verify import Verdict, verify, verify_typical
 __version__ = "0.1.0"
 
 __all__ = [
-    "BUILTINS", "DEFAULT_MODEL", "Draft", "Drafter", "Generation", "GenerationStats", "GenerationStream",
+    "BUILTINS", "DEFAULT_MODEL", "Draft", "Drafter", "EagleDrafter", "Generation", "GenerationStats", "GenerationStream",
     "IncompatibleDrafter", "InvalidRequest", "LoadedModel", "ModelDrafter", "ModelNotFound", "NgramDrafter",
     "SamplingParams", "SpeculativeDecoder", "Verdict", "VerispecError", "load_model", "make_drafter",
     "probabilities", "verify", "verify_typical",

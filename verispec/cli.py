@@ -11,6 +11,7 @@ import sys
 from . import __version__
 from .cli_bench import add_analyze_parser, add_parsers as add_bench_parsers
 from .cli_serve import add_serve_parser
+from .cli_train import add_train_parser
 from .drafters import DRAFTERS
 from .errors import VerispecError
 from .models import BUILTINS, DEFAULT_MODEL, DTYPES
@@ -27,8 +28,12 @@ def _model_options(p: argparse.ArgumentParser, drafter_default: str = "ngram") -
                         f"hub id (default: {DEFAULT_MODEL})")
     g.add_argument("--drafter", default=drafter_default, choices=DRAFTERS,
                    help=f"who proposes tokens: none = plain decoding (the off switch), ngram = prompt lookup, "
-                        f"model = a separate draft model (default: {drafter_default})")
+                        f"model = a separate draft model, eagle = a trained head on the target's hidden states "
+                        f"(default: {drafter_default})")
     g.add_argument("--draft-model", metavar="REF", help="draft model for --drafter model (same tokenizer as the target)")
+    g.add_argument("--eagle-head", metavar="DIR",
+                   help="head for --drafter eagle, as written by `verispec train-eagle` (default: the head shipped "
+                        "for the built-in target)")
     g.add_argument("--k", type=int, default=8, help="most draft tokens verified per step (default: 8)")
     g.add_argument("--ngram-min", type=int, default=2, help="shortest suffix n-gram the ngram drafter matches (default: 2)")
     g.add_argument("--ngram-max", type=int, default=4, help="longest suffix n-gram the ngram drafter matches (default: 4)")
@@ -92,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parsers(sub)
     add_analyze_parser(sub)
     add_serve_parser(sub, _model_options)
+    add_train_parser(sub)
 
     mod = sub.add_parser("models", help="list built-in models and where they are cached")
     mod.set_defaults(func=cmd_models)
@@ -110,6 +116,8 @@ def _build_decoder(args):
         options = {"min_n": args.ngram_min, "max_n": args.ngram_max}
     elif args.drafter == "model" and args.draft_model:
         draft_model = load_model(args.draft_model, dtype=args.dtype)
+    elif args.drafter == "eagle":
+        options = {"head": args.eagle_head}
     drafter = make_drafter(args.drafter, target=target, draft_model=draft_model, **options)
     return SpeculativeDecoder(target, drafter, k=args.k, acceptance=args.acceptance)
 

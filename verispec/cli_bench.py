@@ -51,6 +51,7 @@ def add_parsers(sub) -> None:
                "  baseline            plain decoding through verispec (the reference for speedups)\n"
                "  ngram[:k=8:min_n=2:max_n=4]   verispec's n-gram drafter\n"
                "  model:REF[:k=4]     verispec with a separate draft model\n"
+               "  eagle[:DIR][:k=8]   verispec's EAGLE head (shipped for the built-in target, or a train-eagle folder)\n"
                "  hf:greedy           transformers generate\n"
                "  hf:pld[:k=10]       transformers prompt lookup (prompt_lookup_num_tokens)\n"
                "  hf:assisted:REF     transformers assisted generation with a draft model\n\n"
@@ -179,7 +180,7 @@ def add_analyze_parser(sub) -> None:
                     "speedup(k) = E(k) / (k c + r(k)) and the optimal k. --sweep-k measures the real speedup "
                     "for the same ks beside the prediction (interleaved with plain decoding per question).")
     a.add_argument("--drafter", default="ngram",
-                   help="a verispec method spec: ngram[:min_n=2:max_n=4] or model:REF (default: ngram)")
+                   help="a verispec method spec: ngram[:min_n=2:max_n=4], model:REF or eagle[:DIR] (default: ngram)")
     a.add_argument("--k-max", type=int, default=16, help="draft length of the measuring run; predictions cover "
                                                          "k = 1..k-max (default: 16)")
     _prompt_options(a, limit_default=3)
@@ -207,7 +208,7 @@ def cmd_analyze(args) -> int:
 
     from .bench import build_method, parse_spec, run_benchmark, summarize
     from .bench.runner import prompt_encoder
-    from .bench.analyze import analyze, teacher_forced_beta, verify_cost_curve
+    from .bench.analyze import analyze, eagle_teacher_forced_beta, teacher_forced_beta, verify_cost_curve
     from .bench.plots import analysis_plot
     from .bench.summary import position_acceptance
     from .bench.environment import environment
@@ -219,8 +220,9 @@ def cmd_analyze(args) -> int:
     if args.repeats < 1:
         raise InvalidRequest(f"--repeats must be >= 1, got {args.repeats}")
     head, refs, opts = parse_spec(args.drafter)
-    if head not in ("ngram", "model") or "k" in opts:
-        raise InvalidRequest(f"--drafter must be ngram[:options] or model:REF (k comes from --k-max), got {args.drafter!r}")
+    if head not in ("ngram", "model", "eagle") or "k" in opts:
+        raise InvalidRequest(f"--drafter must be ngram[:options], model:REF or eagle[:DIR] (k comes from --k-max), "
+                             f"got {args.drafter!r}")
     sweep = _ks(args.sweep_k, args.k_max) if args.sweep_k else []
     questions = _questions(args)
     target, load = _setup(args)
@@ -246,6 +248,14 @@ def cmd_analyze(args) -> int:
         seqs = [(encode([{"role": "user", "content": q.turns[0]}]), first[q.question_id]) for q in questions]
         print("teacher-forced beta ...", file=sys.stderr)
         teacher = teacher_forced_beta(target, load(refs[0]), seqs, sampling)
+    elif head == "eagle":
+        first = {r["question_id"]: r["token_ids"] for r in records if r["turn"] == 1}
+        seqs = [(encode([{"role": "user", "content": q.turns[0]}]), first[q.question_id]) for q in questions]
+        print("teacher-forced beta (depth 1) ...", file=sys.stderr)
+        from .drafters import EagleDrafter
+
+        head_model = EagleDrafter(target, refs[0] if refs else None).head
+        teacher = eagle_teacher_forced_beta(target, head_model, seqs, sampling)
 
     first_rec = records[0]
     context_len = int(statistics.median([r["prompt_tokens"] for r in records])) + args.max_new_tokens // 2

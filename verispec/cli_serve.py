@@ -42,7 +42,8 @@ def add_serve_parser(sub, model_options) -> None:
 def cmd_serve(args) -> int:
     import uvicorn
 
-    from .drafters import ModelDrafter, NgramDrafter
+    from .drafters import EagleDrafter, ModelDrafter, NgramDrafter
+    from .errors import ModelNotFound
     from .models import load_model
     from .server import ServerConfig, create_app
 
@@ -61,6 +62,12 @@ def cmd_serve(args) -> int:
         draft = load_model(args.draft_model, dtype=args.dtype)
         ModelDrafter(draft, target)  # checks compatibility now, not on the first request
         drafters["model"] = lambda: ModelDrafter(draft, target)
+    try:  # the EAGLE head shipped for the target (or --eagle-head); its weights are shared by every slot
+        head = EagleDrafter(target, args.eagle_head).head
+        drafters["eagle"] = lambda: EagleDrafter(target, head)
+    except ModelNotFound:
+        if args.drafter == "eagle" or args.eagle_head:
+            raise
     config = ServerConfig(
         target=target, drafters=drafters, default_drafter=args.drafter, k=args.k,
         served_model_name=args.served_model_name, max_concurrency=args.max_concurrency, max_queue=args.max_queue,

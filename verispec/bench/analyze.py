@@ -67,6 +67,36 @@ def teacher_forced_beta(target: LoadedModel, draft: LoadedModel, sequences: Sequ
     return total / count if count else float("nan")
 
 
+@torch.inference_mode()
+def eagle_teacher_forced_beta(target: LoadedModel, head, sequences: Sequence[tuple[list[int], list[int]]],
+                              sampling: SamplingParams) -> float:
+    """Like ``teacher_forced_beta`` for an EAGLE head at draft depth 1: q at each generated position comes from the
+    head fed the target's true hidden states of the prefix (what it sees for the first draft token of a step)."""
+    from ..eagle.head import KVCache
+    from ..features import select_layers
+
+    layers = tuple(head.config.feature_layers)
+    total, count = 0.0, 0
+    for prompt, generated in sequences:
+        if not generated:
+            continue
+        ids = prompt + generated[:-1]
+        n = len(generated)
+        out = target.model(input_ids=torch.tensor([ids], device=target.device), output_hidden_states=True)
+        p = probabilities(out.logits[0, -n:].float(), sampling)  # [n, V]
+        feats = head.fuse_features(select_layers(out.hidden_states, layers))  # [len(ids), H]
+        # pair i = (f_i, t_{i+1}) gives q for t_{i+2}: the last n pairs end at position len(ids) - 2
+        g = head.step(torch.tensor(ids[1:], device=target.device), feats[:-1], KVCache())[-(n - 1):] if n > 1 else None
+        if g is None:
+            continue
+        full = torch.full((n - 1, p.shape[-1]), float("-inf"), device=p.device)
+        full[:, head.d2t] = head.logits(g).float()
+        q = probabilities(full, sampling)
+        total += analysis.beta(p[1:], q).sum().item()
+        count += n - 1
+    return total / count if count else float("nan")
+
+
 @dataclass
 class Analysis:
     drafter: str

@@ -6,6 +6,8 @@ is a model reference:
     baseline                     plain decoding through verispec (drafter none)
     ngram  ngram:k=4:max_n=3     verispec's n-gram drafter, with k and NgramDrafter options
     model:REF  model:REF:k=4     verispec with a separate draft model REF
+    eagle  eagle:DIR:k=6         verispec's EAGLE head (the shipped one, or the head folder DIR)
+    eagle:tree=1:k=16            the same head drafting a tree of k nodes (greedy; :depth=6:width=4)
     hf:greedy                    transformers ``generate`` (greedy or sampling)
     hf:pld  hf:pld:k=10          transformers prompt lookup (``prompt_lookup_num_tokens``, default 10)
     hf:assisted:REF              transformers assisted generation with draft model REF
@@ -81,6 +83,15 @@ def build_method(spec: str, target: LoadedModel, load: Callable[[str], LoadedMod
     """Build a method from its spec; ``load`` resolves model references (shared between methods)."""
     head, refs, raw_opts = parse_spec(spec)
     opts = {key: _number(key, v) for key, v in raw_opts.items()}
+    if head == "eagle":
+        k = int(opts.pop("k", default_k))
+        tree = {key: int(opts.pop(key)) for key in ("tree", "depth", "width") if key in opts}
+        if opts or len(refs) > 1:
+            raise InvalidRequest(f"{spec!r}: eagle takes a head folder, k, tree, depth and width, e.g. eagle, "
+                                 "eagle:DIR:k=6 or eagle:tree=1:k=16")
+        drafter = make_drafter("eagle", target=target, head=refs[0] if refs else None, **tree)
+        decoder = SpeculativeDecoder(target, drafter, k=k, reuse_prefix=False)
+        return Method(spec, _verispec_runner(decoder), "verispec", "eagle", k)
     if head in ("baseline", "none", "ngram", "model"):
         k = int(opts.pop("k", default_k))
         if head == "model" and len(refs) != 1:
@@ -117,8 +128,8 @@ def build_method(spec: str, target: LoadedModel, load: Callable[[str], LoadedMod
         if opts:
             raise InvalidRequest(f"{spec!r}: unknown option(s) {', '.join(opts)}")
         return Method(spec, _hf_runner(target, extra), "transformers", kind, k)
-    raise InvalidRequest(f"unknown method {spec!r}; choose baseline, ngram, model:REF, hf:greedy, hf:pld or "
-                         "hf:assisted:REF")
+    raise InvalidRequest(f"unknown method {spec!r}; choose baseline, ngram, model:REF, eagle[:DIR], hf:greedy, "
+                         "hf:pld or hf:assisted:REF")
 
 
 def _verispec_runner(decoder: SpeculativeDecoder):

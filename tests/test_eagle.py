@@ -1,0 +1,255 @@
+"""The EAGLE head and drafter on tiny random models: training/inference alignment, rollback, greedy identity,
+exact sampling distribution, checkpoints bound to their target, and the train-eagle pipeline end to end."""
+
+import json
+import random
+
+import pytest
+import torch
+
+from statistical_helpers import ALPHA, SAMPLES, exact_joint, joint_p_value, sampled_joint
+from tiny import loaded, make_model
+from verispec import EagleDrafter, IncompatibleDrafter, ModelNotFound, SamplingParams, SpeculativeDecoder
+from verispec.audit import chi_square
+from verispec.eagle.data import build_dataset, load_meta, load_sequences
+from verispec.eagle.head import EagleHead, KVCache, head_config_for, ttt_mask
+from verispec.eagle.train import TrainConfig, collate, draft_vocabulary, unrolled_states
+from verispec.features import FeatureBuffer
+
+LAYERS = (1, 2)  # the tiny target has 2 layers: hidden_states 0 (embeddings), 1, 2 (final, normed)
+PROMPTS = [[5, 9, 3, 5, 9, 4, 7], [3, 4, 5, 6, 7, 8, 9, 10, 3, 4, 5], [12, 30, 7]]
+
+
+def random_head(target, vocab=None, seed=0):
+    torch.manual_seed(seed)
+    vocab = vocab or target.vocab_size
+    head = EagleHead(head_config_for(target.model, target.name, list(LAYERS), vocab))
+    head.d2t.copy_(torch.arange(target.vocab_size)[torch.randperm(target.vocab_size)[:vocab]].sort().values)
+    return head.attach(target.model).eval()
+
+
+def features_of(target, ids):
+    with torch.no_grad():
+        out = target.model(torch.tensor([ids]), output_hidden_states=True)
+    return torch.stack([out.hidden_states[i][0] for i in LAYERS], dim=1)  # [n, L, H]
+
+
+@pytest.fixture(scope="module")
+def small_target():
+    """A tiny random target with smaller weights than the engine tests' tiny_target: its answers are learnable
+    from 400 examples, so a trained head gets drafts accepted."""
+    return loaded(make_model(seed=0, scale=0.1))
+
+
+@pytest.fixture(scope="module")
+def trained_head_dir(tmp_path_factory, small_target):
+    """A head trained by the real pipeline on the tiny target's own answers (seconds on CPU)."""
+    root = tmp_path_factory.mktemp("eagle")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 32) for _ in range(rng.randrange(3, 12))] for _ in range(400)]
+    build_dataset(small_target, prompts, root / "data", layers=LAYERS, max_new_tokens=24, batch_size=64,
+                  shard_size=64, progress=False)
+    from verispec.eagle.train import train_head
+
+    config = TrainConfig(epochs=20, lr=3e-3, warmup_steps=5, batch_tokens=2048, draft_vocab_size=28, val_sequences=16,
+                         val_every=40, bf16_autocast=False)
+    report = train_head(small_target, root / "data", root / "head", config, progress=False, log=lambda m: None)
+    return root / "head", report
+
+
+def test_feature_buffer_appends_truncates_and_grows():
+    buf = FeatureBuffer()
+    rows = torch.arange(600 * 2 * 3, dtype=torch.float32).view(600, 2, 3)
+    buf.append(rows[:5])
+    buf.append(rows[5:300])  # grows past the first capacity
+    assert len(buf) == 300 and torch.equal(buf.view(), rows[:300])
+    buf.truncate(7)
+    buf.append(rows[7:600])
+    assert torch.equal(buf.view(), rows)
+    with pytest.raises(ValueError):
+        buf.truncate(601)
+
+
+def test_ttt_mask_is_the_drafters_view():
+    m = ttt_mask(5, 2)  # keys: [step0 0..4 | step1 0..4 | step2 0..4]
+    # query at position 4, depth 2: true keys 0..2, its depth-1 key at 3, its own depth-2 key at 4
+    assert m[4].nonzero().flatten().tolist() == [0, 1, 2, 5 + 3, 10 + 4]
+    assert ttt_mask(4, 0).equal(torch.ones(4, 4, dtype=torch.bool).tril())
+
+
+def test_incremental_steps_equal_one_wide_step(small_target):
+    head = random_head(small_target)
+    ids = PROMPTS[1]
+    feats = head.fuse_features(features_of(small_target, ids))
+    tokens = torch.tensor(ids[1:])
+    with torch.no_grad():
+        wide = head.step(tokens, feats[:-1], KVCache())
+        cache = KVCache()
+        narrow = torch.cat([head.step(tokens[i : i + 1], feats[i : i + 1], cache) for i in range(len(tokens))])
+        cache.truncate(4)  # rollback, then refeed: same result
+        again = torch.cat([head.step(tokens[4:6], feats[4:6], cache), head.step(tokens[6:], feats[6:-1], cache)])
+    assert torch.allclose(wide, narrow, atol=1e-5)
+    assert torch.allclose(wide[4:], again, atol=1e-5)
+
+
+def test_training_unroll_matches_what_the_drafter_computes(small_target):
+    """Depth s of the training-time unroll at position i is exactly the drafter's g at draft depth s (with the
+    drafted tokens equal to the sequence's): training optimises what inference runs."""
+    head = random_head(small_target)
+    ids = [5, 9, 3, 5, 9, 4, 7, 11, 12, 3, 8, 20]
+    hidden = features_of(small_target, ids).bfloat16().float()  # training data stores features in bfloat16
+    from verispec.eagle.data import Sequence as Seq
+
+    batch = collate([Seq(torch.tensor(ids), 3, torch.cat([hidden, hidden[:, -1:]], dim=1))])
+    with torch.no_grad():
+        depth = unrolled_states(head, batch, 3)  # each [1, T-1, H]
+        for m in (3, 6, 8):  # pending token at position m: true pairs 0..m-1
+            cache = KVCache()
+            g = head.step(torch.tensor(ids[1 : m + 1]), head.fuse_features(hidden[:m]), cache)[-1]
+            assert torch.allclose(g, depth[0][0, m - 1], atol=1e-5)
+            for s in (1, 2):  # feed the head's own output with the sequence's next token
+                g = head.step(torch.tensor([ids[m + s]]), g[None], cache)[-1]
+                assert torch.allclose(g, depth[s][0, m - 1 + s], atol=1e-5), (m, s)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 8])
+def test_eagle_greedy_equals_plain_greedy(small_target, trained_head_dir, k):
+    heads = [EagleDrafter(small_target, trained_head_dir[0]), EagleDrafter(small_target, random_head(small_target, 20))]
+    for prompt in PROMPTS:
+        expected = SpeculativeDecoder(small_target).generate(prompt, max_new_tokens=40).token_ids
+        for drafter in heads:
+            got = SpeculativeDecoder(small_target, drafter, k=k).generate(prompt, max_new_tokens=40)
+            assert got.token_ids == expected, (k, prompt)
+
+
+def test_trained_head_drafts_tokens_the_target_accepts(small_target, trained_head_dir):
+    head_dir, report = trained_head_dir
+    decoder = SpeculativeDecoder(small_target, EagleDrafter(small_target, head_dir), k=4)
+    untrained = SpeculativeDecoder(small_target, EagleDrafter(small_target, random_head(small_target)), k=4)
+    trained_mat = sum(decoder.generate(p, max_new_tokens=40).stats.mean_accepted_tokens for p in PROMPTS)
+    random_mat = sum(untrained.generate(p, max_new_tokens=40).stats.mean_accepted_tokens for p in PROMPTS)
+    assert trained_mat / 3 > 2.0 and trained_mat > random_mat + 1.5
+    first, best = report.val_history[0], report.best
+    assert best["top1"][0] > 0.5 and best["top1"][0] > first["top1"][0]
+    assert all(0 <= b <= 1 for b in best["beta"])
+
+
+def test_prefix_reuse_keeps_features_in_step(small_target, trained_head_dir):
+    decoder = SpeculativeDecoder(small_target, EagleDrafter(small_target, trained_head_dir[0]), k=4, reuse_prefix=True)
+    for prompt in (PROMPTS[1], PROMPTS[1] + [7, 7], PROMPTS[1][:6], PROMPTS[0]):
+        got = decoder.generate(prompt, max_new_tokens=30)
+        assert got.token_ids == SpeculativeDecoder(small_target).generate(prompt, max_new_tokens=30).token_ids
+    assert got.stats.accepted > 0
+
+
+# the small target's logits are small, so it is sampled at a low temperature to give the test many cells
+EAGLE_SAMPLING = {
+    "t0.3": SamplingParams(temperature=0.3),
+    "topk-topp": SamplingParams(temperature=0.3, top_k=8, top_p=0.9),
+}
+
+
+@pytest.mark.parametrize("case", EAGLE_SAMPLING)
+def test_eagle_sampling_matches_exact_joint_distribution(small_target, trained_head_dir, case):
+    """q is the head's distribution over a 28-token draft vocabulary (zero elsewhere); the committed tokens still
+    follow the target exactly."""
+    decoder = SpeculativeDecoder(small_target, EagleDrafter(small_target, trained_head_dir[0]), k=3)
+    assert joint_p_value(decoder, EAGLE_SAMPLING[case]) > ALPHA
+    assert decoder.drafter.head is not None
+
+
+def test_eagle_sampling_at_temperature_1_with_an_untrained_head(tiny_target):
+    """Mostly rejected drafts: the correction token comes from norm(max(p - q, 0)) nearly every step."""
+    decoder = SpeculativeDecoder(tiny_target, EagleDrafter(tiny_target, random_head(tiny_target, 20)), k=3)
+    assert joint_p_value(decoder, SamplingParams(temperature=1.0)) > ALPHA
+
+
+def test_lossy_typical_acceptance_with_eagle_fails_the_exact_test(small_target, trained_head_dir):
+    decoder = SpeculativeDecoder(small_target, EagleDrafter(small_target, trained_head_dir[0]), k=3,
+                                 acceptance="typical")
+    sampling = SamplingParams(temperature=0.3)
+    prompt = PROMPTS[0]
+    observed = sampled_joint(decoder, prompt, sampling)
+    _, _, p_value, _ = chi_square(observed, exact_joint(small_target, prompt, sampling) * SAMPLES)
+    assert p_value < 1e-6
+
+
+def test_head_checkpoint_roundtrip_and_wrong_target(small_target, trained_head_dir, tmp_path):
+    head_dir = trained_head_dir[0]
+    cfg = json.loads((head_dir / "config.json").read_text())
+    assert cfg["target"] == small_target.name and cfg["feature_layers"] == list(LAYERS)
+    assert cfg["draft_vocab_size"] == 28 and cfg["training"]["best_validation"]["top1"]
+    head = EagleHead.load(head_dir)
+    assert head.d2t.tolist() == sorted(head.d2t.tolist()) and len(set(head.d2t.tolist())) == 28
+    other = loaded(make_model(seed=7), small_target.tokenizer, name="tiny-other")
+    with pytest.raises(IncompatibleDrafter, match="trained for 'tiny'.*train-eagle"):
+        EagleDrafter(other, head_dir)
+    with pytest.raises(ModelNotFound, match="does not exist"):
+        EagleDrafter(small_target, tmp_path / "missing")
+    with pytest.raises(ModelNotFound, match="no EAGLE head ships for target 'tiny'"):
+        EagleDrafter(small_target)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelNotFound, match="not an EAGLE head"):
+        EagleDrafter(small_target, tmp_path / "empty")
+
+
+def test_bfloat16_target_and_head_run(small_target, trained_head_dir):
+    model = make_model(seed=0, scale=0.1).to(torch.bfloat16)
+    target = loaded(model, small_target.tokenizer)
+    target.dtype = torch.bfloat16
+    out = SpeculativeDecoder(target, EagleDrafter(target, trained_head_dir[0]), k=4).generate(PROMPTS[0],
+                                                                                             max_new_tokens=30)
+    assert out.stats.new_tokens == 30 and out.stats.drafted > 0
+    assert EagleDrafter(target, trained_head_dir[0]).head.fc.weight.dtype == torch.bfloat16
+
+
+def test_dataset_is_resumable_and_refuses_other_settings(small_target, tmp_path):
+    prompts = [[5, 9, 3], [4, 4, 4, 4], [7, 8]]
+    build_dataset(small_target, prompts, tmp_path, layers=LAYERS, max_new_tokens=5, batch_size=2, shard_size=2,
+                  progress=False)
+    seqs = list(load_sequences(tmp_path))
+    assert [s.tokens[: s.answer_start].tolist() for s in seqs] == [[5, 9, 3], [4, 4, 4, 4], [7, 8]] or \
+        sorted(len(s.tokens) - s.answer_start for s in seqs) == [5, 5, 5]
+    assert all(s.features.shape == (len(s.tokens), 3, 32) for s in seqs)
+    # the answers are the target's own greedy continuations
+    for s in seqs:
+        prompt = s.tokens[: s.answer_start].tolist()
+        expected = SpeculativeDecoder(small_target).generate(prompt, max_new_tokens=5).token_ids
+        assert s.tokens[s.answer_start:].tolist() == expected
+    first = (tmp_path / "shard-00000.safetensors").stat().st_mtime_ns
+    build_dataset(small_target, prompts, tmp_path, layers=LAYERS, max_new_tokens=5, batch_size=2, shard_size=2,
+                  progress=False)
+    assert (tmp_path / "shard-00000.safetensors").stat().st_mtime_ns == first  # kept, not rebuilt
+    assert load_meta(tmp_path)["layers"] == list(LAYERS)
+    from verispec import InvalidRequest
+
+    with pytest.raises(InvalidRequest, match="max_new_tokens"):
+        build_dataset(small_target, prompts, tmp_path, layers=LAYERS, max_new_tokens=6, shard_size=2, progress=False)
+
+
+def test_draft_vocabulary_takes_the_most_frequent_answer_tokens():
+    from verispec.eagle.data import Sequence as Seq
+
+    seqs = [Seq(torch.tensor([1, 1, 5, 5, 5, 7]), 2, torch.zeros(6, 1, 1)),
+            Seq(torch.tensor([9, 7, 5, 8]), 1, torch.zeros(4, 1, 1))]
+    assert draft_vocabulary(seqs, 3, 32, {2}).tolist() == [2, 5, 7]
+    assert draft_vocabulary(seqs, 5, 32, set()).tolist() == [0, 1, 5, 7, 8]  # padded with the lowest ids
+
+
+@pytest.mark.parametrize("k", [2, 6, 12])
+def test_eagle_tree_greedy_equals_plain_greedy(small_target, trained_head_dir, k):
+    drafter = EagleDrafter(small_target, trained_head_dir[0], tree=True, depth=4, width=3)
+    for prompt in PROMPTS:
+        expected = SpeculativeDecoder(small_target).generate(prompt, max_new_tokens=40)
+        tree_out = SpeculativeDecoder(small_target, drafter, k=k).generate(prompt, max_new_tokens=40)
+        assert tree_out.token_ids == expected.token_ids, (k, prompt)
+        assert tree_out.stats.accepted > 0 and tree_out.stats.mean_accepted_tokens > 1.5
+
+
+def test_eagle_tree_falls_back_to_a_chain_when_sampling(small_target, trained_head_dir):
+    drafter = EagleDrafter(small_target, trained_head_dir[0], tree=True)
+    out = SpeculativeDecoder(small_target, drafter, k=4).generate(PROMPTS[0], max_new_tokens=20, temperature=0.5,
+                                                                 seed=1)
+    assert out.stats.new_tokens == 20 and out.stats.drafted > 0
+    with pytest.raises(Exception, match="width must be"):
+        EagleDrafter(small_target, trained_head_dir[0], tree=True, width=0)

@@ -1,0 +1,136 @@
+"""Command line for ``verispec train-eagle``: self-distillation data, then training, then a held-out check."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+from .errors import InvalidRequest
+from .models import DEFAULT_MODEL, DTYPES
+
+
+def add_train_parser(sub) -> None:
+    t = sub.add_parser(
+        "train-eagle", help="train an EAGLE draft head for a target on its own answers",
+        description="Train an EAGLE-style draft head for TARGET. 1) The target answers --samples prompts from "
+                    "--prompts (greedy, self-distillation) and its hidden states on prompt + answer are cached in "
+                    "--data (resumable). 2) The head trains on CPU with a progress bar and periodic validation of "
+                    "top-1 agreement and acceptance (beta) per draft depth. 3) The best checkpoint is written to "
+                    "--out (model.safetensors + config.json naming the target) and checked in the real engine on "
+                    "held-out prompts. Use it with: verispec generate --drafter eagle --eagle-head OUT.",
+        epilog="example: verispec train-eagle --prompts ../shared/train-prompts/train_prompts.jsonl --out heads/smollm2")
+    t.add_argument("--target", default=DEFAULT_MODEL, metavar="REF", help=f"target model (default: {DEFAULT_MODEL})")
+    t.add_argument("--prompts", required=True, metavar="FILE",
+                   help="JSONL with a \"prompt\" per line; never the evaluation set (Spec-Bench prompts are refused)")
+    t.add_argument("--out", required=True, metavar="DIR", help="where the head is written")
+    d = t.add_argument_group("self-distillation data")
+    d.add_argument("--data", metavar="DIR", help="cache of answers + hidden states (default: a folder under the "
+                                                  "verispec cache named after the target and these settings)")
+    d.add_argument("--samples", type=int, default=2400, help="prompts the target answers (default: 2400)")
+    d.add_argument("--max-prompt-tokens", type=int, default=320, help="skip longer prompts (default: 320)")
+    d.add_argument("--max-new-tokens", type=int, default=192, help="answer length cap (default: 192)")
+    d.add_argument("--gen-dtype", default="bfloat16", choices=list(DTYPES),
+                   help="dtype of the target while answering (default: bfloat16, about 2x faster here)")
+    d.add_argument("--gen-batch-size", type=int, default=32, help="answers generated together (default: 32)")
+    d.add_argument("--layers", metavar="I,J,K",
+                   help="target hidden_states indices fused into the head's feature (default: 2, L/2, L-2 of L layers)")
+    d.add_argument("--seed", type=int, default=0, help="prompt selection and training seed (default: 0)")
+    g = t.add_argument_group("training")
+    g.add_argument("--epochs", type=int, default=4, help="passes over the data (default: 4)")
+    g.add_argument("--lr", type=float, default=6e-4, help="peak learning rate, cosine decay (default: 6e-4)")
+    g.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per step (default: 4096)")
+    g.add_argument("--ttt-steps", type=int, default=3, help="draft depths unrolled in training (default: 3)")
+    g.add_argument("--draft-vocab", type=int, default=8192,
+                   help="size of the head's reduced vocabulary: the target's most frequent answer tokens (default: 8192)")
+    g.add_argument("--val-every", type=int, default=200, help="steps between validations (default: 200)")
+    g.add_argument("--check-prompts", type=int, default=8,
+                   help="held-out prompts for the final check in the real engine (default: 8; 0 skips it)")
+    t.set_defaults(func=cmd_train_eagle)
+
+
+def _refuse_eval_prompts(prompts: list[str]) -> None:
+    from .bench.prompts import default_prompts_path, load_questions
+
+    path = default_prompts_path()
+    if path is None:
+        return
+    evaluation = {turn.strip() for q in load_questions(path) for turn in q.turns}
+    overlap = sum(1 for p in prompts if p.strip() in evaluation)
+    if overlap:
+        raise InvalidRequest(f"{overlap} training prompt(s) are Spec-Bench questions, the evaluation set; remove them "
+                             "(train on e.g. ../shared/train-prompts/train_prompts.jsonl)")
+
+
+def cmd_train_eagle(args) -> int:
+    from .eagle.data import build_dataset, read_prompts, select_prompts
+    from .eagle.train import TrainConfig, measure_acceptance, train_head
+    from .models import cache_dir, load_model
+
+    for name, value, low in (("--samples", args.samples, 2), ("--max-new-tokens", args.max_new_tokens, 1),
+                             ("--gen-batch-size", args.gen_batch_size, 1), ("--epochs", args.epochs, 1),
+                             ("--ttt-steps", args.ttt_steps, 1), ("--draft-vocab", args.draft_vocab, 2),
+                             ("--batch-tokens", args.batch_tokens, 64), ("--max-prompt-tokens", args.max_prompt_tokens, 2)):
+        if value < low:
+            raise InvalidRequest(f"{name} must be >= {low}, got {value}")
+    texts = read_prompts(args.prompts)
+    _refuse_eval_prompts(texts)
+    started = time.perf_counter()
+
+    gen_target = load_model(args.target, dtype=args.gen_dtype)
+    n_layers = gen_target.model.config.num_hidden_layers
+    layers = _parse_layers(args.layers, n_layers)
+    chosen = select_prompts(gen_target, texts, args.samples + args.check_prompts, args.max_prompt_tokens, args.seed)
+    train_ids, check_ids = chosen[: args.samples], chosen[args.samples:]
+    if len(train_ids) < 2:
+        raise InvalidRequest(f"only {len(train_ids)} prompts of at most {args.max_prompt_tokens} tokens; raise "
+                             "--max-prompt-tokens or pass more prompts")
+    settings = dict(target=args.target, prompts=str(Path(args.prompts).resolve()), samples=args.samples,
+                    max_prompt=args.max_prompt_tokens, max_new=args.max_new_tokens, layers=layers, seed=args.seed,
+                    dtype=args.gen_dtype)
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+    data_dir = Path(args.data) if args.data else cache_dir() / "eagle-data" / f"{Path(args.target).name}-{key}"
+    print(f"verispec: step 1/3: {len(train_ids)} answers by {args.target} ({args.gen_dtype}) -> {data_dir}",
+          file=sys.stderr)
+    build_dataset(gen_target, train_ids, data_dir, layers=tuple(layers), max_new_tokens=args.max_new_tokens,
+                  batch_size=args.gen_batch_size, source=f"{Path(args.prompts).name} (seed {args.seed})")
+    del gen_target
+
+    target = load_model(args.target, dtype="float32")
+    config = TrainConfig(epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens, ttt_steps=args.ttt_steps,
+                         draft_vocab_size=args.draft_vocab, val_every=args.val_every, seed=args.seed)
+    print(f"verispec: step 2/3: training the head -> {args.out}", file=sys.stderr)
+    report = train_head(target, data_dir, args.out, config, log=lambda m: print(f"verispec: {m}", file=sys.stderr))
+    summary = {"out": str(args.out), "data": str(data_dir), "steps": report.steps,
+               "train_seconds": round(report.seconds, 1), "best_validation": report.best}
+    if check_ids:
+        print(f"verispec: step 3/3: greedy check on {len(check_ids)} held-out prompts", file=sys.stderr)
+        check = measure_acceptance(target, args.out, check_ids)
+        summary["held_out_check"] = check
+        _record(args.out, "held_out_check", check)
+    summary["total_seconds"] = round(time.perf_counter() - started, 1)
+    _record(args.out, "total_seconds", summary["total_seconds"])
+    print(json.dumps(summary))
+    return 0
+
+
+def _parse_layers(text: str | None, n_layers: int) -> list[int]:
+    if not text:
+        return [2, n_layers // 2, n_layers - 2]
+    try:
+        layers = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise InvalidRequest(f"--layers must be comma-separated integers, got {text!r}") from None
+    if not layers or any(not 0 <= i <= n_layers for i in layers):
+        raise InvalidRequest(f"--layers must name hidden_states indices in 0..{n_layers}, got {text!r}")
+    return layers
+
+
+def _record(out: str | Path, key: str, value) -> None:
+    from .eagle.head import HeadConfig
+
+    cfg = HeadConfig.load(Path(out))
+    cfg.training[key] = value
+    cfg.save(Path(out))

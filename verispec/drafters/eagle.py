@@ -1,0 +1,139 @@
+"""EAGLE drafter: a trained head drafts from the target's own hidden states (see ``verispec.eagle.head``).
+
+Per proposal the head first reads the pairs (f_i, t_{i+1}) the target has verified since the last proposal, in
+one forward of width (accepted + 1), then drafts k tokens one at a time, feeding its own output g back as the
+feature. Its KV cache then drops the drafted positions, so it only ever keeps pairs built from true target
+features. Greedy drafts are deterministic (q is one-hot); when sampling, each draft token is drawn from q (the
+head's distribution over its draft vocabulary, processed like the target's: temperature, top-k, top-p) and q is
+returned for strict rejection sampling.
+
+With ``tree=True`` and greedy decoding it proposes a tree instead (EAGLE-2's dynamic tree): each round expands
+the ``width`` most likely frontier nodes (by the head's cumulative log-probability) by their ``width`` best
+children, for ``depth`` rounds, and returns the k most likely nodes; the engine verifies all of them in one pass.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from ..eagle.head import EagleHead, KVCache
+from ..eagle.weights import resolve_head
+from ..errors import InvalidRequest
+from ..models import LoadedModel
+from ..sampling import SamplingParams, probabilities, sample
+from .base import EMPTY_DRAFT, Draft
+from .model import common_prefix_length
+
+
+class EagleDrafter:
+    name = "eagle"
+
+    def __init__(self, target: LoadedModel, head: EagleHead | str | Path | None = None, *, tree: bool = False,
+                 depth: int = 6, width: int = 4):
+        for name, value in (("depth", depth), ("width", width)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise InvalidRequest(f"eagle tree {name} must be a whole number >= 1, got {value!r}")
+        self.tree, self.depth, self.width = bool(tree), depth, width
+        if not isinstance(head, EagleHead):
+            head = EagleHead.load(resolve_head(target.name, head), dtype=target.dtype)
+        self.head = head.to(target.device).attach(target.model)
+        self.feature_layers = tuple(head.config.feature_layers)
+        self.vocab_size = target.vocab_size
+        self._cache = KVCache()
+        self._tokens: list[int] = []  # the cache holds the pairs of positions 0..len(cache)-1 of these tokens
+        self.reset(SamplingParams(), None)
+
+    def reset(self, sampling: SamplingParams, generator: torch.Generator | None) -> None:
+        self.sampling = sampling
+        self.generator = generator
+        # the KV cache is kept: the next propose() keeps the pairs still valid for the new context
+
+    @torch.inference_mode()
+    def propose(self, context: Sequence[int], k: int, features: torch.Tensor | None = None) -> Draft:
+        if features is None:
+            raise InvalidRequest("the eagle drafter reads the target's hidden states; run it through "
+                                 "SpeculativeDecoder, which passes them")
+        m = len(context) - 1  # position of the pending token; features cover positions 0..m-1
+        if m < 1 or features.shape[0] < m:
+            return EMPTY_DRAFT
+        # pair i needs t_{i+1}: a cached pair stays valid while tokens 0..i+1 are unchanged
+        keep = max(0, min(len(self._cache), common_prefix_length(self._tokens, context) - 1, m - 1))
+        self._cache.truncate(keep)
+        head = self.head
+        device = features.device
+        new_tokens = torch.tensor(context[keep + 1 : m + 1], device=device)
+        g = head.step(new_tokens, head.fuse_features(features[keep:m]), self._cache)[-1]  # [H]
+        if self.tree and self.sampling.greedy:
+            draft = self._grow_tree(g, m, k)
+            self._cache.truncate(m)
+            self._tokens = list(context)
+            return draft
+        tokens: list[int] = []
+        probs: list[torch.Tensor] = []
+        for depth in range(k):
+            logits = head.logits(g)  # [draft_vocab]
+            if self.sampling.greedy:
+                token = int(head.d2t[int(logits.argmax())])
+            else:
+                full = logits.new_full((self.vocab_size,), float("-inf"))
+                full[head.d2t] = logits
+                q = probabilities(full, self.sampling)
+                token = sample(q, self.generator)
+                probs.append(q)
+            tokens.append(token)
+            if depth + 1 < k:
+                g = head.step(torch.tensor([token], device=device), g[None], self._cache)[-1]
+        self._cache.truncate(m)  # drop the drafted pairs: they were built from the head's own features
+        self._tokens = list(context)
+        return Draft(tokens, torch.stack(probs) if probs else None)
+
+    def _grow_tree(self, g0: torch.Tensor, m: int, budget: int) -> Draft:
+        head, cache, width = self.head, self._cache, self.width
+        device = g0.device
+        d2t = head.d2t.tolist()
+        # node: [token, parent node (-1 = pending), depth, cumulative log-prob, head cache index, g]
+        nodes: list[list] = []
+        top = torch.log_softmax(head.logits(g0).float(), dim=-1).topk(width)
+        for value, index in zip(top.values.tolist(), top.indices.tolist()):
+            nodes.append([d2t[index], -1, 1, value, None, None])
+        frontier = list(range(len(nodes)))
+        for depth in range(2, min(self.depth, budget) + 1):
+            expand = sorted(frontier, key=lambda i: -nodes[i][3])[:width]
+            start = len(cache)
+            visible = torch.zeros(len(expand), start + len(expand), dtype=torch.bool, device=device)
+            visible[:, :m] = True  # the pairs built from true target features
+            for row, i in enumerate(expand):
+                visible[row, start + row] = True
+                parent = nodes[i][1]
+                while parent >= 0:
+                    visible[row, nodes[parent][4]] = True
+                    parent = nodes[parent][1]
+                nodes[i][4] = start + row
+            feats = torch.stack([g0 if nodes[i][1] < 0 else nodes[nodes[i][1]][5] for i in expand])
+            tokens = torch.tensor([nodes[i][0] for i in expand], device=device)
+            positions = torch.full((len(expand),), m + depth - 2, device=device)  # the pair of a depth-d node
+            g = head.step(tokens, feats, cache, positions, visible)  # [w, H]
+            top = torch.log_softmax(head.logits(g).float(), dim=-1).topk(width, dim=-1)
+            frontier = []
+            for row, i in enumerate(expand):
+                nodes[i][5] = g[row]
+                for value, index in zip(top.values[row].tolist(), top.indices[row].tolist()):
+                    nodes.append([d2t[index], i, depth, nodes[i][3] + value, None, None])
+                    frontier.append(len(nodes) - 1)
+        # the budget's most likely nodes; a parent is never less likely than its child, so ties aside this is a
+        # tree already, and requiring the parent first makes sure
+        chosen: dict[int, int] = {}
+        for i in sorted(range(len(nodes)), key=lambda i: (-nodes[i][3], nodes[i][2])):
+            if len(chosen) == budget:
+                break
+            if nodes[i][1] < 0 or nodes[i][1] in chosen:
+                chosen[i] = len(chosen)
+        order = list(chosen)
+        return Draft([nodes[i][0] for i in order], None,
+                     [-1 if nodes[i][1] < 0 else chosen[nodes[i][1]] for i in order])
+
+    def observe(self, num_accepted: int) -> None:
+        pass  # the next propose() realigns the cache with the committed context

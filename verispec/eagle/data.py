@@ -1,0 +1,203 @@
+"""Self-distillation data for an EAGLE head: the target answers training prompts, and its own hidden states
+on prompt + answer are cached to disk.
+
+The head learns to predict the target's *own* next-token distribution, so the answers are the target's
+greedy outputs (not a dataset's reference answers) and the labels are computed from the cached final hidden
+state with the target's frozen lm_head at training time.
+
+On disk (``DIR``): ``meta.json`` and shards ``shard-NNNNN.safetensors``, each holding, for S sequences with N
+tokens in all: ``tokens`` [N] int32, ``offsets`` [S+1] int64 (sequence i is tokens[offsets[i]:offsets[i+1]]),
+``answer_start`` [S] int64 (index inside the sequence where the answer begins), ``features`` [N, L, H] bfloat16
+(the hidden states named by ``meta.json``'s ``layers``, then the final normed state). Shards are written one at
+a time, so an interrupted run resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..errors import InvalidRequest
+from ..models import LoadedModel
+
+META = "meta.json"
+
+
+@dataclass
+class Sequence:
+    tokens: torch.Tensor  # [n] long: prompt + answer
+    answer_start: int
+    features: torch.Tensor  # [n, L+1, H]: the feature layers, then the final normed hidden state
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """Prompts from a JSONL file of ``{"prompt": ...}`` lines (other fields ignored)."""
+    path = Path(path)
+    if not path.is_file():
+        raise InvalidRequest(f"prompt file {path} does not exist; pass a JSONL file with one {{\"prompt\": ...}} per line")
+    prompts = []
+    with open(path, encoding="utf-8") as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise InvalidRequest(f"{path}:{n} is not valid JSON ({exc})") from exc
+            text = record.get("prompt") if isinstance(record, dict) else None
+            if not isinstance(text, str) or not text.strip():
+                raise InvalidRequest(f"{path}:{n} has no non-empty \"prompt\" string")
+            prompts.append(text)
+    if not prompts:
+        raise InvalidRequest(f"{path} holds no prompts")
+    return prompts
+
+
+def chat_ids(tokenizer, prompt: str) -> list[int]:
+    """The prompt as the engine encodes it: one user message with the chat template, when there is one."""
+    if getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                  tokenize=True, return_dict=True)["input_ids"])
+    return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+
+
+def select_prompts(target: LoadedModel, prompts: list[str], count: int, max_prompt_tokens: int,
+                   seed: int = 0) -> list[list[int]]:
+    """``count`` encoded prompts of at most ``max_prompt_tokens`` tokens, in a seeded random order."""
+    order = list(range(len(prompts)))
+    random.Random(seed).shuffle(order)
+    chosen = []
+    for i in order:
+        ids = chat_ids(target.tokenizer, prompts[i])
+        if len(ids) <= max_prompt_tokens:
+            chosen.append(ids)
+            if len(chosen) == count:
+                break
+    return chosen
+
+
+def target_features(target: LoadedModel, batch: list[list[int]], layers: tuple[int, ...]) -> list[torch.Tensor]:
+    """Hidden states [n, L+1, H] of each sequence (feature layers, then the final normed state), from one
+    right-padded forward pass."""
+    width = max(len(s) for s in batch)
+    device = target.device
+    ids = torch.zeros(len(batch), width, dtype=torch.long, device=device)
+    mask = torch.zeros(len(batch), width, dtype=torch.long, device=device)
+    for row, seq in enumerate(batch):
+        ids[row, : len(seq)] = torch.tensor(seq)
+        mask[row, : len(seq)] = 1
+    out = target.model.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    hidden = out.hidden_states
+    stacked = torch.stack([hidden[i] for i in layers] + [hidden[-1]], dim=2)  # [B, T, L+1, H]
+    return [stacked[row, : len(seq)].to(torch.bfloat16).clone() for row, seq in enumerate(batch)]
+
+
+def generate_answers(target: LoadedModel, batch: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """The target's greedy answers to a batch of encoded prompts (left-padded ``generate``); an answer ends with
+    its EOS token when the target produced one."""
+    device = target.device
+    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+    width = max(len(s) for s in batch)
+    ids = torch.full((len(batch), width), pad, dtype=torch.long, device=device)
+    mask = torch.zeros(len(batch), width, dtype=torch.long, device=device)
+    for row, seq in enumerate(batch):
+        ids[row, width - len(seq):] = torch.tensor(seq)
+        mask[row, width - len(seq):] = 1
+    eos = sorted(target.eos_token_ids)
+    # a model without EOS tokens answers to the length cap (never stop on the generation config's EOS)
+    stop = dict(eos_token_id=eos) if eos else dict(min_new_tokens=max_new_tokens)
+    out = target.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                                pad_token_id=pad, **stop)
+    answers = []
+    for row in out[:, width:].tolist():
+        answer = []
+        for token in row:
+            answer.append(token)
+            if token in target.eos_token_ids:
+                break
+        answers.append(answer)
+    return answers
+
+
+def _batches(items: list, size: int) -> Iterator[list]:
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
+
+
+def build_dataset(target: LoadedModel, prompts: list[list[int]], out_dir: str | Path, *, layers: tuple[int, ...],
+                  max_new_tokens: int = 192, batch_size: int = 16, shard_size: int = 128,
+                  progress: bool = True, source: str = "") -> Path:
+    """Let the target answer ``prompts`` (encoded) and cache its hidden states under ``out_dir``. Resumes: shards
+    already on disk are kept."""
+    from tqdm import tqdm
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"target": target.name, "layers": list(layers), "hidden_size": int(target.model.config.hidden_size),
+            "vocab_size": target.vocab_size, "max_new_tokens": max_new_tokens, "sequences": len(prompts),
+            "shard_size": shard_size, "source": source, "dtype": str(target.dtype).removeprefix("torch.")}
+    meta_path = out / META
+    if meta_path.exists():
+        old = json.loads(meta_path.read_text())
+        for key in ("target", "layers", "max_new_tokens", "shard_size"):
+            if old.get(key) != meta[key]:
+                raise InvalidRequest(f"{out} holds data built with {key}={old.get(key)!r}, not {meta[key]!r}; "
+                                     "use another --data folder or delete this one")
+    meta_path.write_text(json.dumps(meta, indent=2))
+    shards = list(_batches(prompts, shard_size))
+    bar = tqdm(total=len(prompts), desc="self-distilling", unit="answer", disable=not progress)
+    with torch.inference_mode():
+        for index, shard in enumerate(shards):
+            path = out / f"shard-{index:05d}.safetensors"
+            if path.exists():
+                bar.update(len(shard))
+                continue
+            # length-sorted batches waste less compute on padding
+            order = sorted(range(len(shard)), key=lambda i: len(shard[i]))
+            sequences: list[Sequence] = []
+            for chunk in _batches(order, batch_size):
+                batch = [shard[i] for i in chunk]
+                answers = generate_answers(target, batch, max_new_tokens)
+                full = [p + a for p, a in zip(batch, answers)]
+                for prompt, seq, feats in zip(batch, full, target_features(target, full, layers)):
+                    sequences.append(Sequence(torch.tensor(seq), len(prompt), feats))
+                bar.update(len(chunk))
+            _write_shard(path, sequences)
+    bar.close()
+    return out
+
+
+def _write_shard(path: Path, sequences: list[Sequence]) -> None:
+    lengths = torch.tensor([0] + [len(s.tokens) for s in sequences])
+    tensors = {
+        "tokens": torch.cat([s.tokens for s in sequences]).to(torch.int32),
+        "offsets": lengths.cumsum(0),
+        "answer_start": torch.tensor([s.answer_start for s in sequences]),
+        "features": torch.cat([s.features for s in sequences]),
+    }
+    partial = path.with_suffix(".partial")
+    save_file(tensors, str(partial))
+    partial.rename(path)  # an interrupted write never looks like a finished shard
+
+
+def load_meta(data_dir: str | Path) -> dict:
+    path = Path(data_dir) / META
+    if not path.exists():
+        raise InvalidRequest(f"{data_dir} holds no training data ({META} missing); build it with verispec train-eagle")
+    return json.loads(path.read_text())
+
+
+def load_sequences(data_dir: str | Path) -> Iterable[Sequence]:
+    """Every cached sequence, shard by shard."""
+    for path in sorted(Path(data_dir).glob("shard-*.safetensors")):
+        shard = load_file(str(path))
+        offsets = shard["offsets"].tolist()
+        for i in range(len(offsets) - 1):
+            a, b = offsets[i], offsets[i + 1]
+            yield Sequence(shard["tokens"][a:b].long(), int(shard["answer_start"][i]), shard["features"][a:b])

@@ -1,0 +1,362 @@
+"""Training an EAGLE head on cached self-distillation data (see ``data.py``), on CPU.
+
+Loss: soft cross-entropy between the target's distribution over the draft vocabulary (its frozen lm_head applied
+to the cached final hidden state) and the head's q, at every answer position, for each of ``ttt_steps`` unrolled
+draft depths (training-time test), weighted ``step_decay ** depth``. Validation on held-out sequences reports,
+per depth, top-1 agreement with the target's own next token and beta = sum_x min(p(x), q(x)) at temperature 1.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..models import LoadedModel
+from .data import Sequence, load_meta, load_sequences
+from .head import EagleHead, head_config_for, ttt_mask
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 4
+    lr: float = 6e-4
+    warmup_steps: int = 50
+    batch_tokens: int = 4096  # padded tokens per optimisation step
+    ttt_steps: int = 3  # unrolled draft depths
+    step_decay: float = 0.8
+    draft_vocab_size: int = 8192
+    val_sequences: int = 64
+    val_every: int = 200  # optimisation steps between validations
+    grad_clip: float = 0.5
+    seed: int = 0
+    init_from_layer: int | None = -1  # copy the target's decoder layer (index) into the head; None = random
+    bf16_autocast: bool = True
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # [B, T]
+    features: torch.Tensor  # [B, T, L, H]
+    final: torch.Tensor  # [B, T, H]
+    loss_mask: torch.Tensor  # [B, T-1]: pair i is trained when t_{i+2} is an answer token
+    labels: torch.Tensor  # [B, T-1]: t_{i+2}, the target's own next token (0 where there is none)
+
+
+@dataclass
+class TrainReport:
+    steps: int = 0
+    seconds: float = 0.0
+    train_tokens: int = 0
+    val_history: list[dict] = field(default_factory=list)
+    best: dict = field(default_factory=dict)
+
+
+def draft_vocabulary(sequences: list[Sequence], size: int, vocab_size: int, always: set[int]) -> torch.Tensor:
+    """The ``size`` target ids the target emits most often in its answers (plus ``always``), sorted: d2t."""
+    counts = Counter()
+    for s in sequences:
+        counts.update(s.tokens[s.answer_start:].tolist())
+    chosen = set(always)
+    for token, _ in counts.most_common():
+        if len(chosen) >= size:
+            break
+        chosen.add(token)
+    for token in range(vocab_size):  # pad with the lowest ids when the answers use fewer distinct tokens
+        if len(chosen) >= size:
+            break
+        chosen.add(token)
+    return torch.tensor(sorted(chosen)[:size])
+
+
+def make_batches(sequences: list[Sequence], batch_tokens: int, rng: random.Random) -> list[list[Sequence]]:
+    """Length-sorted batches of at most ``batch_tokens`` padded tokens, in random order."""
+    order = sorted(sequences, key=lambda s: len(s.tokens))
+    batches, current = [], []
+    for s in order:
+        if current and len(s.tokens) * (len(current) + 1) > batch_tokens:
+            batches.append(current)
+            current = []
+        current.append(s)
+    if current:
+        batches.append(current)
+    rng.shuffle(batches)
+    return batches
+
+
+def collate(sequences: list[Sequence]) -> Batch:
+    width = max(len(s.tokens) for s in sequences)
+    b = len(sequences)
+    n_layers, hidden = sequences[0].features.shape[1:]
+    tokens = torch.zeros(b, width, dtype=torch.long)
+    feats = torch.zeros(b, width, n_layers, hidden, dtype=torch.bfloat16)
+    mask = torch.zeros(b, width - 1, dtype=torch.bool)
+    for row, s in enumerate(sequences):
+        n = len(s.tokens)
+        tokens[row, :n] = s.tokens
+        feats[row, :n] = s.features
+        mask[row, max(0, s.answer_start - 2): n - 2] = True  # pairs i whose label t_{i+2} is in the answer
+    labels = torch.cat([tokens[:, 2:], torch.zeros(b, 1, dtype=torch.long)], dim=1)
+    return Batch(tokens, feats[:, :, :-1], feats[:, :, -1], mask, labels)
+
+
+def unrolled_states(head: EagleHead, batch: Batch, steps: int) -> list[torch.Tensor]:
+    """Head outputs g [B, T-1, H] for each unrolled depth s = 0..steps-1. Depth s at position i sees the true
+    features up to i - s and its own outputs after that, exactly as the drafter does at draft depth s."""
+    tok_in = batch.tokens[:, 1:]  # t_{i+1}
+    t = tok_in.shape[1]
+    positions = torch.arange(t)
+    feature = head.fuse_features(batch.features[:, :-1].float())  # f_i
+    keys, values, out = [], [], []
+    g = None
+    for s in range(steps):
+        if s:
+            feature = torch.cat([torch.zeros_like(g[:, :1]), g[:, :-1]], dim=1)  # g of depth s-1 at i-1
+        x = head.inputs(tok_in, feature)
+        q, k, v = head.qkv(x, positions)
+        keys.append(k)
+        values.append(v)
+        if s == 0:
+            g = head.finish(x, q, k, v, None, causal=True)
+        else:
+            mask = ttt_mask(t, s)
+            g = head.finish(x, q, torch.cat(keys, dim=2), torch.cat(values, dim=2), mask)
+        out.append(g)
+    return out
+
+
+def train_head(target: LoadedModel, data_dir: str | Path, out_dir: str | Path, config: TrainConfig,
+               progress: bool = True, log: Callable[[str], None] = print) -> TrainReport:
+    """Train a head for ``target`` on the data in ``data_dir``; the best checkpoint (by validation acceptance) is
+    written to ``out_dir``."""
+    from tqdm import tqdm
+
+    meta = load_meta(data_dir)
+    torch.manual_seed(config.seed)
+    rng = random.Random(config.seed)
+    log(f"loading cached features from {data_dir} ...")
+    sequences = list(load_sequences(data_dir))
+    if len(sequences) < 2:
+        raise ValueError(f"{data_dir} holds {len(sequences)} sequences; build more data first")
+    n_val = min(config.val_sequences, max(1, len(sequences) // 10))
+    val, train = sequences[-n_val:], sequences[:-n_val]
+    d2t = draft_vocabulary(train, config.draft_vocab_size, target.vocab_size, set(target.eos_token_ids))
+    coverage = _coverage(val, d2t)
+    log(f"{len(train)} training / {len(val)} validation sequences; draft vocabulary {len(d2t)} tokens covers "
+        f"{100 * coverage:.1f}% of validation answer tokens")
+
+    model = target.model
+    hcfg = head_config_for(model, target.name, meta["layers"], len(d2t))
+    head = EagleHead(hcfg)
+    head.d2t.copy_(d2t)
+    if config.init_from_layer is not None:
+        _init_from_target_layer(head, model, config.init_from_layer)
+    head.attach(model)
+    head.lm_head_d = head.lm_head_d.float()
+    head.embed = _FrozenEmbedding(model.get_input_embeddings().weight.detach().float())
+    full_head = model.get_output_embeddings().weight.detach().float()  # [V, H], for validation beta
+
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    batches_per_epoch = len(make_batches(train, config.batch_tokens, random.Random(0)))
+    total = max(1, batches_per_epoch * config.epochs)
+
+    def lr_at(step: int) -> float:
+        if step < config.warmup_steps:
+            return config.lr * (step + 1) / config.warmup_steps
+        progress_frac = (step - config.warmup_steps) / max(1, total - config.warmup_steps)
+        return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress_frac))))
+
+    report = TrainReport()
+    best_score = -1.0
+    start = time.perf_counter()
+    bar = tqdm(total=total, desc="training EAGLE head", unit="step", disable=not progress)
+    step = 0
+    for epoch in range(config.epochs):
+        for seqs in make_batches(train, config.batch_tokens, rng):
+            batch = collate(seqs)
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16_autocast):
+                states = unrolled_states(head, batch, config.ttt_steps)
+            loss, weight_sum = 0.0, 0.0
+            accs = []
+            for s, g in enumerate(states):
+                mask = batch.loss_mask.clone()
+                mask[:, :s] = False
+                if not mask.any():
+                    continue
+                with torch.no_grad():  # the target's distribution over the draft vocabulary
+                    p = torch.softmax(batch.final[:, 1:][mask].float() @ head.lm_head_d.T, dim=-1)
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16_autocast):
+                    lg = head.logits(g[mask])  # only where there is a label: the logits dominate the cost
+                logq = torch.log_softmax(lg.float(), dim=-1)
+                loss = loss + (config.step_decay ** s) * -(p * logq).sum(-1).mean()
+                weight_sum += config.step_decay ** s
+                with torch.no_grad():
+                    accs.append((d2t[lg.argmax(-1)] == batch.labels[mask]).float().mean().item())
+            loss = loss / weight_sum
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
+            opt.step()
+            step += 1
+            report.train_tokens += int(batch.loss_mask.sum())
+            bar.update(1)
+            bar.set_postfix(epoch=epoch + 1, loss=f"{loss.item():.3f}", top1="/".join(f"{a:.2f}" for a in accs))
+            if step % config.val_every == 0 or step == total:
+                metrics = validate(head, val, config, full_head)
+                metrics.update(step=step, epoch=epoch + 1, seconds=round(time.perf_counter() - start, 1))
+                report.val_history.append(metrics)
+                log(_format_metrics(metrics))
+                if metrics["est_tokens_per_step"] > best_score:
+                    best_score = metrics["est_tokens_per_step"]
+                    report.best = metrics
+                    _save(head, out_dir, meta, config, report, coverage)
+    bar.close()
+    report.steps = step
+    report.seconds = time.perf_counter() - start
+    _save_training_record(out_dir, meta, config, report, coverage)
+    return report
+
+
+class _FrozenEmbedding(torch.nn.Module):
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+def _init_from_target_layer(head: EagleHead, model, index: int) -> None:
+    """Start the decoder layer from one of the target's (same shapes), which trains faster than random."""
+    layers = model.model.layers
+    layer = layers[index]
+    pairs = {
+        "attn_norm.weight": layer.input_layernorm.weight, "mlp_norm.weight": layer.post_attention_layernorm.weight,
+        "q_proj.weight": layer.self_attn.q_proj.weight, "k_proj.weight": layer.self_attn.k_proj.weight,
+        "v_proj.weight": layer.self_attn.v_proj.weight, "o_proj.weight": layer.self_attn.o_proj.weight,
+        "gate_proj.weight": layer.mlp.gate_proj.weight, "up_proj.weight": layer.mlp.up_proj.weight,
+        "down_proj.weight": layer.mlp.down_proj.weight, "out_norm.weight": model.model.norm.weight,
+    }
+    state = head.state_dict()
+    with torch.no_grad():
+        for name, weight in pairs.items():
+            if state[name].shape == weight.shape:
+                state[name].copy_(weight.float())
+
+
+def _coverage(sequences: list[Sequence], d2t: torch.Tensor) -> float:
+    allowed = torch.zeros(int(max(d2t.max().item(), max(int(s.tokens.max()) for s in sequences))) + 1, dtype=torch.bool)
+    allowed[d2t] = True
+    hit = total = 0
+    for s in sequences:
+        answer = s.tokens[s.answer_start:]
+        hit += int(allowed[answer].sum())
+        total += len(answer)
+    return hit / max(1, total)
+
+
+@torch.no_grad()
+def validate(head: EagleHead, sequences: list[Sequence], config: TrainConfig, full_head: torch.Tensor) -> dict:
+    """Teacher-forced validation per draft depth: top-1 agreement with the target's own next token, and
+    beta = sum min(p, q) at temperature 1 over the full vocabulary (q is zero outside the draft vocabulary)."""
+    head.eval()
+    hits = [0] * config.ttt_steps
+    betas = [0.0] * config.ttt_steps
+    count = [0] * config.ttt_steps
+    for seqs in make_batches(sequences, config.batch_tokens, random.Random(0)):
+        batch = collate(seqs)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16_autocast):
+            states = unrolled_states(head, batch, config.ttt_steps)
+        first = batch.loss_mask
+        p = torch.softmax(batch.final[:, 1:][first].float() @ full_head.T, dim=-1)  # [n, V], shared by all depths
+        for s, g in enumerate(states):
+            mask = first.clone()
+            mask[:, :s] = False
+            rows = mask[first]  # which of p's rows depth s is scored on
+            lg = head.logits(g[mask].float())
+            label = batch.labels[mask]
+            hits[s] += int((head.d2t[lg.argmax(-1)] == label).sum())
+            q = torch.softmax(lg, dim=-1)
+            betas[s] += float(torch.minimum(p[rows][:, head.d2t], q).sum())
+            count[s] += int(mask.sum())
+    head.train()
+    top1 = [h / max(1, c) for h, c in zip(hits, count)]
+    beta = [b / max(1, c) for b, c in zip(betas, count)]
+    # greedy tokens per step if depth s is right with probability top1[s] given the earlier depths were right
+    # (deeper depths reuse the last measured one), for a chain of 6 draft tokens
+    est, run = 1.0, 1.0
+    for d in range(6):
+        run *= top1[min(d, len(top1) - 1)]
+        est += run
+    return {"top1": [round(a, 4) for a in top1], "beta": [round(b, 4) for b in beta],
+            "est_tokens_per_step": round(est, 3)}
+
+
+def _format_metrics(m: dict) -> str:
+    return (f"step {m['step']} (epoch {m['epoch']}, {m['seconds']:.0f} s): top-1 by depth "
+            f"{' / '.join(f'{a:.3f}' for a in m['top1'])}, beta {' / '.join(f'{b:.3f}' for b in m['beta'])}, "
+            f"est. greedy tokens/step at k=6 {m['est_tokens_per_step']:.2f}")
+
+
+def _save(head: EagleHead, out_dir, meta: dict, config: TrainConfig, report: TrainReport, coverage: float) -> None:
+    head.config.training = _training_record(meta, config, report, coverage)
+    head.save(out_dir)
+
+
+def _save_training_record(out_dir, meta, config, report, coverage) -> None:
+    from .head import HeadConfig
+
+    folder = Path(out_dir)
+    cfg = HeadConfig.load(folder)
+    cfg.training = _training_record(meta, config, report, coverage)
+    cfg.save(folder)
+
+
+def _training_record(meta: dict, config: TrainConfig, report: TrainReport, coverage: float) -> dict:
+    return {
+        "data": {k: meta.get(k) for k in ("source", "sequences", "max_new_tokens", "dtype")},
+        "config": asdict(config),
+        "steps": report.steps,
+        "seconds": round(report.seconds, 1),
+        "train_tokens": report.train_tokens,
+        "draft_vocab_coverage": round(coverage, 4),
+        "best_validation": report.best,
+    }
+
+
+def measure_acceptance(target: LoadedModel, head_dir: str | Path, prompts: list[list[int]], k: int = 6,
+                       max_new_tokens: int = 96, progress: bool = True) -> dict:
+    """Run the trained head in the real engine (greedy) on held-out prompts: mean accepted tokens per step
+    (#MAT, bonus included) and acceptance per draft position."""
+    from tqdm import tqdm
+
+    from ..drafters.eagle import EagleDrafter
+    from ..engine import SpeculativeDecoder
+
+    decoder = SpeculativeDecoder(target, EagleDrafter(target, head_dir), k=k, reuse_prefix=False)
+    steps = tokens = drafted = accepted = 0
+    per_drafted = [0] * k
+    per_accepted = [0] * k
+    for ids in tqdm(prompts, desc="held-out check", unit="prompt", disable=not progress):
+        s = decoder.generate(ids, max_new_tokens=max_new_tokens).stats
+        steps += s.verify_steps
+        tokens += sum(s.step_tokens)
+        drafted += s.drafted
+        accepted += s.accepted
+        for i, (d, a) in enumerate(zip(s.drafted_per_position, s.accepted_per_position)):
+            per_drafted[i] += d
+            per_accepted[i] += a
+    return {"prompts": len(prompts), "k": k, "max_new_tokens": max_new_tokens,
+            "mean_accepted_tokens": round(tokens / max(1, steps), 3),
+            "acceptance_rate": round(accepted / max(1, drafted), 4),
+            "position_acceptance": [round(a / d, 4) if d else None for a, d in zip(per_accepted, per_drafted)]}
