@@ -253,3 +253,41 @@ def test_eagle_tree_falls_back_to_a_chain_when_sampling(small_target, trained_he
     assert out.stats.new_tokens == 20 and out.stats.drafted > 0
     with pytest.raises(Exception, match="width must be"):
         EagleDrafter(small_target, trained_head_dir[0], tree=True, width=0)
+
+
+def test_train_eagle_command_end_to_end(tiny_dir, tmp_path, capsys):
+    """The README's training command on the tiny model: data, training, held-out check, then the head drafts."""
+    from verispec.cli import main
+
+    rng = random.Random(1)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(f"w{rng.randrange(3, 32)}" for _ in range(6))}) + "\n"
+                               for _ in range(50)))
+    out = tmp_path / "head"
+    code = main(["train-eagle", "--target", str(tiny_dir), "--prompts", str(prompts), "--out", str(out),
+                 "--data", str(tmp_path / "data"), "--samples", "40", "--max-new-tokens", "8", "--epochs", "2",
+                 "--draft-vocab", "16", "--val-every", "5", "--check-prompts", "2", "--layers", "1,2"])
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["held_out_check"]["prompts"] == 2 and summary["best_validation"]["top1"]
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["training"]["held_out_check"] and cfg["training"]["data"]["sequences"] == 40
+    assert main(["generate", "w5 w9 w3", "--raw", "--target", str(tiny_dir), "--drafter", "eagle", "--eagle-head",
+                 str(out), "--max-new-tokens", "12", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["stats"]["drafter"] == "eagle" and result["stats"]["new_tokens"] >= 1
+
+
+def test_train_eagle_refuses_spec_bench_prompts_and_bad_options(tiny_dir, tmp_path, capsys):
+    from verispec.bench.prompts import load_questions
+    from verispec.cli import main
+
+    question = load_questions()[0].turns[0]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "w5 w6"}) + "\n" + json.dumps({"prompt": question}) + "\n")
+    assert main(["train-eagle", "--target", str(tiny_dir), "--prompts", str(prompts), "--out", str(tmp_path / "o")]) == 2
+    assert "Spec-Bench questions" in capsys.readouterr().err
+    assert main(["train-eagle", "--prompts", str(prompts), "--out", str(tmp_path / "o"), "--epochs", "0"]) == 2
+    assert "--epochs must be >= 1" in capsys.readouterr().err
+    assert main(["train-eagle", "--prompts", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "o")]) == 2
+    assert "does not exist" in capsys.readouterr().err
