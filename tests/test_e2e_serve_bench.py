@@ -96,3 +96,15 @@ def test_eight_clients_five_requests_each(server):
         t.join()
     assert codes == [200] * 40
     assert server.alive()
+
+
+def test_server_offers_the_shipped_eagle_head(server, client, capsys):
+    prompt = "Give three tips for keeping a houseplant alive."
+    resp = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": prompt}],
+                                          temperature=0, max_tokens=40, extra_body={"verispec": {"drafter": "eagle"}})
+    assert main(["generate", prompt, "--max-new-tokens", "40", "--json", "--drafter", "none"]) == 0
+    assert resp.choices[0].message.content == json.loads(capsys.readouterr().out)["text"]
+    stats = resp.model_extra["verispec"]
+    assert stats["drafter"] == "eagle" and stats["accepted"] > 0
+    assert server.metric("verispec_accepted_tokens_total", 'drafter="eagle"') == stats["accepted"]
+    assert "eagle" in httpx.get(server.url + "/health").json()["drafters"]

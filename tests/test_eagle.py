@@ -291,3 +291,33 @@ def test_train_eagle_refuses_spec_bench_prompts_and_bad_options(tiny_dir, tmp_pa
     assert "--epochs must be >= 1" in capsys.readouterr().err
     assert main(["train-eagle", "--prompts", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "o")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def small_dir(tmp_path_factory, small_target):
+    path = tmp_path_factory.mktemp("small-model")
+    small_target.model.save_pretrained(path)
+    small_target.tokenizer.save_pretrained(path)
+    return path
+
+
+def test_bench_and_analyze_with_eagle_methods(small_dir, trained_head_dir, tmp_path, capsys):
+    from verispec.cli import main
+
+    head = trained_head_dir[0]
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"question_id": i, "category": "writing", "turns": [t]}) + "\n"
+                               for i, t in enumerate(["w5 w9 w3 w5 w9", "w12 w30 w7", "w3 w4 w5 w6"])))
+    assert main(["bench", "--target", str(small_dir), "--prompts", str(prompts), "--max-new-tokens", "24",
+                 "--methods", f"baseline,eagle:{head}:k=4,eagle:{head}:tree=1:k=8:depth=4:width=3",
+                 "--out", str(tmp_path / "b"), "--no-plots"]) == 0
+    overall = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["overall"]
+    for name in (f"eagle:{head}:k=4", f"eagle:{head}:tree=1:k=8:depth=4:width=3"):
+        assert overall[name]["identical"] == 1.0 and overall[name]["mean_accepted_tokens"] > 1.5, name
+    assert main(["analyze", "--target", str(small_dir), "--prompts", str(prompts), "--drafter", f"eagle:{head}",
+                 "--k-max", "4", "--max-new-tokens", "16", "--repeats", "1", "--out", str(tmp_path / "a")]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert 0.3 < result["teacher_forced_beta"] <= 1.0
+    assert len(result["position_acceptance"]) == 4 and result["position_acceptance"][0] > 0.3
+    assert main(["bench", "--target", str(small_dir), "--prompts", str(prompts), "--methods", "eagle:k=2:color=3"]) == 2
+    assert "eagle takes a head folder" in capsys.readouterr().err

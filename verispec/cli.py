@@ -34,6 +34,12 @@ def _model_options(p: argparse.ArgumentParser, drafter_default: str = "ngram") -
     g.add_argument("--eagle-head", metavar="DIR",
                    help="head for --drafter eagle, as written by `verispec train-eagle` (default: the head shipped "
                         "for the built-in target)")
+    g.add_argument("--eagle-tree", action="store_true",
+                   help="with --drafter eagle and greedy decoding, draft a tree of --k candidate tokens (EAGLE-2 style) "
+                        "instead of a chain; sampled requests keep the chain")
+    g.add_argument("--eagle-depth", type=int, default=6, help="depth of the eagle tree (default: 6)")
+    g.add_argument("--eagle-width", type=int, default=4,
+                   help="children per expanded node and nodes expanded per depth in the eagle tree (default: 4)")
     g.add_argument("--k", type=int, default=8, help="most draft tokens verified per step (default: 8)")
     g.add_argument("--ngram-min", type=int, default=2, help="shortest suffix n-gram the ngram drafter matches (default: 2)")
     g.add_argument("--ngram-max", type=int, default=4, help="longest suffix n-gram the ngram drafter matches (default: 4)")
@@ -104,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def eagle_options(args) -> dict:
+    return {"head": args.eagle_head, "tree": args.eagle_tree, "depth": args.eagle_depth, "width": args.eagle_width}
+
+
 def _build_decoder(args):
     from .drafters import make_drafter
     from .engine import SpeculativeDecoder
@@ -117,7 +127,7 @@ def _build_decoder(args):
     elif args.drafter == "model" and args.draft_model:
         draft_model = load_model(args.draft_model, dtype=args.dtype)
     elif args.drafter == "eagle":
-        options = {"head": args.eagle_head}
+        options = eagle_options(args)
     drafter = make_drafter(args.drafter, target=target, draft_model=draft_model, **options)
     return SpeculativeDecoder(target, drafter, k=args.k, acceptance=args.acceptance)
 

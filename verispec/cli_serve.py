@@ -64,7 +64,8 @@ def cmd_serve(args) -> int:
         drafters["model"] = lambda: ModelDrafter(draft, target)
     try:  # the EAGLE head shipped for the target (or --eagle-head); its weights are shared by every slot
         head = EagleDrafter(target, args.eagle_head).head
-        drafters["eagle"] = lambda: EagleDrafter(target, head)
+        tree = dict(tree=args.eagle_tree, depth=args.eagle_depth, width=args.eagle_width)
+        drafters["eagle"] = lambda: EagleDrafter(target, head, **tree)
     except ModelNotFound:
         if args.drafter == "eagle" or args.eagle_head:
             raise
