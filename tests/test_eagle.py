@@ -321,3 +321,19 @@ def test_bench_and_analyze_with_eagle_methods(small_dir, trained_head_dir, tmp_p
     assert len(result["position_acceptance"]) == 4 and result["position_acceptance"][0] > 0.3
     assert main(["bench", "--target", str(small_dir), "--prompts", str(prompts), "--methods", "eagle:k=2:color=3"]) == 2
     assert "eagle takes a head folder" in capsys.readouterr().err
+
+
+def test_context_tokens_join_the_draft_vocabulary(small_target, trained_head_dir):
+    head = random_head(small_target, vocab=4, seed=3)
+    base = set(head.d2t.tolist())
+    prompt = [t for t in range(3, 32) if t not in base][:6] * 2
+    drafter = EagleDrafter(small_target, head)
+    decoder = SpeculativeDecoder(small_target, drafter, k=4)
+    out = decoder.generate(prompt, max_new_tokens=20)
+    assert out.token_ids == SpeculativeDecoder(small_target).generate(prompt, max_new_tokens=20).token_ids
+    assert set(prompt) <= set(drafter._ids) and len(drafter._ids) == len(set(drafter._ids))
+    closed = EagleDrafter(small_target, head, context_vocab=False)
+    SpeculativeDecoder(small_target, closed, k=4).generate(prompt, max_new_tokens=20)
+    assert set(closed._ids) == base
+    # sampled drafts over the grown vocabulary stay lossless (its q covers the context tokens)
+    assert joint_p_value(SpeculativeDecoder(small_target, drafter, k=3), SamplingParams(temperature=0.3)) > ALPHA

@@ -7,6 +7,10 @@ features. Greedy drafts are deterministic (q is one-hot); when sampling, each dr
 head's distribution over its draft vocabulary, processed like the target's: temperature, top-k, top-p) and q is
 returned for strict rejection sampling.
 
+With ``context_vocab=True`` (the default) the draft vocabulary of a request also holds every token of its context:
+tokens the answer copies from the prompt are often rare ones the fixed draft vocabulary lacks. Their logits come
+from the same frozen target lm_head applied to g.
+
 With ``tree=True`` and greedy decoding it proposes a tree instead (EAGLE-2's dynamic tree): each round expands
 the ``width`` most likely frontier nodes (by the head's cumulative log-probability) by their ``width`` best
 children, for ``depth`` rounds, and returns the k most likely nodes; the engine verifies all of them in one pass.
@@ -32,7 +36,7 @@ class EagleDrafter:
     name = "eagle"
 
     def __init__(self, target: LoadedModel, head: EagleHead | str | Path | None = None, *, tree: bool = False,
-                 depth: int = 6, width: int = 4):
+                 depth: int = 6, width: int = 4, context_vocab: bool = True):
         for name, value in (("depth", depth), ("width", width)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidRequest(f"eagle tree {name} must be a whole number >= 1, got {value!r}")
@@ -42,6 +46,9 @@ class EagleDrafter:
         self.head = head.to(target.device).attach(target.model)
         self.feature_layers = tuple(head.config.feature_layers)
         self.vocab_size = target.vocab_size
+        self.context_vocab = context_vocab
+        self._lm_head = target.model.get_output_embeddings().weight.detach()
+        self._base_ids = set(self.head.d2t.tolist())
         self._cache = KVCache()
         self._tokens: list[int] = []  # the cache holds the pairs of positions 0..len(cache)-1 of these tokens
         self.reset(SamplingParams(), None)
@@ -49,6 +56,11 @@ class EagleDrafter:
     def reset(self, sampling: SamplingParams, generator: torch.Generator | None) -> None:
         self.sampling = sampling
         self.generator = generator
+        self._ids = self.head.d2t.tolist()  # draft id -> target id, grown by the request's context tokens
+        self._ids_tensor = self.head.d2t
+        self._extra: torch.Tensor | None = None  # lm_head rows of the context tokens outside the base vocabulary
+        self._seen: set[int] = set()
+        self._scanned = 0
         # the KV cache is kept: the next propose() keeps the pairs still valid for the new context
 
     @torch.inference_mode()
@@ -64,6 +76,8 @@ class EagleDrafter:
         self._cache.truncate(keep)
         head = self.head
         device = features.device
+        if self.context_vocab:
+            self._grow_vocabulary(context)
         new_tokens = torch.tensor(context[keep + 1 : m + 1], device=device)
         g = head.step(new_tokens, head.fuse_features(features[keep:m]), self._cache)[-1]  # [H]
         if self.tree and self.sampling.greedy:
@@ -74,12 +88,12 @@ class EagleDrafter:
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         for depth in range(k):
-            logits = head.logits(g)  # [draft_vocab]
+            logits = head.logits(g, self._extra)  # [draft vocabulary]
             if self.sampling.greedy:
-                token = int(head.d2t[int(logits.argmax())])
+                token = self._ids[int(logits.argmax())]
             else:
                 full = logits.new_full((self.vocab_size,), float("-inf"))
-                full[head.d2t] = logits
+                full[self._ids_tensor] = logits
                 q = probabilities(full, self.sampling)
                 token = sample(q, self.generator)
                 probs.append(q)
@@ -90,13 +104,28 @@ class EagleDrafter:
         self._tokens = list(context)
         return Draft(tokens, torch.stack(probs) if probs else None)
 
+    def _grow_vocabulary(self, context: Sequence[int]) -> None:
+        if self._scanned > len(context):  # a different sequence: start over
+            self.reset(self.sampling, self.generator)
+        new = []
+        for token in context[self._scanned :]:
+            if token not in self._base_ids and token not in self._seen and 0 <= token < self.vocab_size:
+                self._seen.add(token)
+                new.append(token)
+        self._scanned = len(context)
+        if new:
+            rows = self._lm_head[torch.tensor(new, device=self._lm_head.device)].to(self.head.lm_head_d.dtype)
+            self._extra = rows if self._extra is None else torch.cat([self._extra, rows])
+            self._ids = self._ids + new
+            self._ids_tensor = torch.tensor(self._ids, device=self.head.d2t.device)
+
     def _grow_tree(self, g0: torch.Tensor, m: int, budget: int) -> Draft:
         head, cache, width = self.head, self._cache, self.width
         device = g0.device
-        d2t = head.d2t.tolist()
+        d2t = self._ids
         # node: [token, parent node (-1 = pending), depth, cumulative log-prob, head cache index, g]
         nodes: list[list] = []
-        top = torch.log_softmax(head.logits(g0).float(), dim=-1).topk(width)
+        top = torch.log_softmax(head.logits(g0, self._extra).float(), dim=-1).topk(width)
         for value, index in zip(top.values.tolist(), top.indices.tolist()):
             nodes.append([d2t[index], -1, 1, value, None, None])
         frontier = list(range(len(nodes)))
@@ -116,7 +145,7 @@ class EagleDrafter:
             tokens = torch.tensor([nodes[i][0] for i in expand], device=device)
             positions = torch.full((len(expand),), m + depth - 2, device=device)  # the pair of a depth-d node
             g = head.step(tokens, feats, cache, positions, visible)  # [w, H]
-            top = torch.log_softmax(head.logits(g).float(), dim=-1).topk(width, dim=-1)
+            top = torch.log_softmax(head.logits(g, self._extra).float(), dim=-1).topk(width, dim=-1)
             frontier = []
             for row, i in enumerate(expand):
                 nodes[i][5] = g[row]

@@ -192,9 +192,14 @@ class EagleHead(nn.Module):
         y = self.mlp_norm(x)
         return x + self.down_proj(F.silu(self.gate_proj(y)) * self.up_proj(y))
 
-    def logits(self, g: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits [..., draft_vocab] from head outputs [..., H]."""
-        return self.out_norm(g).to(self.lm_head_d.dtype) @ self.lm_head_d.T
+    def logits(self, g: torch.Tensor, extra: torch.Tensor | None = None) -> torch.Tensor:
+        """Draft-vocabulary logits [..., draft_vocab] from head outputs [..., H]; with ``extra`` (rows of the
+        target's lm_head [E, H]) also the logits of those tokens, appended: [..., draft_vocab + E]."""
+        n = self.out_norm(g).to(self.lm_head_d.dtype)
+        out = n @ self.lm_head_d.T
+        if extra is not None and extra.shape[0]:
+            out = torch.cat([out, n @ extra.T], dim=-1)
+        return out
 
     # ------------------------------------------------------------------ inference
     def step(self, tokens: torch.Tensor, features: torch.Tensor, cache: KVCache,
