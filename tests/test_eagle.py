@@ -11,6 +11,7 @@ from statistical_helpers import ALPHA, SAMPLES, exact_joint, joint_p_value, samp
 from tiny import loaded, make_model
 from verispec import EagleDrafter, IncompatibleDrafter, ModelNotFound, SamplingParams, SpeculativeDecoder
 from verispec.audit import chi_square
+from verispec.drafters.base import Draft
 from verispec.eagle.data import build_dataset, load_meta, load_sequences
 from verispec.eagle.head import EagleHead, KVCache, head_config_for, ttt_mask
 from verispec.eagle.train import TrainConfig, collate, draft_vocabulary, unrolled_states
@@ -337,3 +338,18 @@ def test_context_tokens_join_the_draft_vocabulary(small_target, trained_head_dir
     assert set(closed._ids) == base
     # sampled drafts over the grown vocabulary stay lossless (its q covers the context tokens)
     assert joint_p_value(SpeculativeDecoder(small_target, drafter, k=3), SamplingParams(temperature=0.3)) > ALPHA
+
+
+def test_eagle_with_a_lookup_branch(small_target, trained_head_dir):
+    from verispec.drafters.eagle import _merge_chain
+
+    merged = _merge_chain(Draft([7, 8, 4], None, [-1, -1, 0]), [7, 4, 9])
+    assert merged.tokens == [7, 8, 4, 9] and merged.parents == [-1, -1, 0, 2]
+    drafter = EagleDrafter(small_target, trained_head_dir[0], tree=True, depth=3, width=2, lookup=True)
+    assert drafter.name == "eagle+lookup"
+    for prompt in (PROMPTS[1] * 2, PROMPTS[0]):
+        expected = SpeculativeDecoder(small_target).generate(prompt, max_new_tokens=40).token_ids
+        out = SpeculativeDecoder(small_target, drafter, k=10).generate(prompt, max_new_tokens=40)
+        assert out.token_ids == expected and out.stats.drafter == "eagle+lookup"
+    with pytest.raises(Exception, match="needs tree mode"):
+        EagleDrafter(small_target, trained_head_dir[0], lookup=True)

@@ -37,6 +37,8 @@ def _model_options(p: argparse.ArgumentParser, drafter_default: str = "ngram") -
     g.add_argument("--eagle-tree", action="store_true",
                    help="with --drafter eagle and greedy decoding, draft a tree of --k candidate tokens (EAGLE-2 style) "
                         "instead of a chain; sampled requests keep the chain")
+    g.add_argument("--eagle-lookup", action="store_true",
+                   help="with --eagle-tree, add a prompt-lookup (n-gram) branch to each tree (drafter 'eagle+lookup')")
     g.add_argument("--eagle-depth", type=int, default=6, help="depth of the eagle tree (default: 6)")
     g.add_argument("--eagle-width", type=int, default=4,
                    help="children per expanded node and nodes expanded per depth in the eagle tree (default: 4)")
@@ -111,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def eagle_options(args) -> dict:
-    return {"head": args.eagle_head, "tree": args.eagle_tree, "depth": args.eagle_depth, "width": args.eagle_width}
+    return {"head": args.eagle_head, "tree": args.eagle_tree, "depth": args.eagle_depth, "width": args.eagle_width,
+            "lookup": args.eagle_lookup}
 
 
 def _build_decoder(args):

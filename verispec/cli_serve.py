@@ -64,7 +64,7 @@ def cmd_serve(args) -> int:
         drafters["model"] = lambda: ModelDrafter(draft, target)
     try:  # the EAGLE head shipped for the target (or --eagle-head); its weights are shared by every slot
         head = EagleDrafter(target, args.eagle_head).head
-        tree = dict(tree=args.eagle_tree, depth=args.eagle_depth, width=args.eagle_width)
+        tree = dict(tree=args.eagle_tree, depth=args.eagle_depth, width=args.eagle_width, lookup=args.eagle_lookup)
         drafters["eagle"] = lambda: EagleDrafter(target, head, **tree)
     except ModelNotFound:
         if args.drafter == "eagle" or args.eagle_head:

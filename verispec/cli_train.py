@@ -36,13 +36,17 @@ def add_train_parser(sub) -> None:
                    help="dtype of the target while answering (default: bfloat16, about 2x faster here)")
     d.add_argument("--gen-batch-size", type=int, default=32, help="answers generated together (default: 32)")
     d.add_argument("--layers", metavar="I,J,K",
-                   help="target hidden_states indices fused into the head's feature (default: 2, L/2, L-2 of L layers)")
+                   help="target hidden_states indices cached for the head's feature; the final normed state is always "
+                        "cached and fused too (default: 2, L/2, L-2 of L layers)")
     d.add_argument("--seed", type=int, default=0, help="prompt selection and training seed (default: 0)")
     g = t.add_argument_group("training")
-    g.add_argument("--epochs", type=int, default=4, help="passes over the data (default: 4)")
-    g.add_argument("--lr", type=float, default=6e-4, help="peak learning rate, cosine decay (default: 6e-4)")
+    g.add_argument("--epochs", type=int, default=6, help="passes over the data (default: 6)")
+    g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate, cosine decay (default: 1e-3)")
     g.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per step (default: 4096)")
-    g.add_argument("--ttt-steps", type=int, default=3, help="draft depths unrolled in training (default: 3)")
+    g.add_argument("--ttt-steps", type=int, default=2, help="draft depths unrolled in training (default: 2)")
+    g.add_argument("--answers-only", action="store_true",
+                   help="train on answer positions only (default: every position, prompt included, with the "
+                        "target's distribution as the label)")
     g.add_argument("--draft-vocab", type=int, default=8192,
                    help="size of the head's reduced vocabulary: the target's most frequent answer tokens (default: 8192)")
     g.add_argument("--val-every", type=int, default=200, help="steps between validations (default: 200)")
@@ -100,7 +104,8 @@ def cmd_train_eagle(args) -> int:
 
     target = load_model(args.target, dtype="float32")
     config = TrainConfig(epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens, ttt_steps=args.ttt_steps,
-                         draft_vocab_size=args.draft_vocab, val_every=args.val_every, seed=args.seed)
+                         draft_vocab_size=args.draft_vocab, val_every=args.val_every, seed=args.seed,
+                         prompt_loss=not args.answers_only)
     print(f"verispec: step 2/3: training the head -> {args.out}", file=sys.stderr)
     report = train_head(target, data_dir, args.out, config, log=lambda m: print(f"verispec: {m}", file=sys.stderr))
     summary = {"out": str(args.out), "data": str(data_dir), "steps": report.steps,

@@ -8,6 +8,7 @@ is a model reference:
     model:REF  model:REF:k=4     verispec with a separate draft model REF
     eagle  eagle:DIR:k=6         verispec's EAGLE head (the shipped one, or the head folder DIR)
     eagle:tree=1:k=16            the same head drafting a tree of k nodes (greedy; :depth=6:width=4)
+    eagle:tree=1:lookup=1:k=24   ... with a prompt-lookup branch in the tree (drafter eagle+lookup)
     hf:greedy                    transformers ``generate`` (greedy or sampling)
     hf:pld  hf:pld:k=10          transformers prompt lookup (``prompt_lookup_num_tokens``, default 10)
     hf:assisted:REF              transformers assisted generation with draft model REF
@@ -85,13 +86,13 @@ def build_method(spec: str, target: LoadedModel, load: Callable[[str], LoadedMod
     opts = {key: _number(key, v) for key, v in raw_opts.items()}
     if head == "eagle":
         k = int(opts.pop("k", default_k))
-        tree = {key: int(opts.pop(key)) for key in ("tree", "depth", "width") if key in opts}
+        tree = {key: int(opts.pop(key)) for key in ("tree", "depth", "width", "lookup") if key in opts}
         if opts or len(refs) > 1:
             raise InvalidRequest(f"{spec!r}: eagle takes a head folder, k, tree, depth and width, e.g. eagle, "
-                                 "eagle:DIR:k=6 or eagle:tree=1:k=16")
+                                 "eagle:DIR:k=6 or eagle:tree=1:k=16 (options tree, depth, width, lookup)")
         drafter = make_drafter("eagle", target=target, head=refs[0] if refs else None, **tree)
         decoder = SpeculativeDecoder(target, drafter, k=k, reuse_prefix=False)
-        return Method(spec, _verispec_runner(decoder), "verispec", "eagle", k)
+        return Method(spec, _verispec_runner(decoder), "verispec", drafter.name, k)
     if head in ("baseline", "none", "ngram", "model"):
         k = int(opts.pop("k", default_k))
         if head == "model" and len(refs) != 1:

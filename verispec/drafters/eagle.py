@@ -11,6 +11,10 @@ With ``context_vocab=True`` (the default) the draft vocabulary of a request also
 tokens the answer copies from the prompt are often rare ones the fixed draft vocabulary lacks. Their logits come
 from the same frozen target lm_head applied to g.
 
+With ``lookup=True`` (tree mode only) a prompt-lookup branch joins the tree: the n-gram drafter's continuation
+of the context's suffix, merged into the head's tree where they share a prefix. The drafter is then named
+``eagle+lookup`` in stats and benchmarks.
+
 With ``tree=True`` and greedy decoding it proposes a tree instead (EAGLE-2's dynamic tree): each round expands
 the ``width`` most likely frontier nodes (by the head's cumulative log-probability) by their ``width`` best
 children, for ``depth`` rounds, and returns the k most likely nodes; the engine verifies all of them in one pass.
@@ -30,17 +34,23 @@ from ..models import LoadedModel
 from ..sampling import SamplingParams, probabilities, sample
 from .base import EMPTY_DRAFT, Draft
 from .model import common_prefix_length
+from .ngram import NgramDrafter
 
 
 class EagleDrafter:
     name = "eagle"
 
     def __init__(self, target: LoadedModel, head: EagleHead | str | Path | None = None, *, tree: bool = False,
-                 depth: int = 6, width: int = 4, context_vocab: bool = True):
+                 depth: int = 6, width: int = 4, context_vocab: bool = True, lookup: bool = False):
         for name, value in (("depth", depth), ("width", width)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidRequest(f"eagle tree {name} must be a whole number >= 1, got {value!r}")
         self.tree, self.depth, self.width = bool(tree), depth, width
+        if lookup and not tree:
+            raise InvalidRequest("the eagle drafter's lookup branch needs tree mode (tree=True / --eagle-tree)")
+        # in a tree the extra nodes ride on a pass that is wide anyway, so the lookup branch always proposes
+        self._lookup = NgramDrafter(min_accept=0) if lookup else None
+        self.name = "eagle+lookup" if lookup else "eagle"
         if not isinstance(head, EagleHead):
             head = EagleHead.load(resolve_head(target.name, head), dtype=target.dtype)
         self.head = head.to(target.device).attach(target.model)
@@ -61,6 +71,9 @@ class EagleDrafter:
         self._extra: torch.Tensor | None = None  # lm_head rows of the context tokens outside the base vocabulary
         self._seen: set[int] = set()
         self._scanned = 0
+        self._lookup_draft: tuple[int, list[int]] | None = None  # (pending position, tokens) of the last branch
+        if getattr(self, "_lookup", None) is not None:
+            self._lookup.reset(sampling, generator)
         # the KV cache is kept: the next propose() keeps the pairs still valid for the new context
 
     @torch.inference_mode()
@@ -81,7 +94,10 @@ class EagleDrafter:
         new_tokens = torch.tensor(context[keep + 1 : m + 1], device=device)
         g = head.step(new_tokens, head.fuse_features(features[keep:m]), self._cache)[-1]  # [H]
         if self.tree and self.sampling.greedy:
-            draft = self._grow_tree(g, m, k)
+            branch = self._lookup_branch(context, m, k)
+            draft = self._grow_tree(g, m, k - len(branch))
+            if branch:
+                draft = _merge_chain(draft, branch)
             self._cache.truncate(m)
             self._tokens = list(context)
             return draft
@@ -103,6 +119,16 @@ class EagleDrafter:
         self._cache.truncate(m)  # drop the drafted pairs: they were built from the head's own features
         self._tokens = list(context)
         return Draft(tokens, torch.stack(probs) if probs else None)
+
+    def _lookup_branch(self, context: Sequence[int], m: int, k: int) -> list[int]:
+        if self._lookup is None or k < 2:
+            return []
+        if self._lookup_draft is not None:  # how much of the last branch the target took
+            at, tokens = self._lookup_draft
+            self._lookup.observe(common_prefix_length(tokens, context[at + 1 :]))
+        tokens = self._lookup.propose(context, max(0, min(k - 1, k // 2))).tokens
+        self._lookup_draft = (m, tokens) if tokens else None
+        return tokens
 
     def _grow_vocabulary(self, context: Sequence[int]) -> None:
         if self._scanned > len(context):  # a different sequence: start over
@@ -166,3 +192,19 @@ class EagleDrafter:
 
     def observe(self, num_accepted: int) -> None:
         pass  # the next propose() realigns the cache with the committed context
+
+
+def _merge_chain(tree: Draft, chain: list[int]) -> Draft:
+    """The tree with a chain of tokens from the pending token added, sharing the nodes it already has."""
+    tokens, parents = list(tree.tokens), list(tree.parents or [])
+    children: dict[tuple[int, int], int] = {(p, t): i for i, (t, p) in enumerate(zip(tokens, parents))}
+    node = -1
+    for token in chain:
+        child = children.get((node, token))
+        if child is None:
+            tokens.append(token)
+            parents.append(node)
+            child = len(tokens) - 1
+            children[(node, token)] = child
+        node = child
+    return Draft(tokens, None, parents)

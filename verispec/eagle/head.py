@@ -3,7 +3,7 @@
 Notation (EAGLE-1/3): t_i is the token at position i and h_i the target's hidden state there (h_i predicts
 t_{i+1}). The head's input at position i is the pair (f_i, t_{i+1}):
 
-    x_i = fc([norm(embed(t_{i+1})); norm(f_i)])        f_i = fuse(h_i at the feature layers)   (true features)
+    x_i = fc([norm(embed(t_{i+1})); norm(f_i)])        f_i = fuse([norm_l(h_i at layer l) for each feature layer])
     g_i = decoder_layer(x_≤i)                          the head's own estimate of the next hidden state
     q(t_{i+2}) = softmax(lm_head_d(norm(g_i)))          over the draft vocabulary
 
@@ -120,6 +120,9 @@ class EagleHead(nn.Module):
         super().__init__()
         self.config = c = config
         h, n_feat = c.hidden_size, len(c.feature_layers)
+        # per-layer RMSNorm first: intermediate layers carry a few massive dimensions (|x| in the hundreds) that
+        # would otherwise swamp the fusion; train_head starts them from the target's own input norms
+        self.feature_layer_norms = nn.ModuleList(nn.RMSNorm(h, eps=c.rms_norm_eps) for _ in range(n_feat))
         self.fuse = nn.Linear(n_feat * h, h, bias=False)
         self.embed_norm = nn.RMSNorm(h, eps=c.rms_norm_eps)
         self.feature_norm = nn.RMSNorm(h, eps=c.rms_norm_eps)
@@ -158,7 +161,9 @@ class EagleHead(nn.Module):
     # ------------------------------------------------------------------ pieces
     def fuse_features(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., L, H] target hidden states at the feature layers -> [..., H]."""
-        return self.fuse(hidden.flatten(-2).to(self.fuse.weight.dtype))
+        hidden = hidden.to(self.fuse.weight.dtype)
+        normed = [norm(hidden[..., i, :]) for i, norm in enumerate(self.feature_layer_norms)]
+        return self.fuse(torch.cat(normed, dim=-1))
 
     def inputs(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """Layer input for pairs (f_i, t_{i+1}): ``tokens`` [..., T] are the t_{i+1}, ``features`` [..., T, H]."""

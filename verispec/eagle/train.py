@@ -1,7 +1,8 @@
 """Training an EAGLE head on cached self-distillation data (see ``data.py``), on CPU.
 
 Loss: soft cross-entropy between the target's distribution over the draft vocabulary (its frozen lm_head applied
-to the cached final hidden state) and the head's q, at every answer position, for each of ``ttt_steps`` unrolled
+to the cached final hidden state) and the head's q, at every position (the target's distribution is a valid label
+inside the prompt too; ``prompt_loss=False`` keeps answers only), for each of ``ttt_steps`` unrolled
 draft depths (training-time test), weighted ``step_decay ** depth``. Validation on held-out sequences reports,
 per depth, top-1 agreement with the target's own next token and beta = sum_x min(p(x), q(x)) at temperature 1.
 """
@@ -26,18 +27,20 @@ from .head import EagleHead, head_config_for, ttt_mask
 
 @dataclass
 class TrainConfig:
-    epochs: int = 4
-    lr: float = 6e-4
+    epochs: int = 6
+    lr: float = 1e-3
     warmup_steps: int = 50
     batch_tokens: int = 4096  # padded tokens per optimisation step
-    ttt_steps: int = 3  # unrolled draft depths
+    ttt_steps: int = 2  # unrolled draft depths
     step_decay: float = 0.8
     draft_vocab_size: int = 8192
     val_sequences: int = 64
     val_every: int = 200  # optimisation steps between validations
     grad_clip: float = 0.5
     seed: int = 0
+    prompt_loss: bool = True  # also learn the target's distribution at prompt positions (its soft labels)
     init_from_layer: int | None = -1  # copy the target's decoder layer (index) into the head; None = random
+    feature_layers: list[int] | None = None  # among the cached ones (and the final one); None = all of them
     bf16_autocast: bool = True
 
 
@@ -46,8 +49,9 @@ class Batch:
     tokens: torch.Tensor  # [B, T]
     features: torch.Tensor  # [B, T, L, H]
     final: torch.Tensor  # [B, T, H]
-    loss_mask: torch.Tensor  # [B, T-1]: pair i is trained when t_{i+2} is an answer token
-    labels: torch.Tensor  # [B, T-1]: t_{i+2}, the target's own next token (0 where there is none)
+    loss_mask: torch.Tensor  # [B, T-1]: pairs i that are trained (every position with a label, or answers only)
+    labels: torch.Tensor  # [B, T-1]: t_{i+2}, the next token in the text (0 where there is none)
+    answer_mask: torch.Tensor  # [B, T-1]: pairs i whose t_{i+2} is in the target's own answer (scored there)
 
 
 @dataclass
@@ -91,20 +95,25 @@ def make_batches(sequences: list[Sequence], batch_tokens: int, rng: random.Rando
     return batches
 
 
-def collate(sequences: list[Sequence]) -> Batch:
+def collate(sequences: list[Sequence], select: list[int] | None = None, prompt_loss: bool = False) -> Batch:
+    """Pad a batch; ``select`` picks the head's feature layers among the cached ones (default: all but the last,
+    which is the final state the labels come from)."""
     width = max(len(s.tokens) for s in sequences)
     b = len(sequences)
     n_layers, hidden = sequences[0].features.shape[1:]
     tokens = torch.zeros(b, width, dtype=torch.long)
     feats = torch.zeros(b, width, n_layers, hidden, dtype=torch.bfloat16)
-    mask = torch.zeros(b, width - 1, dtype=torch.bool)
+    answer = torch.zeros(b, width - 1, dtype=torch.bool)
+    everywhere = torch.zeros(b, width - 1, dtype=torch.bool)
     for row, s in enumerate(sequences):
         n = len(s.tokens)
         tokens[row, :n] = s.tokens
         feats[row, :n] = s.features
-        mask[row, max(0, s.answer_start - 2): n - 2] = True  # pairs i whose label t_{i+2} is in the answer
+        answer[row, max(0, s.answer_start - 2): n - 2] = True  # pairs i whose label t_{i+2} is in the answer
+        everywhere[row, : n - 2] = True
     labels = torch.cat([tokens[:, 2:], torch.zeros(b, 1, dtype=torch.long)], dim=1)
-    return Batch(tokens, feats[:, :, :-1], feats[:, :, -1], mask, labels)
+    chosen = feats[:, :, :-1] if select is None else feats[:, :, select]
+    return Batch(tokens, chosen, feats[:, :, -1], everywhere if prompt_loss else answer, labels, answer)
 
 
 def unrolled_states(head: EagleHead, batch: Batch, steps: int) -> list[torch.Tensor]:
@@ -146,15 +155,26 @@ def train_head(target: LoadedModel, data_dir: str | Path, out_dir: str | Path, c
     if len(sequences) < 2:
         raise ValueError(f"{data_dir} holds {len(sequences)} sequences; build more data first")
     n_val = min(config.val_sequences, max(1, len(sequences) // 10))
-    val, train = sequences[-n_val:], sequences[:-n_val]
+    # a seeded random split: shards are length-sorted, so their tail would be only the longest prompts
+    held = set(random.Random(config.seed).sample(range(len(sequences)), n_val))
+    val = [s for i, s in enumerate(sequences) if i in held]
+    train = [s for i, s in enumerate(sequences) if i not in held]
     d2t = draft_vocabulary(train, config.draft_vocab_size, target.vocab_size, set(target.eos_token_ids))
     coverage = _coverage(val, d2t)
     log(f"{len(train)} training / {len(val)} validation sequences; draft vocabulary {len(d2t)} tokens covers "
         f"{100 * coverage:.1f}% of validation answer tokens")
 
     model = target.model
-    hcfg = head_config_for(model, target.name, meta["layers"], len(d2t))
+    final = model.config.num_hidden_layers  # hidden_states[final] is the final normed state, cached last
+    available = list(meta["layers"]) + [final]
+    layers = config.feature_layers or list(dict.fromkeys(available))
+    missing = [i for i in layers if i not in available]
+    if missing:
+        raise ValueError(f"feature layers {missing} are not in the cached data (layers {available})")
+    select = [available.index(i) for i in layers]
+    hcfg = head_config_for(model, target.name, layers, len(d2t))
     head = EagleHead(hcfg)
+    _init_feature_norms(head, model, layers)
     head.d2t.copy_(d2t)
     if config.init_from_layer is not None:
         _init_from_target_layer(head, model, config.init_from_layer)
@@ -181,7 +201,7 @@ def train_head(target: LoadedModel, data_dir: str | Path, out_dir: str | Path, c
     step = 0
     for epoch in range(config.epochs):
         for seqs in make_batches(train, config.batch_tokens, rng):
-            batch = collate(seqs)
+            batch = collate(seqs, select, config.prompt_loss)
             for group in opt.param_groups:
                 group["lr"] = lr_at(step)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16_autocast):
@@ -200,8 +220,10 @@ def train_head(target: LoadedModel, data_dir: str | Path, out_dir: str | Path, c
                 logq = torch.log_softmax(lg.float(), dim=-1)
                 loss = loss + (config.step_decay ** s) * -(p * logq).sum(-1).mean()
                 weight_sum += config.step_decay ** s
-                with torch.no_grad():
-                    accs.append((d2t[lg.argmax(-1)] == batch.labels[mask]).float().mean().item())
+                with torch.no_grad():  # top-1 on the answer positions among the trained ones
+                    scored = batch.answer_mask[mask]
+                    hit = d2t[lg.argmax(-1)] == batch.labels[mask]
+                    accs.append(hit[scored].float().mean().item() if scored.any() else 0.0)
             loss = loss / weight_sum
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -212,7 +234,7 @@ def train_head(target: LoadedModel, data_dir: str | Path, out_dir: str | Path, c
             bar.update(1)
             bar.set_postfix(epoch=epoch + 1, loss=f"{loss.item():.3f}", top1="/".join(f"{a:.2f}" for a in accs))
             if step % config.val_every == 0 or step == total:
-                metrics = validate(head, val, config, full_head)
+                metrics = validate(head, val, config, full_head, select)
                 metrics.update(step=step, epoch=epoch + 1, seconds=round(time.perf_counter() - start, 1))
                 report.val_history.append(metrics)
                 log(_format_metrics(metrics))
@@ -234,6 +256,15 @@ class _FrozenEmbedding(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight)
+
+
+def _init_feature_norms(head: EagleHead, model, layers: list[int]) -> None:
+    """hidden_states[l] is the input of decoder layer l, so start its norm from that layer's input norm (the
+    target's own way of taming the massive dimensions); the final state is normed already."""
+    with torch.no_grad():
+        for norm, index in zip(head.feature_layer_norms, layers):
+            if index < model.config.num_hidden_layers:
+                norm.weight.copy_(model.model.layers[index].input_layernorm.weight.float())
 
 
 def _init_from_target_layer(head: EagleHead, model, index: int) -> None:
@@ -266,7 +297,8 @@ def _coverage(sequences: list[Sequence], d2t: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def validate(head: EagleHead, sequences: list[Sequence], config: TrainConfig, full_head: torch.Tensor) -> dict:
+def validate(head: EagleHead, sequences: list[Sequence], config: TrainConfig, full_head: torch.Tensor,
+             select: list[int] | None = None) -> dict:
     """Teacher-forced validation per draft depth: top-1 agreement with the target's own next token, and
     beta = sum min(p, q) at temperature 1 over the full vocabulary (q is zero outside the draft vocabulary)."""
     head.eval()
@@ -274,10 +306,10 @@ def validate(head: EagleHead, sequences: list[Sequence], config: TrainConfig, fu
     betas = [0.0] * config.ttt_steps
     count = [0] * config.ttt_steps
     for seqs in make_batches(sequences, config.batch_tokens, random.Random(0)):
-        batch = collate(seqs)
+        batch = collate(seqs, select)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16_autocast):
             states = unrolled_states(head, batch, config.ttt_steps)
-        first = batch.loss_mask
+        first = batch.answer_mask
         p = torch.softmax(batch.final[:, 1:][first].float() @ full_head.T, dim=-1)  # [n, V], shared by all depths
         for s, g in enumerate(states):
             mask = first.clone()
