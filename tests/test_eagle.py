@@ -278,6 +278,23 @@ def test_train_eagle_command_end_to_end(tiny_dir, tmp_path, capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["stats"]["drafter"] == "eagle" and result["stats"]["new_tokens"] >= 1
 
+    # more data (the cached answers are kept, new ones added), then continue training that head
+    more = tmp_path / "head-more"
+    code = main(["train-eagle", "--target", str(tiny_dir), "--prompts", str(prompts), "--out", str(more),
+                 "--data", str(tmp_path / "data"), "--samples", "46", "--max-new-tokens", "8", "--epochs", "1",
+                 "--val-every", "5", "--check-prompts", "0", "--layers", "1,2", "--init-head", str(out)])
+    assert code == 0
+    capsys.readouterr()
+    record = json.loads((more / "config.json").read_text())["training"]
+    assert record["continued_from"]["head"] == str(out) and record["continued_from"]["training"]["data"]["sequences"] == 40
+    assert record["data"]["sequences"] == 46 and len(list(load_sequences(tmp_path / "data"))) == 46
+    first, second = EagleHead.load(out), EagleHead.load(more)
+    assert torch.equal(first.d2t, second.d2t)  # the draft vocabulary is kept
+    assert not torch.equal(first.fc.weight, second.fc.weight)  # and the weights trained further
+    assert main(["train-eagle", "--target", str(tiny_dir), "--prompts", str(prompts), "--out", str(more),
+                 "--init-head", str(tmp_path / "nowhere")]) != 0
+    assert "nowhere" in capsys.readouterr().err
+
 
 def test_train_eagle_refuses_spec_bench_prompts_and_bad_options(tiny_dir, tmp_path, capsys):
     from verispec.bench.prompts import load_questions

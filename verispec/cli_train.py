@@ -28,7 +28,8 @@ def add_train_parser(sub) -> None:
     t.add_argument("--out", required=True, metavar="DIR", help="where the head is written")
     d = t.add_argument_group("self-distillation data")
     d.add_argument("--data", metavar="DIR", help="cache of answers + hidden states (default: a folder under the "
-                                                  "verispec cache named after the target and these settings)")
+                                                  "verispec cache named after the target and these settings); a "
+                                                  "later run with a larger --samples answers only the new prompts")
     d.add_argument("--samples", type=int, default=2400, help="prompts the target answers (default: 2400)")
     d.add_argument("--max-prompt-tokens", type=int, default=320, help="skip longer prompts (default: 320)")
     d.add_argument("--max-new-tokens", type=int, default=192, help="answer length cap (default: 192)")
@@ -49,6 +50,9 @@ def add_train_parser(sub) -> None:
                         "target's distribution as the label)")
     g.add_argument("--draft-vocab", type=int, default=8192,
                    help="size of the head's reduced vocabulary: the target's most frequent answer tokens (default: 8192)")
+    g.add_argument("--init-head", metavar="DIR",
+                   help="continue training this head (e.g. after adding data with a larger --samples) instead of "
+                        "starting afresh; it keeps its draft vocabulary and must read the same --layers")
     g.add_argument("--val-every", type=int, default=200, help="steps between validations (default: 200)")
     g.add_argument("--check-prompts", type=int, default=8,
                    help="held-out prompts for the final check in the real engine (default: 8; 0 skips it)")
@@ -79,6 +83,10 @@ def cmd_train_eagle(args) -> int:
                              ("--batch-tokens", args.batch_tokens, 64), ("--max-prompt-tokens", args.max_prompt_tokens, 2)):
         if value < low:
             raise InvalidRequest(f"{name} must be >= {low}, got {value}")
+    if args.init_head:  # fail before an hour of data generation, not after
+        from .eagle.head import EagleHead
+
+        EagleHead.load(args.init_head)
     texts = read_prompts(args.prompts)
     _refuse_eval_prompts(texts)
     started = time.perf_counter()
@@ -91,8 +99,8 @@ def cmd_train_eagle(args) -> int:
     if len(train_ids) < 2:
         raise InvalidRequest(f"only {len(train_ids)} prompts of at most {args.max_prompt_tokens} tokens; raise "
                              "--max-prompt-tokens or pass more prompts")
-    settings = dict(target=args.target, prompts=str(Path(args.prompts).resolve()), samples=args.samples,
-                    max_prompt=args.max_prompt_tokens, max_new=args.max_new_tokens, layers=layers, seed=args.seed,
+    # --samples is not part of the key: a run with more samples extends the same data (prompts are a seeded prefix)
+    settings = dict(target=args.target, prompts=str(Path(args.prompts).resolve()), max_prompt=args.max_prompt_tokens, max_new=args.max_new_tokens, layers=layers, seed=args.seed,
                     dtype=args.gen_dtype)
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     data_dir = Path(args.data) if args.data else cache_dir() / "eagle-data" / f"{Path(args.target).name}-{key}"
@@ -105,7 +113,7 @@ def cmd_train_eagle(args) -> int:
     target = load_model(args.target, dtype="float32")
     config = TrainConfig(epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens, ttt_steps=args.ttt_steps,
                          draft_vocab_size=args.draft_vocab, val_every=args.val_every, seed=args.seed,
-                         prompt_loss=not args.answers_only)
+                         prompt_loss=not args.answers_only, init_head=args.init_head)
     print(f"verispec: step 2/3: training the head -> {args.out}", file=sys.stderr)
     report = train_head(target, data_dir, args.out, config, log=lambda m: print(f"verispec: {m}", file=sys.stderr))
     summary = {"out": str(args.out), "data": str(data_dir), "steps": report.steps,

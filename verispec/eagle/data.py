@@ -9,13 +9,14 @@ On disk (``DIR``): ``meta.json`` and shards ``shard-NNNNN.safetensors``, each ho
 tokens in all: ``tokens`` [N] int32, ``offsets`` [S+1] int64 (sequence i is tokens[offsets[i]:offsets[i+1]]),
 ``answer_start`` [S] int64 (index inside the sequence where the answer begins), ``features`` [N, L, H] bfloat16
 (the hidden states named by ``meta.json``'s ``layers``, then the final normed state). Shards are written one at
-a time, so an interrupted run resumes where it stopped.
+a time, so an interrupted run resumes where it stopped, and a run with more prompts adds only the new ones.
 """
 
 from __future__ import annotations
 
 import json
 import random
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -155,14 +156,15 @@ def build_dataset(target: LoadedModel, prompts: list[list[int]], out_dir: str | 
     with torch.inference_mode():
         for index, shard in enumerate(shards):
             path = out / f"shard-{index:05d}.safetensors"
-            if path.exists():
-                bar.update(len(shard))
+            sequences: list[Sequence] = list(_read_shard(path)) if path.exists() else []
+            todo = _unanswered(shard, sequences)  # a shard written by a run with fewer prompts gets the rest
+            bar.update(len(shard) - len(todo))
+            if not todo:
                 continue
             # length-sorted batches waste less compute on padding
-            order = sorted(range(len(shard)), key=lambda i: len(shard[i]))
-            sequences: list[Sequence] = []
+            order = sorted(range(len(todo)), key=lambda i: len(todo[i]))
             for chunk in _batches(order, batch_size):
-                batch = [shard[i] for i in chunk]
+                batch = [todo[i] for i in chunk]
                 answers = generate_answers(target, batch, max_new_tokens)
                 full = [p + a for p, a in zip(batch, answers)]
                 for prompt, seq, feats in zip(batch, full, target_features(target, full, layers)):
@@ -171,6 +173,19 @@ def build_dataset(target: LoadedModel, prompts: list[list[int]], out_dir: str | 
             _write_shard(path, sequences)
     bar.close()
     return out
+
+
+def _unanswered(prompts: list[list[int]], sequences: list[Sequence]) -> list[list[int]]:
+    """The prompts that have no sequence yet (a multiset difference: a prompt may occur twice)."""
+    have = Counter(tuple(s.tokens[: s.answer_start].tolist()) for s in sequences)
+    todo = []
+    for prompt in prompts:
+        key = tuple(prompt)
+        if have[key]:
+            have[key] -= 1
+        else:
+            todo.append(prompt)
+    return todo
 
 
 def _write_shard(path: Path, sequences: list[Sequence]) -> None:
@@ -193,11 +208,15 @@ def load_meta(data_dir: str | Path) -> dict:
     return json.loads(path.read_text())
 
 
+def _read_shard(path: Path) -> Iterator[Sequence]:
+    shard = load_file(str(path))
+    offsets = shard["offsets"].tolist()
+    for i in range(len(offsets) - 1):
+        a, b = offsets[i], offsets[i + 1]
+        yield Sequence(shard["tokens"][a:b].long(), int(shard["answer_start"][i]), shard["features"][a:b])
+
+
 def load_sequences(data_dir: str | Path) -> Iterable[Sequence]:
     """Every cached sequence, shard by shard."""
     for path in sorted(Path(data_dir).glob("shard-*.safetensors")):
-        shard = load_file(str(path))
-        offsets = shard["offsets"].tolist()
-        for i in range(len(offsets) - 1):
-            a, b = offsets[i], offsets[i + 1]
-            yield Sequence(shard["tokens"][a:b].long(), int(shard["answer_start"][i]), shard["features"][a:b])
+        yield from _read_shard(path)

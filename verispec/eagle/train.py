@@ -42,6 +42,7 @@ class TrainConfig:
     init_from_layer: int | None = -1  # copy the target's decoder layer (index) into the head; None = random
     feature_layers: list[int] | None = None  # among the cached ones (and the final one); None = all of them
     bf16_autocast: bool = True
+    init_head: str | None = None  # continue from this trained head (its weights and draft vocabulary)
 
 
 @dataclass
@@ -61,6 +62,7 @@ class TrainReport:
     train_tokens: int = 0
     val_history: list[dict] = field(default_factory=list)
     best: dict = field(default_factory=dict)
+    continued_from: dict = field(default_factory=dict)  # the training record of the --init-head checkpoint
 
 
 def draft_vocabulary(sequences: list[Sequence], size: int, vocab_size: int, always: set[int]) -> torch.Tensor:
@@ -159,7 +161,11 @@ def train_head(target: LoadedModel, data_dir: str | Path, out_dir: str | Path, c
     held = set(random.Random(config.seed).sample(range(len(sequences)), n_val))
     val = [s for i, s in enumerate(sequences) if i in held]
     train = [s for i, s in enumerate(sequences) if i not in held]
-    d2t = draft_vocabulary(train, config.draft_vocab_size, target.vocab_size, set(target.eos_token_ids))
+    if config.init_head:
+        head = EagleHead.load(config.init_head)  # continue training: keep its weights and draft vocabulary
+        d2t = head.d2t.clone()
+    else:
+        d2t = draft_vocabulary(train, config.draft_vocab_size, target.vocab_size, set(target.eos_token_ids))
     coverage = _coverage(val, d2t)
     log(f"{len(train)} training / {len(val)} validation sequences; draft vocabulary {len(d2t)} tokens covers "
         f"{100 * coverage:.1f}% of validation answer tokens")
@@ -172,13 +178,20 @@ def train_head(target: LoadedModel, data_dir: str | Path, out_dir: str | Path, c
     if missing:
         raise ValueError(f"feature layers {missing} are not in the cached data (layers {available})")
     select = [available.index(i) for i in layers]
-    hcfg = head_config_for(model, target.name, layers, len(d2t))
-    head = EagleHead(hcfg)
-    _init_feature_norms(head, model, layers)
-    head.d2t.copy_(d2t)
-    if config.init_from_layer is not None:
-        _init_from_target_layer(head, model, config.init_from_layer)
-    head.attach(model)
+    if config.init_head:
+        if list(head.config.feature_layers) != layers:
+            raise ValueError(f"the head in {config.init_head} reads target layers {head.config.feature_layers}, "
+                             f"but this training uses {layers}; continue with the same --layers or start afresh")
+        head.train()
+        continued_from = {"head": str(config.init_head), "training": head.config.training}
+    else:
+        continued_from = {}
+        head = EagleHead(head_config_for(model, target.name, layers, len(d2t)))
+        _init_feature_norms(head, model, layers)
+        head.d2t.copy_(d2t)
+        if config.init_from_layer is not None:
+            _init_from_target_layer(head, model, config.init_from_layer)
+    head.attach(model)  # a head continued from another target's checkpoint is refused here
     head.lm_head_d = head.lm_head_d.float()
     head.embed = _FrozenEmbedding(model.get_input_embeddings().weight.detach().float())
     full_head = model.get_output_embeddings().weight.detach().float()  # [V, H], for validation beta
@@ -194,7 +207,7 @@ def train_head(target: LoadedModel, data_dir: str | Path, out_dir: str | Path, c
         progress_frac = (step - config.warmup_steps) / max(1, total - config.warmup_steps)
         return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress_frac))))
 
-    report = TrainReport()
+    report = TrainReport(continued_from=continued_from)
     best_score = -1.0
     start = time.perf_counter()
     bar = tqdm(total=total, desc="training EAGLE head", unit="step", disable=not progress)
@@ -363,6 +376,7 @@ def _training_record(meta: dict, config: TrainConfig, report: TrainReport, cover
         "train_tokens": report.train_tokens,
         "draft_vocab_coverage": round(coverage, 4),
         "best_validation": report.best,
+        **({"continued_from": report.continued_from} if report.continued_from else {}),
     }
 
 
