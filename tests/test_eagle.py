@@ -288,6 +288,8 @@ def test_train_eagle_command_end_to_end(tiny_dir, tmp_path, capsys):
     record = json.loads((more / "config.json").read_text())["training"]
     assert record["continued_from"]["head"] == str(out) and record["continued_from"]["training"]["data"]["sequences"] == 40
     assert record["data"]["sequences"] == 46 and len(list(load_sequences(tmp_path / "data"))) == 46
+    assert record["config"]["init_head"] == str(out)
+    assert record["validation_history"][0]["step"] == 0  # the continued head is validated before it trains
     first, second = EagleHead.load(out), EagleHead.load(more)
     assert torch.equal(first.d2t, second.d2t)  # the draft vocabulary is kept
     assert not torch.equal(first.fc.weight, second.fc.weight)  # and the weights trained further

@@ -210,6 +210,11 @@ def train_head(target: LoadedModel, data_dir: str | Path, out_dir: str | Path, c
     report = TrainReport(continued_from=continued_from)
     best_score = -1.0
     start = time.perf_counter()
+    if config.init_head:  # where the continued head starts, on this run's validation answers
+        metrics = validate(head, val, config, full_head, select)
+        metrics.update(step=0, epoch=0, seconds=0.0)
+        report.val_history.append(metrics)
+        log(_format_metrics(metrics))
     bar = tqdm(total=total, desc="training EAGLE head", unit="step", disable=not progress)
     step = 0
     for epoch in range(config.epochs):
@@ -376,6 +381,7 @@ def _training_record(meta: dict, config: TrainConfig, report: TrainReport, cover
         "train_tokens": report.train_tokens,
         "draft_vocab_coverage": round(coverage, 4),
         "best_validation": report.best,
+        "validation_history": report.val_history,
         **({"continued_from": report.continued_from} if report.continued_from else {}),
     }
 
