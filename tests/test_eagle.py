@@ -12,9 +12,10 @@ from tiny import loaded, make_model
 from verispec import EagleDrafter, IncompatibleDrafter, ModelNotFound, SamplingParams, SpeculativeDecoder
 from verispec.audit import chi_square
 from verispec.drafters.base import Draft
-from verispec.eagle.data import build_dataset, load_meta, load_sequences
+from verispec.eagle.data import Sequence, build_dataset, load_meta, load_sequences
 from verispec.eagle.head import EagleHead, KVCache, head_config_for, ttt_mask
-from verispec.eagle.train import TrainConfig, collate, draft_vocabulary, unrolled_states
+from verispec.eagle.train import (TrainConfig, collate, draft_vocabulary, unrolled_states,
+                                  validation_split)
 from verispec.features import FeatureBuffer
 
 LAYERS = (1, 2)  # the tiny target has 2 layers: hidden_states 0 (embeddings), 1, 2 (final, normed)
@@ -226,6 +227,22 @@ def test_dataset_is_resumable_and_refuses_other_settings(small_target, tmp_path)
 
     with pytest.raises(InvalidRequest, match="max_new_tokens"):
         build_dataset(small_target, prompts, tmp_path, layers=LAYERS, max_new_tokens=6, shard_size=2, progress=False)
+
+
+def test_validation_split_is_stable_as_data_grows():
+    rng = random.Random(3)
+    data = [Sequence(torch.tensor([rng.randrange(50) for _ in range(rng.randrange(2, 8))] + [1, 2]), 2 + i % 3,
+                     torch.zeros(1)) for i in range(300)]
+    for s in data:
+        s.answer_start = len(s.tokens) - 2
+    small = data[:120]
+    train_s, val_s = validation_split(small, 12)
+    train_b, val_b = validation_split(list(reversed(data)), 12)  # more data, another order
+    assert len(val_s) == 12 and len(train_s) == 108 and len(val_b) == 12 and len(train_b) == 288
+    ids_small = {id(s) for s in small}
+    # whatever the larger split holds out from the smaller set was held out there too (never trained on)
+    assert {id(s) for s in val_b if id(s) in ids_small} <= {id(s) for s in val_s}
+    assert {id(s) for s in val_s} != {id(s) for s in validation_split(small, 12, seed=1)[1]}
 
 
 def test_draft_vocabulary_takes_the_most_frequent_answer_tokens():

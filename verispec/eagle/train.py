@@ -9,6 +9,7 @@ per depth, top-1 agreement with the target's own next token and beta = sum_x min
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 import time
@@ -80,6 +81,20 @@ def draft_vocabulary(sequences: list[Sequence], size: int, vocab_size: int, alwa
             break
         chosen.add(token)
     return torch.tensor(sorted(chosen)[:size])
+
+
+def validation_split(sequences: list[Sequence], count: int, seed: int = 0) -> tuple[list[Sequence], list[Sequence]]:
+    """(train, validation): the ``count`` sequences whose prompts hash lowest (seeded) are held out.
+
+    The split depends on the prompts, not on their order or number, and it is stable as data grows: a sequence
+    held out from a larger set was held out from every smaller set that contains it. So a head continued on more
+    data (``init_head``) is never validated on answers its first round trained on."""
+    def key(s: Sequence) -> bytes:
+        return hashlib.sha256(f"{seed}:".encode() + s.tokens[: s.answer_start].numpy().astype("<i8").tobytes()).digest()
+
+    ranked = sorted(range(len(sequences)), key=lambda i: (key(sequences[i]), i))
+    held = set(ranked[:count])
+    return ([s for i, s in enumerate(sequences) if i not in held], [s for i, s in enumerate(sequences) if i in held])
 
 
 def make_batches(sequences: list[Sequence], batch_tokens: int, rng: random.Random) -> list[list[Sequence]]:
@@ -156,11 +171,7 @@ def train_head(target: LoadedModel, data_dir: str | Path, out_dir: str | Path, c
     sequences = list(load_sequences(data_dir))
     if len(sequences) < 2:
         raise ValueError(f"{data_dir} holds {len(sequences)} sequences; build more data first")
-    n_val = min(config.val_sequences, max(1, len(sequences) // 10))
-    # a seeded random split: shards are length-sorted, so their tail would be only the longest prompts
-    held = set(random.Random(config.seed).sample(range(len(sequences)), n_val))
-    val = [s for i, s in enumerate(sequences) if i in held]
-    train = [s for i, s in enumerate(sequences) if i not in held]
+    train, val = validation_split(sequences, min(config.val_sequences, max(1, len(sequences) // 10)), config.seed)
     if config.init_head:
         head = EagleHead.load(config.init_head)  # continue training: keep its weights and draft vocabulary
         d2t = head.d2t.clone()
