@@ -1,0 +1,51 @@
+"""Teacher-forced top-1 and beta per draft depth of several EAGLE heads on the same cached validation answers.
+
+    python scripts/compare_heads.py --data data/eagle --heads heads/round1,heads/smollm2-135m \
+        --split random --skip-first 2400
+
+--split hash is the split train-eagle uses now; --split random is the seeded random sample of 64 it used before
+(the shipped head's round 2). --skip-first N drops the first N cached answers (those an earlier round trained on).
+"""
+
+import argparse
+import json
+import random
+
+from verispec import load_model
+from verispec.eagle.data import load_meta, load_sequences
+from verispec.eagle.head import EagleHead
+from verispec.eagle.train import TrainConfig, validate, validation_split
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", required=True, help="train-eagle's --data folder")
+    ap.add_argument("--heads", required=True, help="comma-separated head folders")
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--split", choices=["hash", "random"], default="hash")
+    ap.add_argument("--count", type=int, default=64, help="validation answers before --skip-first (default: 64)")
+    ap.add_argument("--skip-first", type=int, default=0, help="leave out the first N cached answers")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    sequences = list(load_sequences(args.data))
+    if args.split == "hash":
+        held = {id(s) for s in validation_split(sequences, args.count, args.seed)[1]}
+        indices = [i for i, s in enumerate(sequences) if id(s) in held]
+    else:
+        indices = random.Random(args.seed).sample(range(len(sequences)), args.count)
+    val = [sequences[i] for i in indices if i >= args.skip_first]
+    answer_tokens = sum(len(s.tokens) - s.answer_start for s in val)
+    print(f"{len(val)} validation answers ({answer_tokens} answer tokens)")
+    target = load_model(args.target, dtype="float32")
+    full_head = target.model.get_output_embeddings().weight.detach().float()
+    cached = list(load_meta(args.data)["layers"]) + [target.model.config.num_hidden_layers]  # as stored
+    for folder in args.heads.split(","):
+        head = EagleHead.load(folder).attach(target.model)
+        head.lm_head_d = head.lm_head_d.float()
+        select = [cached.index(i) for i in head.config.feature_layers]
+        print(folder, json.dumps(validate(head, val, TrainConfig(), full_head, select)))
+
+
+if __name__ == "__main__":
+    main()
