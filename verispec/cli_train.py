@@ -100,8 +100,8 @@ def cmd_train_eagle(args) -> int:
         raise InvalidRequest(f"only {len(train_ids)} prompts of at most {args.max_prompt_tokens} tokens; raise "
                              "--max-prompt-tokens or pass more prompts")
     # --samples is not part of the key: a run with more samples extends the same data (prompts are a seeded prefix)
-    settings = dict(target=args.target, prompts=str(Path(args.prompts).resolve()), max_prompt=args.max_prompt_tokens, max_new=args.max_new_tokens, layers=layers, seed=args.seed,
-                    dtype=args.gen_dtype)
+    settings = dict(target=args.target, prompts=str(Path(args.prompts).resolve()), max_prompt=args.max_prompt_tokens,
+                    max_new=args.max_new_tokens, layers=layers, seed=args.seed, dtype=args.gen_dtype)
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     data_dir = Path(args.data) if args.data else cache_dir() / "eagle-data" / f"{Path(args.target).name}-{key}"
     print(f"verispec: step 1/3: {len(train_ids)} answers by {args.target} ({args.gen_dtype}) -> {data_dir}",

@@ -156,11 +156,12 @@ def build_dataset(target: LoadedModel, prompts: list[list[int]], out_dir: str | 
     with torch.inference_mode():
         for index, shard in enumerate(shards):
             path = out / f"shard-{index:05d}.safetensors"
-            sequences: list[Sequence] = list(_read_shard(path)) if path.exists() else []
-            todo = _unanswered(shard, sequences)  # a shard written by a run with fewer prompts gets the rest
+            # a shard written by a run with fewer prompts gets the rest; its features are read only then
+            todo = _unanswered(shard, _shard_prompts(path) if path.exists() else [])
             bar.update(len(shard) - len(todo))
             if not todo:
                 continue
+            sequences: list[Sequence] = list(_read_shard(path)) if path.exists() else []
             # length-sorted batches waste less compute on padding
             order = sorted(range(len(todo)), key=lambda i: len(todo[i]))
             for chunk in _batches(order, batch_size):
@@ -175,9 +176,9 @@ def build_dataset(target: LoadedModel, prompts: list[list[int]], out_dir: str | 
     return out
 
 
-def _unanswered(prompts: list[list[int]], sequences: list[Sequence]) -> list[list[int]]:
-    """The prompts that have no sequence yet (a multiset difference: a prompt may occur twice)."""
-    have = Counter(tuple(s.tokens[: s.answer_start].tolist()) for s in sequences)
+def _unanswered(prompts: list[list[int]], answered: list[tuple[int, ...]]) -> list[list[int]]:
+    """The prompts not in ``answered`` yet (a multiset difference: a prompt may occur twice)."""
+    have = Counter(answered)
     todo = []
     for prompt in prompts:
         key = tuple(prompt)
@@ -206,6 +207,15 @@ def load_meta(data_dir: str | Path) -> dict:
     if not path.exists():
         raise InvalidRequest(f"{data_dir} holds no training data ({META} missing); build it with verispec train-eagle")
     return json.loads(path.read_text())
+
+
+def _shard_prompts(path: Path) -> list[tuple[int, ...]]:
+    """The prompts a shard answers, read without its features."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        tokens, offsets, starts = f.get_tensor("tokens"), f.get_tensor("offsets").tolist(), f.get_tensor("answer_start")
+    return [tuple(tokens[a : a + int(st)].tolist()) for a, st in zip(offsets[:-1], starts)]
 
 
 def _read_shard(path: Path) -> Iterator[Sequence]:
