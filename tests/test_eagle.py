@@ -3,6 +3,9 @@ exact sampling distribution, checkpoints bound to their target, and the train-ea
 
 import json
 import random
+from pathlib import Path
+
+import safetensors.torch
 
 import pytest
 import torch
@@ -203,6 +206,26 @@ def test_bfloat16_target_and_head_run(small_target, trained_head_dir):
                                                                                              max_new_tokens=30)
     assert out.stats.new_tokens == 30 and out.stats.drafted > 0
     assert EagleDrafter(target, trained_head_dir[0]).head.fc.weight.dtype == torch.bfloat16
+
+
+def test_bfloat16_head_is_packed_with_the_same_logits_and_saves_unchanged(small_target, trained_head_dir, tmp_path):
+    from verispec.packing import PackedLinear, packing_available
+
+    if not packing_available():
+        pytest.skip("this torch build has no oneDNN")
+    model = make_model(seed=0, scale=0.1).to(torch.bfloat16)
+    head = EagleHead.load(trained_head_dir[0], dtype=torch.bfloat16).attach(model)
+    plain = EagleHead.load(trained_head_dir[0], dtype=torch.bfloat16).train().attach(model).eval()  # not packed
+    assert isinstance(head.fc, PackedLinear) and not isinstance(plain.fc, PackedLinear)
+    assert head._lm_head_packed is not None and plain._lm_head_packed is None
+    g = torch.randn(5, 32, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(head.logits(g), plain.logits(g))
+        tokens, feats = torch.tensor([4, 5, 6]), torch.randn(3, 32, dtype=torch.bfloat16)
+        assert torch.equal(head.step(tokens, feats, KVCache()), plain.step(tokens, feats, KVCache()))
+    head.save(tmp_path / "again")
+    saved = safetensors.torch.load_file(tmp_path / "again" / "model.safetensors")
+    assert saved.keys() == safetensors.torch.load_file(Path(trained_head_dir[0]) / "model.safetensors").keys()
 
 
 def test_dataset_is_resumable_and_refuses_other_settings(small_target, tmp_path):

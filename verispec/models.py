@@ -24,11 +24,13 @@ from pathlib import Path
 import torch
 
 from .errors import InvalidRequest, ModelNotFound
+from .packing import pack_linear_layers
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CACHE_ENV = "VERISPEC_CACHE"
+PACK_ENV = "VERISPEC_PACK"  # 0 turns off prepacked oneDNN weights (verispec.packing)
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ class LoadedModel:
     name: str
     dtype: torch.dtype = torch.float32
     eos_token_ids: frozenset[int] | None = None  # None: read from the generation config and tokenizer
+    packed_layers: int = 0  # linear layers whose weights are prepacked for oneDNN (verispec.packing)
 
     def __post_init__(self) -> None:
         if self.eos_token_ids is None:
@@ -110,8 +113,12 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", device: str | None = None) -> LoadedModel:
-    """Load a model reference (built-in name, local directory, .gguf file or hub id)."""
+def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", device: str | None = None,
+               pack: bool | None = None) -> LoadedModel:
+    """Load a model reference (built-in name, local directory, .gguf file or hub id).
+
+    ``pack`` prepacks the linear layers' weights for oneDNN (see ``verispec.packing``): same logits bit for bit,
+    faster decoding. By default it is on for bfloat16 on CPU unless the environment sets VERISPEC_PACK=0."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = parse_dtype(dtype)
@@ -149,7 +156,10 @@ def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", d
         raise ModelNotFound(f"could not load the model in {source}: {exc}") from exc
     if device:
         model = model.to(device)
-    return LoadedModel(model=model, tokenizer=tokenizer, name=ref, dtype=torch_dtype)
+    if pack is None:
+        pack = os.environ.get(PACK_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    packed = pack_linear_layers(model) if pack else 0
+    return LoadedModel(model=model, tokenizer=tokenizer, name=ref, dtype=torch_dtype, packed_layers=packed)
 
 
 def _looks_like_hub_id(ref: str) -> bool:

@@ -28,13 +28,14 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def environment(dtype: str, device: str) -> dict:
+def environment(dtype: str, device: str, packed_layers: int = 0) -> dict:
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "versions": {p: _version(p) for p in ("verispec", "torch", "transformers", "tokenizers")},
         "python": platform.python_version(),
         "dtype": dtype,
         "device": device,
+        "packed_linear_layers": packed_layers,  # weights prepacked for oneDNN (verispec.packing; VERISPEC_PACK=0 off)
         "torch_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
         "cpu": _cpu_model(),

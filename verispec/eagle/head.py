@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import IncompatibleDrafter, ModelNotFound
+from ..packing import PackedLinear, pack_linear_layers, should_pack
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -142,6 +143,7 @@ class EagleHead(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.embed: nn.Module | None = None
         self.lm_head_d: torch.Tensor | None = None  # [draft_vocab, H]
+        self._lm_head_packed: PackedLinear | None = None
 
     # ------------------------------------------------------------------ target parts
     def attach(self, target_model) -> "EagleHead":
@@ -156,6 +158,10 @@ class EagleHead(nn.Module):
         self.embed = target_model.get_input_embeddings()
         weight = target_model.get_output_embeddings().weight
         self.lm_head_d = weight.detach()[self.d2t.to(weight.device)].to(self.fuse.weight.dtype)
+        self._lm_head_packed = None
+        if not self.training and should_pack(self.lm_head_d):  # inference in bfloat16 on CPU: prepacked weights
+            pack_linear_layers(self)
+            object.__setattr__(self, "_lm_head_packed", PackedLinear(self.lm_head_d))  # not a submodule: never saved
         return self
 
     # ------------------------------------------------------------------ pieces
@@ -201,7 +207,7 @@ class EagleHead(nn.Module):
         """Draft-vocabulary logits [..., draft_vocab] from head outputs [..., H]; with ``extra`` (rows of the
         target's lm_head [E, H]) also the logits of those tokens, appended: [..., draft_vocab + E]."""
         n = self.out_norm(g).to(self.lm_head_d.dtype)
-        out = n @ self.lm_head_d.T
+        out = n @ self.lm_head_d.T if self._lm_head_packed is None else self._lm_head_packed(n)
         if extra is not None and extra.shape[0]:
             out = torch.cat([out, n @ extra.T], dim=-1)
         return out
@@ -230,8 +236,9 @@ class EagleHead(nn.Module):
 
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
+        # the head's own weights only: an attached head also holds the target's embedding module
         state = {k: v.detach().to(torch.bfloat16) if v.is_floating_point() else v.detach()
-                 for k, v in self.state_dict().items()}
+                 for k, v in self.state_dict().items() if not k.startswith("embed.")}
         save_file({k: v.contiguous() for k, v in state.items()}, str(folder / WEIGHTS))
         self.config.save(folder)
 
