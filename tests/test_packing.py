@@ -84,3 +84,11 @@ def test_load_model_packs_bfloat16_by_default_and_the_switch_turns_it_off(tiny_d
     assert load_model(str(tiny_dir), dtype="bfloat16", pack=False).packed_layers == 0
     monkeypatch.setenv("VERISPEC_PACK", "0")
     assert load_model(str(tiny_dir), dtype="bfloat16").packed_layers == 0
+
+
+def test_a_packed_model_cast_to_float32_still_computes_with_its_live_weights():
+    plain, packed, _ = _pair(seed=5)
+    plain, packed = plain.float(), packed.float()
+    x = torch.randint(0, 32, (1, 7))
+    with torch.inference_mode():
+        assert torch.equal(plain(input_ids=x).logits, packed(input_ids=x).logits)

@@ -37,7 +37,10 @@ class PackedLinear(nn.Module):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != self.weight.dtype or (torch.is_grad_enabled() and x.requires_grad):
+        # the packed copy is a snapshot: a model moved to another dtype or device, or a caller that needs
+        # gradients, gets the plain op on the live weight
+        stale = self.weight.dtype != self._packed.dtype or self.weight.device.type != "cpu"
+        if stale or x.dtype != self.weight.dtype or (torch.is_grad_enabled() and x.requires_grad):
             return nn.functional.linear(x, self.weight, self.bias)
         bias = None if self.bias is None else self.bias.detach()
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
