@@ -39,7 +39,7 @@ def _model_options(p: argparse.ArgumentParser, drafter_default: str = "ngram") -
                         "instead of a chain; sampled requests keep the chain")
     g.add_argument("--eagle-lookup", action="store_true",
                    help="with --eagle-tree, add a prompt-lookup (n-gram) branch to each tree (drafter 'eagle+lookup')")
-    g.add_argument("--eagle-depth", type=int, default=6, help="depth of the eagle tree (default: 6)")
+    g.add_argument("--eagle-depth", type=int, default=4, help="depth of the eagle tree (default: 4)")
     g.add_argument("--eagle-width", type=int, default=4,
                    help="children per expanded node and nodes expanded per depth in the eagle tree (default: 4)")
     g.add_argument("--k", type=int, default=8, help="most draft tokens verified per step (default: 8)")

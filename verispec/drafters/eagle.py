@@ -41,7 +41,7 @@ class EagleDrafter:
     name = "eagle"
 
     def __init__(self, target: LoadedModel, head: EagleHead | str | Path | None = None, *, tree: bool = False,
-                 depth: int = 6, width: int = 4, context_vocab: bool = True, lookup: bool = False):
+                 depth: int = 4, width: int = 4, context_vocab: bool = True, lookup: bool = False):
         for name, value in (("depth", depth), ("width", width)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidRequest(f"eagle tree {name} must be a whole number >= 1, got {value!r}")
