@@ -54,5 +54,6 @@ def main() -> None:
             label = f"{dtype}{' packed' if target.packed_layers else ''}"
             print(f"{label:16} context {args.context}: {cells}", flush=True)
 
+
 if __name__ == "__main__":
     main()

@@ -5,9 +5,8 @@ import json
 import random
 from pathlib import Path
 
-import safetensors.torch
-
 import pytest
+import safetensors.torch
 import torch
 
 from statistical_helpers import ALPHA, SAMPLES, exact_joint, joint_p_value, sampled_joint

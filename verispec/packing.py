@@ -26,7 +26,7 @@ def packing_available() -> bool:
 
 
 class PackedLinear(nn.Module):
-    """``nn.Linear`` with its weight packed once for oneDNN (inference only: no gradient flows through it)."""
+    """``nn.Linear`` with its weight packed once for oneDNN; calls that need gradients take the plain op."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -50,7 +50,8 @@ class PackedLinear(nn.Module):
 
 
 def should_pack(model: nn.Module | torch.Tensor) -> bool:
-    """Packing pays for bfloat16 weights on CPU (float32 matmuls go to MKL, which packs on its own)."""
+    """Packing is for bfloat16 weights on CPU: there it is bit-identical to ``F.linear``. float32 is left alone
+    (its matmuls go to MKL, and the packed op's float32 results differ from MKL's in the last bits)."""
     if isinstance(model, torch.Tensor):
         param = model
     else:
