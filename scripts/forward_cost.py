@@ -10,10 +10,9 @@ import statistics
 import time
 
 import torch
-from transformers import DynamicCache
 
 from verispec import load_model
-from verispec.cache import truncate
+from verispec.cache import new_cache, truncate
 
 
 def main() -> None:
@@ -33,7 +32,7 @@ def main() -> None:
         targets = [load_model(args.target, dtype=dtype, pack=pack) for pack in packs]
         vocab = targets[0].vocab_size
         ctx = torch.randint(0, vocab, (1, args.context), generator=gen)
-        caches = [DynamicCache() for _ in targets]
+        caches = [new_cache() for _ in targets]
         times = {(i, w): [] for i in range(len(targets)) for w in widths}
         with torch.inference_mode():
             for target, cache in zip(targets, caches):

@@ -207,21 +207,25 @@ def test_bfloat16_target_and_head_run(small_target, trained_head_dir):
     assert EagleDrafter(target, trained_head_dir[0]).head.fc.weight.dtype == torch.bfloat16
 
 
-def test_bfloat16_head_is_packed_with_the_same_logits_and_saves_unchanged(small_target, trained_head_dir, tmp_path):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_is_packed_where_the_cpu_can_with_the_same_logits_and_saves_unchanged(small_target, trained_head_dir,
+                                                                                   tmp_path, dtype):
     from verispec.packing import PackedLinear, packing_available
 
-    if not packing_available():
-        pytest.skip("this torch build has no oneDNN")
-    model = make_model(seed=0, scale=0.1).to(torch.bfloat16)
-    head = EagleHead.load(trained_head_dir[0], dtype=torch.bfloat16).attach(model)
-    plain = EagleHead.load(trained_head_dir[0], dtype=torch.bfloat16).train().attach(model).eval()  # not packed
+    if not packing_available(dtype):
+        pytest.skip(f"this CPU cannot run oneDNN's packed {dtype} kernel (tests/test_packing.py covers the fallback)")
+    model = make_model(seed=0, scale=0.1).to(dtype)
+    head = EagleHead.load(trained_head_dir[0], dtype=dtype).attach(model)
+    plain = EagleHead.load(trained_head_dir[0], dtype=dtype).train().attach(model).eval()  # not packed
     assert isinstance(head.fc, PackedLinear) and not isinstance(plain.fc, PackedLinear)
     assert head._lm_head_packed is not None and plain._lm_head_packed is None
-    g = torch.randn(5, 32, dtype=torch.bfloat16)
+    # bfloat16: the packed op is bit-identical; float32: within the last bits of MKL's result
+    same = torch.equal if dtype == torch.bfloat16 else lambda a, b: torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+    g = torch.randn(5, 32, dtype=dtype)
     with torch.inference_mode():
-        assert torch.equal(head.logits(g), plain.logits(g))
-        tokens, feats = torch.tensor([4, 5, 6]), torch.randn(3, 32, dtype=torch.bfloat16)
-        assert torch.equal(head.step(tokens, feats, KVCache()), plain.step(tokens, feats, KVCache()))
+        assert same(head.logits(g), plain.logits(g))
+        tokens, feats = torch.tensor([4, 5, 6]), torch.randn(3, 32, dtype=dtype)
+        assert same(head.step(tokens, feats, KVCache()), plain.step(tokens, feats, KVCache()))
     head.save(tmp_path / "again")
     saved = safetensors.torch.load_file(tmp_path / "again" / "model.safetensors")
     assert saved.keys() == safetensors.torch.load_file(Path(trained_head_dir[0]) / "model.safetensors").keys()

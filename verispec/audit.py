@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 import torch
 from scipy.stats import chi2
 
-from .cache import truncate
+from .cache import new_cache, truncate
 from .engine import SpeculativeDecoder
 from .errors import InvalidRequest
 from .sampling import SamplingParams, probabilities
@@ -99,10 +99,8 @@ class TeacherForcer:
     """Exact target distributions after a fixed prompt, for any continuation (prompt prefilled once)."""
 
     def __init__(self, target, prompt_ids: list[int], sampling: SamplingParams):
-        from transformers import DynamicCache
-
         self.target, self.prompt_ids, self.sampling = target, list(prompt_ids), sampling
-        self.cache = DynamicCache()
+        self.cache = new_cache()
         if len(prompt_ids) > 1:
             with torch.inference_mode():
                 target.model(input_ids=torch.tensor([prompt_ids[:-1]], device=target.device),

@@ -1,8 +1,62 @@
-"""KV-cache rollback over transformers' public Cache API (no private attributes)."""
+"""KV caches and rollback over transformers' public Cache API (no private attributes, no patched modules).
+
+transformers' ``DynamicLayer`` grows by ``torch.cat`` on every step, copying the whole cache of every layer each
+time (13% of a one-token step of the default model on an AVX2 EPYC). ``GrowingLayer`` is a ``DynamicLayer`` whose
+keys and values are views into a buffer with spare room: a step writes only its new positions, the buffer doubles
+when full, and ``crop`` (inherited) shortens the view, so rollback still copies nothing.
+"""
 
 from __future__ import annotations
 
-from transformers import Cache
+import torch
+from transformers import Cache, DynamicLayer
+
+MIN_CAPACITY = 256  # positions allocated at first; doubled whenever a step needs more
+
+
+class GrowingLayer(DynamicLayer):
+    """A layer cache of ``[batch, kv_heads, positions, head_dim]`` keys and values kept as views of a buffer."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._key_buffer: torch.Tensor | None = None
+        self._value_buffer: torch.Tensor | None = None
+
+    def _is_view_of_buffer(self) -> bool:
+        buf = self._key_buffer
+        return (buf is not None and self.keys is not None and self.keys.data_ptr() == buf.data_ptr()
+                and self.keys.shape[:-2] == buf.shape[:-2] and self.keys.shape[-1] == buf.shape[-1])
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length = self.get_seq_length()
+        need = length + key_states.shape[-2]
+        if not self._is_view_of_buffer() or need > self._key_buffer.shape[-2]:
+            # first use, full, or the layer's tensors were replaced (e.g. reordered): move into a new buffer
+            old = self._key_buffer.shape[-2] if self._key_buffer is not None else 0
+            capacity = max(need, 2 * old, MIN_CAPACITY)
+            shape = (*key_states.shape[:-2], capacity, key_states.shape[-1])
+            keys = key_states.new_empty(shape)
+            values = value_states.new_empty((*value_states.shape[:-2], capacity, value_states.shape[-1]))
+            if length:
+                keys[..., :length, :].copy_(self.keys)
+                values[..., :length, :].copy_(self.values)
+            self._key_buffer, self._value_buffer = keys, values
+        self._key_buffer[..., length:need, :].copy_(key_states)
+        self._value_buffer[..., length:need, :].copy_(value_states)
+        self.keys = self._key_buffer[..., :need, :]
+        self.values = self._value_buffer[..., :need, :]
+        return self.keys, self.values
+
+    def reset(self) -> None:
+        super().reset()
+        self._key_buffer = self._value_buffer = None
+
+
+def new_cache() -> Cache:
+    """An empty KV cache for a decoder model: ``GrowingLayer`` per layer, created as the model reaches it."""
+    return Cache(layer_class_to_replicate=GrowingLayer)
 
 
 def cache_length(cache: Cache | None) -> int:

@@ -179,12 +179,24 @@ def cmd_audit(args) -> int:
 
 
 def cmd_models(args) -> int:
-    from .models import cache_dir
+    import os
+
+    import torch
+
+    from .cpu import cpu_info, linear_kernel
+    from .models import PACK_ENV, cache_dir, pack_from_environment
 
     for name, spec in BUILTINS.items():
         cached = (cache_dir() / "models" / name / "config.json").exists()
         print(f"{name:16} {spec.description} [{'cached' if cached else 'fetched on first use'}]")
     print(f"cache: {cache_dir()} (set VERISPEC_CACHE to move it)")
+    cpu = cpu_info()
+    print(f"cpu: {cpu['model']} (torch dispatches {cpu['torch_capability']}; flags: {' '.join(cpu['flags']) or '-'})")
+    pack = pack_from_environment()
+    for dtype in ("float32", "bfloat16"):
+        kernel = linear_kernel(getattr(torch, dtype), pack=pack)
+        note = "" if pack else f" ({PACK_ENV}={os.environ.get(PACK_ENV)})"
+        print(f"linear layers in {dtype}: {kernel}{note}")
     return 0
 
 
@@ -197,9 +209,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # the ~1 s cached load needs no bar; conversion turns it back on
         return args.func(args)
     except VerispecError as exc:
         print(f"verispec: error: {exc}", file=sys.stderr)

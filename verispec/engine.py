@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import torch
-from transformers import DynamicCache
+from transformers import Cache
 
-from .cache import truncate
+from .cache import new_cache, truncate
 from .drafters.base import EMPTY_DRAFT, Draft, Drafter
 from .drafters.model import common_prefix_length
 from .errors import InvalidRequest
@@ -69,7 +69,7 @@ class SequenceState:
     generator: torch.Generator
     text: TextAssembler
     stats: GenerationStats
-    cache: DynamicCache
+    cache: Cache
     cached_tokens: list[int] = field(default_factory=list)  # exactly the tokens whose keys/values are cached
     features: FeatureBuffer = field(default_factory=FeatureBuffer)  # target hidden states of cached_tokens
     finish_reason: str = ""
@@ -129,7 +129,7 @@ class SpeculativeDecoder:
         self.acceptance = acceptance
         self.typical = (typical_epsilon, typical_delta)
         self.reuse_prefix = reuse_prefix
-        self._cache: DynamicCache | None = None
+        self._cache: Cache | None = None
         self._cached_tokens: list[int] = []
         self._features = FeatureBuffer()
         # drafters that read the target's hidden states (EAGLE heads) name the layers; the engine then takes
@@ -231,7 +231,7 @@ class SpeculativeDecoder:
         state = SequenceState(
             tokens=list(ids), prompt_len=len(ids), max_new_tokens=max_new_tokens, sampling=sampling,
             generator=generator, text=TextAssembler(self.target.tokenizer, stops), stats=stats,
-            cache=DynamicCache(),
+            cache=new_cache(),
         )
         self._prefill(state)
         if self.drafter is not None:

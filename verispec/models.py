@@ -18,11 +18,13 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from .cpu import linear_kernel
 from .errors import InvalidRequest, ModelNotFound
 from .packing import pack_linear_layers
 
@@ -31,6 +33,20 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CACHE_ENV = "VERISPEC_CACHE"
 PACK_ENV = "VERISPEC_PACK"  # 0 turns off prepacked oneDNN weights (verispec.packing)
+
+
+@contextmanager
+def transformers_progress_bars(enabled: bool):
+    """Turn transformers' progress bars on or off for a block, then restore what was set before (the ~1 s load
+    of a cached model prints no bar into a user's output; a first-use conversion shows its progress)."""
+    from transformers.utils import logging as hf_logging
+
+    before = hf_logging.is_progress_bar_enabled()
+    (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
+    try:
+        yield
+    finally:
+        (hf_logging.enable_progress_bar if before else hf_logging.disable_progress_bar)()
 
 
 @dataclass(frozen=True)
@@ -64,6 +80,7 @@ class LoadedModel:
     dtype: torch.dtype = torch.float32
     eos_token_ids: frozenset[int] | None = None  # None: read from the generation config and tokenizer
     packed_layers: int = 0  # linear layers whose weights are prepacked for oneDNN (verispec.packing)
+    pack_requested: bool = True  # packing was asked for (False: VERISPEC_PACK=0 or pack=False)
 
     def __post_init__(self) -> None:
         if self.eos_token_ids is None:
@@ -82,6 +99,14 @@ class LoadedModel:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    @property
+    def linear_kernel(self) -> str:
+        """The kernel the linear layers run on ("oneDNN-packed", "F.linear (MKL)", ...), for reports."""
+        if self.packed_layers:
+            return "oneDNN-packed"
+        return linear_kernel(self.dtype, pack=False) + ("" if self.pack_requested or self.device.type != "cpu"
+                                                        else ", packing off")
 
 
 def _eos_ids(model, tokenizer) -> set[int]:
@@ -117,8 +142,9 @@ def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", d
                pack: bool | None = None) -> LoadedModel:
     """Load a model reference (built-in name, local directory, .gguf file or hub id).
 
-    ``pack`` prepacks the linear layers' weights for oneDNN (see ``verispec.packing``): same logits bit for bit,
-    faster decoding. By default it is on for bfloat16 on CPU unless the environment sets VERISPEC_PACK=0."""
+    ``pack`` prepacks the linear layers' weights for oneDNN (see ``verispec.packing``) where this CPU runs the packed
+    kernel for ``dtype`` (probed first; elsewhere the plain op stays): faster decoding, and float32 rows that do not
+    depend on the pass width. By default it is on for float32 and bfloat16 on CPU unless VERISPEC_PACK=0."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = parse_dtype(dtype)
@@ -145,8 +171,9 @@ def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", d
         )
     source = str(folder) if folder is not None else ref
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
+        with transformers_progress_bars(False):
+            tokenizer = AutoTokenizer.from_pretrained(source)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
     except OSError as exc:
         if folder is None:
             raise ModelNotFound(
@@ -157,9 +184,17 @@ def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", d
     if device:
         model = model.to(device)
     if pack is None:
-        pack = os.environ.get(PACK_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+        pack = pack_from_environment()
     packed = pack_linear_layers(model) if pack else 0
-    return LoadedModel(model=model, tokenizer=tokenizer, name=ref, dtype=torch_dtype, packed_layers=packed)
+    log.info("%s in %s: linear layers run on %s", ref, dtype, "oneDNN-packed" if packed else
+             linear_kernel(torch_dtype, pack=False))
+    return LoadedModel(model=model, tokenizer=tokenizer, name=ref, dtype=torch_dtype, packed_layers=packed,
+                       pack_requested=pack)
+
+
+def pack_from_environment() -> bool:
+    """Packing is on unless VERISPEC_PACK is 0/false/no/off."""
+    return os.environ.get(PACK_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def _looks_like_hub_id(ref: str) -> bool:
@@ -235,12 +270,10 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
 
     log.warning("converting %s to safetensors in %s (once; later loads take about a second) ...",
                 gguf_path.name, target)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.enable_progress_bar()  # conversion takes ~15 s: show it
     folder, name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    with transformers_progress_bars(True):  # conversion takes ~15 s: show it (on stderr)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     # The weights are already dequantized; the leftover GGUF quantization config only makes
     # save_pretrained refuse, so drop it before saving.
     if hasattr(model.config, "quantization_config"):
@@ -248,7 +281,8 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
     model.hf_quantizer = None
     partial = target.with_name(target.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
+    with transformers_progress_bars(False):
+        model.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
     shutil.rmtree(target, ignore_errors=True)
     partial.rename(target)  # atomic: an interrupted conversion never looks finished

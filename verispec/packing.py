@@ -1,16 +1,21 @@
-"""Prepacked oneDNN weights for the linear layers of a CPU model.
+"""Prepacked oneDNN weights for the linear layers of a CPU model, where this CPU can run them.
 
-On CPU, ``torch.nn.functional.linear`` hands bfloat16 matmuls to oneDNN with the weight in its plain layout.
-Packing the weight once into the blocked layout oneDNN's kernels want makes decoding's skinny matmuls (1 to ~25
-rows against a big weight) faster: on this project's machine (AVX-512 bf16, no AMX, 2 threads) a one-token forward
-of the default model took 33.6 ms packed against 39.8 ms unpacked, and a 16-token verify pass 41.1 against 51.4 ms
-(``scripts/forward_cost.py --pack both``; README, "Prepacked bfloat16 weights"). The packed op gives bit-identical
-results to ``F.linear`` in bfloat16 (tested), so it changes speed, never tokens.
+On CPU, ``torch.nn.functional.linear`` hands matmuls to MKL (float32) or oneDNN (bfloat16) with the weight in its
+plain layout. Packing the weight once into the blocked layout oneDNN's kernels want makes decoding's skinny matmuls
+(1 to ~64 rows against a big weight) faster. Measured (docs/results.md, "Kernels per CPU"):
+  * AMD EPYC, AVX2 only, float32, 2 threads: all the default model's linears with weights streamed from memory
+    took 46.1 ms (MKL) against 32.6 ms packed at 1 row, 95.3 against 44.9 ms at 9 rows;
+  * Intel Xeon, AVX-512 bf16, bfloat16: a one-token forward took 39.8 ms plain against 33.6 ms packed.
+The packed bfloat16 kernel needs AVX-512 (bw/vl/dq) or AVX-NE-CONVERT; ``verispec.cpu.packed_linear_works`` probes
+it before any layer is packed, so a CPU without it keeps the plain op (slower, never a crash).
 
-``pack_linear_layers(model)`` swaps every ``nn.Linear`` of a bfloat16 CPU model for a ``PackedLinear`` that keeps
-the original ``weight`` (shared with tied embeddings; the packed copy costs as much memory again) and calls
-``torch.ops.mkldnn._linear_pointwise`` on the packed copy. It is a no-op where the op is missing (a torch build
-without oneDNN) or the model is not bfloat16 on CPU.
+Numbers: in bfloat16 the packed op equals ``F.linear`` bit for bit. In float32 it differs from MKL in the last bits
+(~1e-6 relative); its rows do not depend on how many rows are in the pass (MKL's change between 16 and 17 rows),
+but attention still rounds differently per pass width, so a model's logits differ between a one-token step and a
+wide pass by ~5e-7 packed or not (tests/test_packing.py measures both).
+
+``pack_linear_layers(model)`` swaps every ``nn.Linear`` of a float32 or bfloat16 CPU model for a ``PackedLinear``
+that keeps the original ``weight`` (shared with tied embeddings; the packed copy costs as much memory again).
 """
 
 from __future__ import annotations
@@ -18,11 +23,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-PACK_BATCH_HINT = 16  # rows oneDNN tunes the blocked layout for; any row count works
+from .cpu import PACK_BATCH_HINT, packed_linear_works
+
+PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def packing_available() -> bool:
-    return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+def packing_available(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Can linear layers of ``dtype`` be packed on this CPU (probed once per process)?"""
+    return dtype in PACKABLE_DTYPES and packed_linear_works(dtype)
 
 
 class PackedLinear(nn.Module):
@@ -50,8 +58,7 @@ class PackedLinear(nn.Module):
 
 
 def should_pack(model: nn.Module | torch.Tensor) -> bool:
-    """Packing is for bfloat16 weights on CPU: there it is bit-identical to ``F.linear``. float32 is left alone
-    (its matmuls go to MKL, and the packed op's float32 results differ from MKL's in the last bits)."""
+    """Packing is for float32 and bfloat16 weights on a CPU whose oneDNN runs the packed kernel for that dtype."""
     if isinstance(model, torch.Tensor):
         param = model
     else:
@@ -59,11 +66,12 @@ def should_pack(model: nn.Module | torch.Tensor) -> bool:
             param = next(model.parameters())
         except StopIteration:
             return False
-    return param.device.type == "cpu" and param.dtype == torch.bfloat16 and packing_available()
+    return param.device.type == "cpu" and packing_available(param.dtype)
 
 
 def pack_linear_layers(model: nn.Module) -> int:
-    """Replace the model's ``nn.Linear`` modules by ``PackedLinear`` in place; returns how many were packed."""
+    """Replace the model's ``nn.Linear`` modules by ``PackedLinear`` in place; returns how many were packed
+    (0 where this CPU or dtype cannot use the packed kernel)."""
     if not should_pack(model):
         return 0
     targets = [(name, module) for name, module in model.named_modules() if type(module) is nn.Linear]

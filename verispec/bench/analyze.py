@@ -9,10 +9,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
 import torch
-from transformers import DynamicCache
 
 from .. import analysis
-from ..cache import truncate
+from ..cache import new_cache, truncate
 from ..models import LoadedModel
 from ..sampling import SamplingParams, probabilities
 
@@ -26,7 +25,7 @@ def verify_cost_curve(target: LoadedModel, context: Sequence[int], max_drafted: 
     of ``context``. Widths are interleaved within each repeat so machine noise hits them alike."""
     sampling = sampling or SamplingParams()
     device = target.device
-    cache = DynamicCache()
+    cache = new_cache()
     ctx = list(context)
     target.model(input_ids=torch.tensor([ctx], device=device), past_key_values=cache, use_cache=True,
                  logits_to_keep=1)

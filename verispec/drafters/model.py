@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-from transformers import DynamicCache
 
-from ..cache import truncate
+from ..cache import new_cache, truncate
 from ..compat import check_compatible
 from ..models import LoadedModel
 from ..sampling import SamplingParams, probabilities, sample
@@ -40,7 +39,7 @@ class ModelDrafter:
     def reset(self, sampling: SamplingParams, generator: torch.Generator | None) -> None:
         self.sampling = sampling
         self.generator = generator
-        self._cache = DynamicCache()
+        self._cache = new_cache()
         self._cached: list[int] = []  # tokens whose keys/values are in _cache
 
     def _distribution(self, logits: torch.Tensor) -> torch.Tensor:
