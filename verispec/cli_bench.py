@@ -158,13 +158,13 @@ def cmd_bench(args) -> int:
                    "categories": args.categories, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
                    "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed, "k": args.k,
                    "warmup": args.warmup},
-        "environment": environment(args.dtype, str(target.device), target.packed_layers),
+        "environment": environment(args.dtype, str(target.device), target.packed_layers, target.linear_kernel),
         "files": files,
         **summary,
     }
-    packed = " (oneDNN-packed)" if target.packed_layers else ""
-    threads = result["environment"]["torch_threads"]
-    header = (f"verispec bench · {target.name} · {args.dtype}{packed} · {threads} threads · "
+    env = result["environment"]
+    header = (f"verispec bench · {target.name} · {args.dtype} ({target.linear_kernel}) · {env['cpu']} "
+              f"[{env['torch_cpu_capability']}] · {env['torch_threads']} threads · "
               f"max {args.max_new_tokens} new tokens · temperature {args.temperature}\n\n")
     (out / "summary.md").write_text(header + table, encoding="utf-8")
     (out / "summary.json").write_text(json.dumps(result, indent=2), encoding="utf-8")
@@ -297,7 +297,7 @@ def cmd_analyze(args) -> int:
               "limit": args.limit, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
               "sweep_k": sweep, "context_tokens": context_len}
     payload = {"command": "verispec " + shlex.join(args.argv), "config": config,
-               "environment": environment(args.dtype, str(target.device), target.packed_layers), "files": files,
+               "environment": environment(args.dtype, str(target.device), target.packed_layers, target.linear_kernel), "files": files,
                **result.to_dict()}
     (out / "analysis.json").write_text(json.dumps(payload, indent=2), encoding="utf-8")
     print(text)

@@ -1,4 +1,5 @@
-"""What a benchmark ran on, so that two runs can be compared honestly."""
+"""What a benchmark ran on, so that two runs can be compared honestly: versions, the CPU with its instruction-set
+flags, and the kernels the model's linear layers ran on."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from importlib import metadata
 
 import torch
 
+from ..cpu import cpu_info, linear_kernel
+
 
 def _version(package: str) -> str | None:
     try:
@@ -17,28 +20,24 @@ def _version(package: str) -> str | None:
         return None
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def environment(dtype: str, device: str, packed_layers: int = 0) -> dict:
+def environment(dtype: str, device: str, packed_layers: int = 0, kernel: str | None = None) -> dict:
+    """``kernel`` is what the target's linears ran on (``LoadedModel.linear_kernel``); the ``kernels`` block says
+    what this CPU would run for each dtype with packing on (probed, not read off a list)."""
+    cpu = cpu_info()
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "versions": {p: _version(p) for p in ("verispec", "torch", "transformers", "tokenizers")},
         "python": platform.python_version(),
         "dtype": dtype,
         "device": device,
+        "linear_kernel": kernel,
         "packed_linear_layers": packed_layers,  # weights prepacked for oneDNN (verispec.packing; VERISPEC_PACK=0 off)
+        "kernels": {name: linear_kernel(dt) for name, dt in (("float32", torch.float32), ("bfloat16", torch.bfloat16))},
         "torch_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
-        "cpu": _cpu_model(),
+        "cpu": cpu["model"],
+        "cpu_flags": cpu["flags"],
+        "torch_cpu_capability": cpu["torch_capability"],
         "machine": f"{platform.system()} {platform.release()} {platform.machine()}",
         "hostname": platform.node(),
     }
