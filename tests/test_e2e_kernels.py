@@ -1,0 +1,70 @@
+"""End-to-end on the real default model, whatever this CPU supports: bfloat16 with every drafter (packed kernels
+where the CPU has them, the plain op elsewhere), the audit in bfloat16, and greedy output with prepacked float32
+weights against transformers' own generate on plain weights. Marked e2e; run in CI."""
+
+import pytest
+import torch
+
+from verispec import EagleDrafter, ModelDrafter, NgramDrafter, SpeculativeDecoder, load_model
+from verispec.audit import run_audit
+from verispec.cli import DEFAULT_AUDIT_PROMPT
+from verispec.packing import packing_available
+
+pytestmark = pytest.mark.e2e
+
+PROMPT = "Rewrite this sentence in the passive voice: The committee approved the new budget on Monday."
+# the prompts of test_e2e_default_model.py: short chat answers of several kinds
+PROMPTS = [
+    PROMPT,
+    "Correct the spelling in this text and return it: Teh quick brown fox jumpd over the lazzy dog.",
+    "Extract the names of the people from this text: Maria met John and Aisha at the station in Lyon.",
+    "Write a short poem about the sea.",
+    "What is the capital of France? Answer in one sentence.",
+]
+
+
+@pytest.fixture(scope="module")
+def bf16_model():
+    return load_model("smollm2-135m", dtype="bfloat16")
+
+
+def test_bfloat16_loads_with_the_kernel_this_cpu_supports(bf16_model):
+    assert bf16_model.model.dtype == torch.bfloat16
+    assert (bf16_model.packed_layers > 0) == packing_available(torch.bfloat16)
+    assert bf16_model.linear_kernel == ("oneDNN-packed" if packing_available(torch.bfloat16) else "F.linear (oneDNN)")
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram", "model", "eagle", "eagle-tree"])
+def test_bfloat16_runs_with_every_drafter(bf16_model, drafter):
+    make = {
+        "none": lambda: None,
+        "ngram": NgramDrafter,
+        "model": lambda: ModelDrafter(bf16_model, bf16_model),  # the target as its own draft: same tokenizer
+        "eagle": lambda: EagleDrafter(bf16_model),
+        "eagle-tree": lambda: EagleDrafter(bf16_model, tree=True),
+    }[drafter]
+    k = 16 if drafter == "eagle-tree" else 4
+    out = SpeculativeDecoder(bf16_model, make(), k=k).generate(PROMPT, max_new_tokens=24)
+    assert out.stats.new_tokens >= 1 and out.text.strip()
+    if drafter in ("model", "eagle", "eagle-tree"):
+        assert out.stats.drafted > 0 and out.stats.accepted > 0
+
+
+def test_audit_passes_in_bfloat16(bf16_model):
+    decoder = SpeculativeDecoder(bf16_model, NgramDrafter(min_accept=0), k=8)
+    prompt_ids = decoder.encode(DEFAULT_AUDIT_PROMPT, raw=True)
+    report = run_audit(decoder, prompt_ids, temperature=1.0, samples=150, positions=3, seed=0)
+    assert report.passed, report.to_dict()
+
+
+def test_packed_float32_greedy_equals_transformers_generate_on_plain_weights(default_model):
+    """verispec runs prepacked weights where the CPU can; transformers' generate runs the plain ones. On these prompts
+    the greedy tokens agree (the share over Spec-Bench is measured by scripts/kernel_identity.py, docs/results.md)."""
+    plain = load_model("smollm2-135m", dtype="float32", pack=False)
+    decoder = SpeculativeDecoder(default_model)
+    for prompt in PROMPTS:
+        ours = decoder.generate(prompt, max_new_tokens=64)
+        ids = torch.tensor([ours.prompt_token_ids])
+        with torch.inference_mode():
+            theirs = plain.model.generate(ids, max_new_tokens=64, do_sample=False)[0, ids.shape[1]:].tolist()
+        assert ours.token_ids == theirs, prompt
