@@ -1,5 +1,7 @@
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from verispec import InvalidRequest, SamplingParams
 from verispec.sampling import probabilities, sample
@@ -47,3 +49,29 @@ def test_greedy_is_one_hot_and_sample_returns_it():
 def test_bad_sampling_parameters_are_named(kwargs, words):
     with pytest.raises(InvalidRequest, match=words.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("top_p", [1.7e-158, 5e-324, 1e-45, 1.4e-45, 1e-38, 1e-7])
+def test_top_p_at_and_below_float32s_smallest_number_keeps_the_most_likely_token(top_p):
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.9], [3.0, 3.0, 0.0, -2.0]])
+    probs = probabilities(logits, SamplingParams(temperature=1.1, top_p=top_p))
+    assert torch.isfinite(probs).all() and torch.allclose(probs.sum(-1), torch.ones(2))
+    assert probs[0].tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert sample(probs[0], torch.Generator().manual_seed(1)) == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    logits=st.lists(st.floats(-30, 30, allow_nan=False), min_size=2, max_size=12),
+    temperature=st.one_of(st.just(0.0), st.floats(1e-3, 5.0)),
+    top_k=st.integers(0, 14),
+    top_p=st.one_of(st.floats(min_value=0.0, max_value=1.0, exclude_min=True), st.just(1.0), st.just(5e-324)),
+)
+def test_any_accepted_parameters_give_a_valid_distribution(logits, temperature, top_k, top_p):
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    probs = probabilities(torch.tensor([logits]), params)[0]
+    assert torch.isfinite(probs).all() and (probs >= 0).all()
+    assert abs(float(probs.sum()) - 1.0) < 1e-5
+    top = torch.tensor(logits) == max(logits)
+    assert probs[top].sum() > 0  # the most likely token (one of them, on a tie) always stays
+    assert 0 <= sample(probs, torch.Generator().manual_seed(0)) < len(logits)

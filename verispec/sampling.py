@@ -55,8 +55,11 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        # keep the smallest head of the sorted list whose mass reaches top_p; the first token always stays
-        sorted_probs = sorted_probs.masked_fill(mass_before >= params.top_p, 0.0)
+        # keep the smallest head of the sorted list whose mass reaches top_p; the first token always stays, also
+        # when top_p rounds to 0 in float32 (e.g. 1e-158), where "mass before >= top_p" would drop it too
+        drop = mass_before >= params.top_p
+        drop[..., 0] = False
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
         probs = probs / probs.sum(dim=-1, keepdim=True)
     return probs
