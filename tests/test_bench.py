@@ -4,6 +4,7 @@ commands end to end on the tiny model."""
 import json
 
 import pytest
+import torch
 
 from verispec.bench import build_method, load_questions, markdown, parse_spec, select, summarize
 from verispec.bench.summary import position_acceptance
@@ -134,6 +135,31 @@ def test_method_specs(tiny_target):
     assert (m.family, m.drafter, m.k) == ("verispec", "ngram", 3)
     assert build_method("hf:pld", tiny_target, load=None).k == 10
     assert build_method("baseline", tiny_target, load=None).k is None
+
+
+def test_transformers_methods_run_plain_weights_unless_asked(tiny_dir):
+    from verispec import load_model
+    from verispec.packing import packing_available
+
+    if not packing_available(torch.float32):
+        pytest.skip("this torch build cannot pack float32 weights")
+    target = load_model(str(tiny_dir), dtype="float32")
+    plain = load_model(str(tiny_dir), dtype="float32", pack=False)
+    assert target.packed_layers and not plain.packed_layers
+    calls = []
+
+    def load(ref, pack=None):
+        calls.append((ref, pack))
+        return plain
+
+    method = build_method("hf:greedy", target, load)
+    assert calls == [(str(tiny_dir), False)]
+    ids = [5, 9, 3, 5, 9]
+    with torch.inference_mode():
+        expected = plain.model.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False)[0, 5:].tolist()
+    assert method.run(ids, 8).token_ids == expected
+    build_method("hf:greedy:pack=1", target, load)
+    assert len(calls) == 1  # pack=1: the target's own packed weights, nothing loaded
 
 
 @pytest.mark.parametrize("spec, words", [

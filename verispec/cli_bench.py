@@ -84,10 +84,10 @@ def _setup(args):
         raise InvalidRequest(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     loaded = {}
 
-    def load(ref: str):
-        if ref not in loaded:
-            loaded[ref] = load_model(ref, dtype=args.dtype)
-        return loaded[ref]
+    def load(ref: str, pack: bool | None = None):
+        if (ref, pack) not in loaded:
+            loaded[ref, pack] = load_model(ref, dtype=args.dtype, pack=pack)
+        return loaded[ref, pack]
 
     return load(args.target), load
 
@@ -165,7 +165,10 @@ def cmd_bench(args) -> int:
     env = result["environment"]
     header = (f"verispec bench · {target.name} · {args.dtype} ({target.linear_kernel}) · {env['cpu']} "
               f"[{env['torch_cpu_capability']}] · {env['torch_threads']} threads · "
-              f"max {args.max_new_tokens} new tokens · temperature {args.temperature}\n\n")
+              f"max {args.max_new_tokens} new tokens · temperature {args.temperature}\n")
+    if target.packed_layers and any(m.family == "transformers" for m in methods):
+        header += "transformers' methods run the plain weights, as transformers loads them (hf:...:pack=1: packed)\n"
+    header += "\n"
     (out / "summary.md").write_text(header + table, encoding="utf-8")
     (out / "summary.json").write_text(json.dumps(result, indent=2), encoding="utf-8")
     print(header + table)

@@ -12,6 +12,9 @@ is a model reference:
     hf:greedy                    transformers ``generate`` (greedy or sampling)
     hf:pld  hf:pld:k=10          transformers prompt lookup (``prompt_lookup_num_tokens``, default 10)
     hf:assisted:REF              transformers assisted generation with draft model REF
+
+transformers' methods run the target as transformers loads it, with plain weights (what a transformers user runs),
+not verispec's prepacked ones; ``hf:greedy:pack=1`` runs them on the packed weights instead.
 """
 
 from __future__ import annotations
@@ -80,8 +83,9 @@ def _number(key: str, value: str):
             raise InvalidRequest(f"option {key}={value!r} must be a number") from None
 
 
-def build_method(spec: str, target: LoadedModel, load: Callable[[str], LoadedModel], default_k: int = 8) -> Method:
-    """Build a method from its spec; ``load`` resolves model references (shared between methods)."""
+def build_method(spec: str, target: LoadedModel, load: Callable[..., LoadedModel] | None,
+                 default_k: int = 8) -> Method:
+    """Build a method from its spec; ``load(ref, pack=None)`` resolves model references (shared between methods)."""
     head, refs, raw_opts = parse_spec(spec)
     opts = {key: _number(key, v) for key, v in raw_opts.items()}
     if head == "eagle":
@@ -113,8 +117,8 @@ def build_method(spec: str, target: LoadedModel, load: Callable[[str], LoadedMod
         extra: dict = {}
         k = None
         if kind == "greedy":
-            if refs or opts:
-                raise InvalidRequest(f"{spec!r}: hf:greedy takes no options")
+            if refs or set(opts) - {"pack"}:
+                raise InvalidRequest(f"{spec!r}: hf:greedy takes no options but pack=0|1")
         elif kind == "pld":
             k = int(opts.pop("k", 10))
             extra = {"prompt_lookup_num_tokens": k}
@@ -126,9 +130,11 @@ def build_method(spec: str, target: LoadedModel, load: Callable[[str], LoadedMod
             extra = {"assistant_model": load(refs[0]).model}
         else:
             raise InvalidRequest(f"unknown transformers method {head!r}; choose hf:greedy, hf:pld or hf:assisted:REF")
+        pack = bool(opts.pop("pack", 0))
         if opts:
             raise InvalidRequest(f"{spec!r}: unknown option(s) {', '.join(opts)}")
-        return Method(spec, _hf_runner(target, extra), "transformers", kind, k)
+        model = target if pack or not target.packed_layers or load is None else load(target.name, pack=False)
+        return Method(spec, _hf_runner(model, extra), "transformers", kind, k)
     raise InvalidRequest(f"unknown method {spec!r}; choose baseline, ngram, model:REF, eagle[:DIR], hf:greedy, "
                          "hf:pld or hf:assisted:REF")
 
