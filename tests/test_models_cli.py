@@ -138,3 +138,37 @@ def test_cli_audit_on_tiny_model(tiny_dir, capsys):
                             "--samples", "150", "--positions", "2", "--json"], capsys)
     report = json.loads(out)
     assert code == 0 and report["verdict"] == "PASS" and len(report["positions"]) == 2
+
+
+def test_progress_bars_are_switched_for_a_block_and_restored():
+    """A first-use conversion shows transformers' bars and must not leave them on for later loads (they printed
+    "Loading weights" into generate's output)."""
+    from transformers.utils import logging as hf_logging
+
+    from verispec.models import transformers_progress_bars
+
+    hf_logging.disable_progress_bar()
+    with transformers_progress_bars(True):
+        assert hf_logging.is_progress_bar_enabled()
+    assert not hf_logging.is_progress_bar_enabled()
+    hf_logging.enable_progress_bar()
+    try:
+        with transformers_progress_bars(False):
+            assert not hf_logging.is_progress_bar_enabled()
+        assert hf_logging.is_progress_bar_enabled()
+    finally:
+        hf_logging.disable_progress_bar()
+
+
+def test_load_model_prints_no_progress_bar(tiny_dir, capfd):
+    from transformers.utils import logging as hf_logging
+
+    from verispec import load_model
+
+    hf_logging.enable_progress_bar()  # as a first-use conversion earlier in the process would have left it
+    try:
+        load_model(str(tiny_dir))
+    finally:
+        hf_logging.disable_progress_bar()
+    captured = capfd.readouterr()
+    assert "Loading weights" not in captured.err + captured.out
