@@ -193,10 +193,9 @@ def cmd_models(args) -> int:
     cpu = cpu_info()
     print(f"cpu: {cpu['model']} (torch dispatches {cpu['torch_capability']}; flags: {' '.join(cpu['flags']) or '-'})")
     pack = pack_from_environment()
+    note = "" if pack else f" ({PACK_ENV}={os.environ.get(PACK_ENV)})"
     for dtype in ("float32", "bfloat16"):
-        kernel = linear_kernel(getattr(torch, dtype), pack=pack)
-        note = "" if pack else f" ({PACK_ENV}={os.environ.get(PACK_ENV)})"
-        print(f"linear layers in {dtype}: {kernel}{note}")
+        print(f"linear layers in {dtype}: {linear_kernel(getattr(torch, dtype), pack=pack)}{note}")
     return 0
 
 

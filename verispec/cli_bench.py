@@ -300,8 +300,8 @@ def cmd_analyze(args) -> int:
               "limit": args.limit, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
               "sweep_k": sweep, "context_tokens": context_len}
     payload = {"command": "verispec " + shlex.join(args.argv), "config": config,
-               "environment": environment(args.dtype, str(target.device), target.packed_layers, target.linear_kernel), "files": files,
-               **result.to_dict()}
+               "environment": environment(args.dtype, str(target.device), target.packed_layers, target.linear_kernel),
+               "files": files, **result.to_dict()}
     (out / "analysis.json").write_text(json.dumps(payload, indent=2), encoding="utf-8")
     print(text)
     print(json.dumps(payload))

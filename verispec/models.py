@@ -105,8 +105,8 @@ class LoadedModel:
         """The kernel the linear layers run on ("oneDNN-packed", "F.linear (MKL)", ...), for reports."""
         if self.packed_layers:
             return "oneDNN-packed"
-        return linear_kernel(self.dtype, pack=False) + ("" if self.pack_requested or self.device.type != "cpu"
-                                                        else ", packing off")
+        kernel = linear_kernel(self.dtype, pack=False)
+        return kernel if self.pack_requested or self.device.type != "cpu" else f"{kernel}, packing off"
 
 
 def _eos_ids(model, tokenizer) -> set[int]:
@@ -186,10 +186,10 @@ def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", d
     if pack is None:
         pack = pack_from_environment()
     packed = pack_linear_layers(model) if pack else 0
-    log.info("%s in %s: linear layers run on %s", ref, dtype, "oneDNN-packed" if packed else
-             linear_kernel(torch_dtype, pack=False))
-    return LoadedModel(model=model, tokenizer=tokenizer, name=ref, dtype=torch_dtype, packed_layers=packed,
-                       pack_requested=pack)
+    loaded = LoadedModel(model=model, tokenizer=tokenizer, name=ref, dtype=torch_dtype, packed_layers=packed,
+                         pack_requested=pack)
+    log.info("%s in %s: linear layers run on %s", ref, dtype, loaded.linear_kernel)
+    return loaded
 
 
 def pack_from_environment() -> bool:
