@@ -300,7 +300,7 @@ def test_eagle_tree_falls_back_to_a_chain_when_sampling(small_target, trained_he
 
 
 def test_train_eagle_command_end_to_end(tiny_dir, tmp_path, capsys):
-    """The README's training command on the tiny model: data, training, held-out check, then the head drafts."""
+    """docs/eagle.md's training command on the tiny model: data, training, held-out check, then the head drafts."""
     from verispec.cli import main
 
     rng = random.Random(1)
