@@ -62,7 +62,7 @@ def test_cli_generate_json_matches_drafter_none():
 def test_audit_passes_strict_and_fails_lossy_typical_on_the_documented_setting(default_model):
     """The documented audit setting (docs/analysis.md): default raw prompt, n-gram drafter, temperature 1."""
     def audit(acceptance):
-        decoder = SpeculativeDecoder(default_model, NgramDrafter(min_accept=0), k=8, acceptance=acceptance)
+        decoder = SpeculativeDecoder(default_model, NgramDrafter(), k=8, acceptance=acceptance)
         prompt_ids = decoder.encode(DEFAULT_AUDIT_PROMPT, raw=True)
         return run_audit(decoder, prompt_ids, temperature=1.0, samples=150, positions=3, seed=0)
 

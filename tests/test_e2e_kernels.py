@@ -51,7 +51,7 @@ def test_bfloat16_runs_with_every_drafter(bf16_model, drafter):
 
 
 def test_audit_passes_in_bfloat16(bf16_model):
-    decoder = SpeculativeDecoder(bf16_model, NgramDrafter(min_accept=0), k=8)
+    decoder = SpeculativeDecoder(bf16_model, NgramDrafter(), k=8)
     prompt_ids = decoder.encode(DEFAULT_AUDIT_PROMPT, raw=True)
     report = run_audit(decoder, prompt_ids, temperature=1.0, samples=150, positions=3, seed=0)
     assert report.passed, report.to_dict()

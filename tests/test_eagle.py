@@ -122,14 +122,14 @@ def test_eagle_greedy_equals_plain_greedy(small_target, trained_head_dir, k):
     for prompt in PROMPTS:
         expected = SpeculativeDecoder(small_target).generate(prompt, max_new_tokens=40).token_ids
         for drafter in heads:
-            got = SpeculativeDecoder(small_target, drafter, k=k).generate(prompt, max_new_tokens=40)
+            got = SpeculativeDecoder(small_target, drafter, k=k, k_policy="fixed").generate(prompt, max_new_tokens=40)
             assert got.token_ids == expected, (k, prompt)
 
 
 def test_trained_head_drafts_tokens_the_target_accepts(small_target, trained_head_dir):
     head_dir, report = trained_head_dir
-    decoder = SpeculativeDecoder(small_target, EagleDrafter(small_target, head_dir), k=4)
-    untrained = SpeculativeDecoder(small_target, EagleDrafter(small_target, random_head(small_target)), k=4)
+    decoder = SpeculativeDecoder(small_target, EagleDrafter(small_target, head_dir), k=4, k_policy="fixed")
+    untrained = SpeculativeDecoder(small_target, EagleDrafter(small_target, random_head(small_target)), k=4, k_policy="fixed")
     trained_mat = sum(decoder.generate(p, max_new_tokens=40).stats.mean_accepted_tokens for p in PROMPTS)
     random_mat = sum(untrained.generate(p, max_new_tokens=40).stats.mean_accepted_tokens for p in PROMPTS)
     assert trained_mat / 3 > 2.0 and trained_mat > random_mat + 1.5
@@ -139,7 +139,7 @@ def test_trained_head_drafts_tokens_the_target_accepts(small_target, trained_hea
 
 
 def test_prefix_reuse_keeps_features_in_step(small_target, trained_head_dir):
-    decoder = SpeculativeDecoder(small_target, EagleDrafter(small_target, trained_head_dir[0]), k=4, reuse_prefix=True)
+    decoder = SpeculativeDecoder(small_target, EagleDrafter(small_target, trained_head_dir[0]), k=4, k_policy="fixed", reuse_prefix=True)
     for prompt in (PROMPTS[1], PROMPTS[1] + [7, 7], PROMPTS[1][:6], PROMPTS[0]):
         got = decoder.generate(prompt, max_new_tokens=30)
         assert got.token_ids == SpeculativeDecoder(small_target).generate(prompt, max_new_tokens=30).token_ids
@@ -157,19 +157,19 @@ EAGLE_SAMPLING = {
 def test_eagle_sampling_matches_exact_joint_distribution(small_target, trained_head_dir, case):
     """q is the head's distribution over a 28-token draft vocabulary (zero elsewhere); the committed tokens still
     follow the target exactly."""
-    decoder = SpeculativeDecoder(small_target, EagleDrafter(small_target, trained_head_dir[0]), k=3)
+    decoder = SpeculativeDecoder(small_target, EagleDrafter(small_target, trained_head_dir[0]), k=3, k_policy="fixed")
     assert joint_p_value(decoder, EAGLE_SAMPLING[case]) > ALPHA
     assert decoder.drafter.head is not None
 
 
 def test_eagle_sampling_at_temperature_1_with_an_untrained_head(tiny_target):
     """Mostly rejected drafts: the correction token comes from norm(max(p - q, 0)) nearly every step."""
-    decoder = SpeculativeDecoder(tiny_target, EagleDrafter(tiny_target, random_head(tiny_target, 20)), k=3)
+    decoder = SpeculativeDecoder(tiny_target, EagleDrafter(tiny_target, random_head(tiny_target, 20)), k=3, k_policy="fixed")
     assert joint_p_value(decoder, SamplingParams(temperature=1.0)) > ALPHA
 
 
 def test_lossy_typical_acceptance_with_eagle_fails_the_exact_test(small_target, trained_head_dir):
-    decoder = SpeculativeDecoder(small_target, EagleDrafter(small_target, trained_head_dir[0]), k=3,
+    decoder = SpeculativeDecoder(small_target, EagleDrafter(small_target, trained_head_dir[0]), k=3, k_policy="fixed",
                                  acceptance="typical")
     sampling = SamplingParams(temperature=0.3)
     prompt = PROMPTS[0]
@@ -201,7 +201,7 @@ def test_bfloat16_target_and_head_run(small_target, trained_head_dir):
     model = make_model(seed=0, scale=0.1).to(torch.bfloat16)
     target = loaded(model, small_target.tokenizer)
     target.dtype = torch.bfloat16
-    out = SpeculativeDecoder(target, EagleDrafter(target, trained_head_dir[0]), k=4).generate(PROMPTS[0],
+    out = SpeculativeDecoder(target, EagleDrafter(target, trained_head_dir[0]), k=4, k_policy="fixed").generate(PROMPTS[0],
                                                                                              max_new_tokens=30)
     assert out.stats.new_tokens == 30 and out.stats.drafted > 0
     assert EagleDrafter(target, trained_head_dir[0]).head.fc.weight.dtype == torch.bfloat16
@@ -285,14 +285,14 @@ def test_eagle_tree_greedy_equals_plain_greedy(small_target, trained_head_dir, k
     drafter = EagleDrafter(small_target, trained_head_dir[0], tree=True, depth=4, width=3)
     for prompt in PROMPTS:
         expected = SpeculativeDecoder(small_target).generate(prompt, max_new_tokens=40)
-        tree_out = SpeculativeDecoder(small_target, drafter, k=k).generate(prompt, max_new_tokens=40)
+        tree_out = SpeculativeDecoder(small_target, drafter, k=k, k_policy="fixed").generate(prompt, max_new_tokens=40)
         assert tree_out.token_ids == expected.token_ids, (k, prompt)
         assert tree_out.stats.accepted > 0 and tree_out.stats.mean_accepted_tokens > 1.5
 
 
 def test_eagle_tree_falls_back_to_a_chain_when_sampling(small_target, trained_head_dir):
     drafter = EagleDrafter(small_target, trained_head_dir[0], tree=True)
-    out = SpeculativeDecoder(small_target, drafter, k=4).generate(PROMPTS[0], max_new_tokens=20, temperature=0.5,
+    out = SpeculativeDecoder(small_target, drafter, k=4, k_policy="fixed").generate(PROMPTS[0], max_new_tokens=20, temperature=0.5,
                                                                  seed=1)
     assert out.stats.new_tokens == 20 and out.stats.drafted > 0
     with pytest.raises(Exception, match="width must be"):
@@ -373,7 +373,7 @@ def test_bench_and_analyze_with_eagle_methods(small_dir, trained_head_dir, tmp_p
                                for i, t in enumerate(["w5 w9 w3 w5 w9", "w12 w30 w7", "w3 w4 w5 w6"])))
     assert main(["bench", "--target", str(small_dir), "--prompts", str(prompts), "--max-new-tokens", "24",
                  "--methods", f"baseline,eagle:{head}:k=4,eagle:{head}:tree=1:k=8:depth=4:width=3",
-                 "--out", str(tmp_path / "b"), "--no-plots"]) == 0
+                 "--k-policy", "fixed", "--out", str(tmp_path / "b"), "--no-plots"]) == 0
     overall = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["overall"]
     for name in (f"eagle:{head}:k=4", f"eagle:{head}:tree=1:k=8:depth=4:width=3"):
         assert overall[name]["identical"] == 1.0 and overall[name]["mean_accepted_tokens"] > 1.5, name
@@ -391,15 +391,15 @@ def test_context_tokens_join_the_draft_vocabulary(small_target, trained_head_dir
     base = set(head.d2t.tolist())
     prompt = [t for t in range(3, 32) if t not in base][:6] * 2
     drafter = EagleDrafter(small_target, head)
-    decoder = SpeculativeDecoder(small_target, drafter, k=4)
+    decoder = SpeculativeDecoder(small_target, drafter, k=4, k_policy="fixed")
     out = decoder.generate(prompt, max_new_tokens=20)
     assert out.token_ids == SpeculativeDecoder(small_target).generate(prompt, max_new_tokens=20).token_ids
     assert set(prompt) <= set(drafter._ids) and len(drafter._ids) == len(set(drafter._ids))
     closed = EagleDrafter(small_target, head, context_vocab=False)
-    SpeculativeDecoder(small_target, closed, k=4).generate(prompt, max_new_tokens=20)
+    SpeculativeDecoder(small_target, closed, k=4, k_policy="fixed").generate(prompt, max_new_tokens=20)
     assert set(closed._ids) == base
     # sampled drafts over the grown vocabulary stay lossless (its q covers the context tokens)
-    assert joint_p_value(SpeculativeDecoder(small_target, drafter, k=3), SamplingParams(temperature=0.3)) > ALPHA
+    assert joint_p_value(SpeculativeDecoder(small_target, drafter, k=3, k_policy="fixed"), SamplingParams(temperature=0.3)) > ALPHA
 
 
 def test_eagle_with_a_lookup_branch(small_target, trained_head_dir):
@@ -411,7 +411,7 @@ def test_eagle_with_a_lookup_branch(small_target, trained_head_dir):
     assert drafter.name == "eagle+lookup"
     for prompt in (PROMPTS[1] * 2, PROMPTS[0]):
         expected = SpeculativeDecoder(small_target).generate(prompt, max_new_tokens=40).token_ids
-        out = SpeculativeDecoder(small_target, drafter, k=10).generate(prompt, max_new_tokens=40)
+        out = SpeculativeDecoder(small_target, drafter, k=10, k_policy="fixed").generate(prompt, max_new_tokens=40)
         assert out.token_ids == expected and out.stats.drafter == "eagle+lookup"
     with pytest.raises(Exception, match="needs tree mode"):
         EagleDrafter(small_target, trained_head_dir[0], lookup=True)

@@ -28,7 +28,7 @@ def test_plain_decoding_equals_transformers_generate(tiny_target, prompt):
 @pytest.mark.parametrize("k", range(1, 9))
 def test_speculative_greedy_equals_plain_greedy_for_every_k(tiny_target, tiny_noisy_draft, tiny_other_draft, k):
     drafters = [
-        NgramDrafter(min_accept=0),
+        NgramDrafter(),
         NgramDrafter(),
         ModelDrafter(tiny_noisy_draft, tiny_target),
         ModelDrafter(tiny_other_draft, tiny_target),
@@ -37,16 +37,16 @@ def test_speculative_greedy_equals_plain_greedy_for_every_k(tiny_target, tiny_no
     for prompt in PROMPTS:
         expected = plain_greedy(tiny_target, prompt, 48)
         for drafter in drafters:
-            got = SpeculativeDecoder(tiny_target, drafter, k=k).generate(prompt, max_new_tokens=48)
+            got = SpeculativeDecoder(tiny_target, drafter, k=k, k_policy="fixed").generate(prompt, max_new_tokens=48)
             assert got.token_ids == expected, (drafter, k, prompt)
 
 
 def test_drafters_actually_draft_and_get_accepted(tiny_target, tiny_noisy_draft):
-    perfect = SpeculativeDecoder(tiny_target, ModelDrafter(tiny_target, tiny_target), k=4).generate(
+    perfect = SpeculativeDecoder(tiny_target, ModelDrafter(tiny_target, tiny_target), k=4, k_policy="fixed").generate(
         PROMPTS[0], max_new_tokens=40)
     assert perfect.stats.acceptance_rate == 1.0
     assert perfect.stats.mean_accepted_tokens == pytest.approx(5.0)  # 4 drafts + bonus every step
-    noisy = SpeculativeDecoder(tiny_target, ModelDrafter(tiny_noisy_draft, tiny_target), k=4).generate(
+    noisy = SpeculativeDecoder(tiny_target, ModelDrafter(tiny_noisy_draft, tiny_target), k=4, k_policy="fixed").generate(
         PROMPTS[0], max_new_tokens=40)
     assert 0 < noisy.stats.acceptance_rate < 1
     st = noisy.stats
@@ -56,7 +56,7 @@ def test_drafters_actually_draft_and_get_accepted(tiny_target, tiny_noisy_draft)
 
 def test_cache_after_generation_equals_fresh_prefill(tiny_target, tiny_noisy_draft):
     """Rollback leaves exactly the committed tokens in the cache, with the same keys/values as a fresh pass."""
-    decoder = SpeculativeDecoder(tiny_target, ModelDrafter(tiny_noisy_draft, tiny_target), k=5)
+    decoder = SpeculativeDecoder(tiny_target, ModelDrafter(tiny_noisy_draft, tiny_target), k=5, k_policy="fixed")
     g = decoder.generate(PROMPTS[1], max_new_tokens=30)
     assert g.stats.drafted > g.stats.accepted  # rejections happened, so rollbacks happened
     committed = g.prompt_token_ids + g.token_ids
@@ -72,7 +72,7 @@ def test_cache_after_generation_equals_fresh_prefill(tiny_target, tiny_noisy_dra
 
 def test_draft_model_cache_rolls_back(tiny_target, tiny_noisy_draft):
     drafter = ModelDrafter(tiny_noisy_draft, tiny_target)
-    decoder = SpeculativeDecoder(tiny_target, drafter, k=4)
+    decoder = SpeculativeDecoder(tiny_target, drafter, k=4, k_policy="fixed")
     decoder.generate(PROMPTS[0], max_new_tokens=25)
     assert drafter._cache.get_seq_length() == len(drafter._cached)
     fresh = DynamicCache()
@@ -83,19 +83,19 @@ def test_draft_model_cache_rolls_back(tiny_target, tiny_noisy_draft):
 
 
 def test_prefix_reuse_gives_the_same_output(tiny_target):
-    decoder = SpeculativeDecoder(tiny_target, NgramDrafter(), k=4)
+    decoder = SpeculativeDecoder(tiny_target, NgramDrafter(), k=4, k_policy="fixed")
     first = decoder.generate(PROMPTS[1], max_new_tokens=20)
     again = decoder.generate(PROMPTS[1] + first.token_ids[:5], max_new_tokens=15)
     assert again.stats.reused_prompt_tokens > len(PROMPTS[1])
-    cold = SpeculativeDecoder(tiny_target, NgramDrafter(), k=4, reuse_prefix=False)
+    cold = SpeculativeDecoder(tiny_target, NgramDrafter(), k=4, k_policy="fixed", reuse_prefix=False)
     assert again.token_ids == cold.generate(PROMPTS[1] + first.token_ids[:5], max_new_tokens=15).token_ids
 
 
 @pytest.mark.parametrize("drafter_kind", ["none", "ngram", "model"])
 def test_same_seed_same_sample_different_seed_different(tiny_target, tiny_noisy_draft, drafter_kind):
-    drafter = {"none": None, "ngram": NgramDrafter(min_accept=0),
+    drafter = {"none": None, "ngram": NgramDrafter(),
                "model": ModelDrafter(tiny_noisy_draft, tiny_target)}[drafter_kind]
-    decoder = SpeculativeDecoder(tiny_target, drafter, k=3)
+    decoder = SpeculativeDecoder(tiny_target, drafter, k=3, k_policy="fixed")
     runs = [decoder.generate(PROMPTS[0], max_new_tokens=30, temperature=1.0, seed=s).token_ids for s in (1, 1, 2)]
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]
@@ -108,15 +108,15 @@ def test_eos_stops_and_is_included(tiny_target):
     expected = plain_greedy(tiny_target, PROMPTS[0], 30)
     eos = expected[10]
     target = loaded(tiny_target.model, tiny_target.tokenizer, eos=frozenset({eos}))
-    for drafter in (None, NgramDrafter(min_accept=0), ModelDrafter(target, target)):
-        g = SpeculativeDecoder(target, drafter, k=6).generate(PROMPTS[0], max_new_tokens=30)
+    for drafter in (None, NgramDrafter(), ModelDrafter(target, target)):
+        g = SpeculativeDecoder(target, drafter, k=6, k_policy="fixed").generate(PROMPTS[0], max_new_tokens=30)
         assert g.token_ids == expected[: expected.index(eos) + 1]
         assert g.finish_reason == "stop"
 
 
 def test_max_new_tokens_is_exact_and_reports_length(tiny_target):
     for n in (1, 2, 7):
-        g = SpeculativeDecoder(tiny_target, ModelDrafter(tiny_target, tiny_target), k=8).generate(
+        g = SpeculativeDecoder(tiny_target, ModelDrafter(tiny_target, tiny_target), k=8, k_policy="fixed").generate(
             PROMPTS[0], max_new_tokens=n)
         assert len(g.token_ids) == n and g.finish_reason == "length"
 
@@ -125,7 +125,7 @@ def test_stop_string_cuts_text_and_tokens(tiny_target):
     full = SpeculativeDecoder(tiny_target).generate(PROMPTS[0], max_new_tokens=20)
     words = full.text.split()
     stop = " ".join(words[4:6])
-    g = SpeculativeDecoder(tiny_target, NgramDrafter(min_accept=0), k=4).generate(
+    g = SpeculativeDecoder(tiny_target, NgramDrafter(), k=4, k_policy="fixed").generate(
         PROMPTS[0], max_new_tokens=20, stop=[stop])
     assert g.finish_reason == "stop"
     assert stop not in g.text and full.text.startswith(g.text)
@@ -136,7 +136,7 @@ def test_stop_string_cuts_text_and_tokens(tiny_target):
 
 
 def test_stream_deltas_add_up_to_the_text(tiny_target, tiny_noisy_draft):
-    decoder = SpeculativeDecoder(tiny_target, ModelDrafter(tiny_noisy_draft, tiny_target), k=3)
+    decoder = SpeculativeDecoder(tiny_target, ModelDrafter(tiny_noisy_draft, tiny_target), k=3, k_policy="fixed")
     stream = decoder.stream(PROMPTS[2], max_new_tokens=25)
     deltas = list(stream)
     assert len(deltas) > 1
@@ -186,7 +186,7 @@ def test_bad_input_gets_a_clear_error(tiny_target, prompt, kwargs, words):
 
 def test_bad_decoder_configuration(tiny_target):
     with pytest.raises(InvalidRequest, match="k \\(draft tokens per step\\)"):
-        SpeculativeDecoder(tiny_target, NgramDrafter(), k=0)
+        SpeculativeDecoder(tiny_target, NgramDrafter(), k=0, k_policy="fixed")
     with pytest.raises(InvalidRequest, match="acceptance must be one of strict, typical"):
         SpeculativeDecoder(tiny_target, acceptance="fast")
 
@@ -202,8 +202,8 @@ def test_padded_draft_vocabulary_is_accepted(tiny_target):
     wide = loaded(make_model(seed=4, vocab=40), make_tokenizer(vocab=32))
     drafter = ModelDrafter(wide, tiny_target)
     expected = plain_greedy(tiny_target, PROMPTS[0], 30)
-    assert SpeculativeDecoder(tiny_target, drafter, k=3).generate(PROMPTS[0], max_new_tokens=30).token_ids == expected
-    g = SpeculativeDecoder(tiny_target, drafter, k=3).generate(PROMPTS[0], max_new_tokens=30, temperature=1, seed=0)
+    assert SpeculativeDecoder(tiny_target, drafter, k=3, k_policy="fixed").generate(PROMPTS[0], max_new_tokens=30).token_ids == expected
+    g = SpeculativeDecoder(tiny_target, drafter, k=3, k_policy="fixed").generate(PROMPTS[0], max_new_tokens=30, temperature=1, seed=0)
     assert all(t < 32 for t in g.token_ids)
 
 

@@ -6,75 +6,65 @@ from verispec import InvalidRequest, NgramDrafter
 
 
 def test_longest_suffix_match_wins():
-    d = NgramDrafter(min_n=1, max_n=3, min_accept=0)
+    d = NgramDrafter(min_n=1, max_n=3)
     #      0  1  2  3  4  5  6  7  8  9
     ctx = [5, 1, 2, 9, 7, 2, 8, 1, 2]  # suffix (1, 2) occurred at 1..2 -> continuation 9, 7, ...
     assert d.match(ctx, 3) == (2, [9, 7, 2])
 
 
 def test_most_recent_occurrence_is_preferred():
-    d = NgramDrafter(min_n=1, max_n=2, min_accept=0)
+    d = NgramDrafter(min_n=1, max_n=2)
     ctx = [3, 4, 10, 3, 4, 11, 3, 4]
     assert d.match(ctx, 1) == (2, [11])
 
 
 def test_continuation_is_capped_at_k_and_at_the_end_of_context():
-    d = NgramDrafter(min_n=1, max_n=2, min_accept=0)
+    d = NgramDrafter(min_n=1, max_n=2)
     assert d.match([1, 2, 3, 4, 5, 1, 2], 10) == (2, [3, 4, 5, 1, 2])
     d.reset()
     assert d.match([1, 2, 3, 4, 5, 1, 2], 2) == (2, [3, 4])
 
 
 def test_no_match_proposes_nothing():
-    d = NgramDrafter(min_n=2, max_n=3, min_accept=0)
+    d = NgramDrafter(min_n=2, max_n=3)
     assert d.match([1, 2, 3, 4], 5) == (0, [])
     assert len(d.propose([1, 2, 3, 4], 5)) == 0
     # a 1-gram match exists but min_n=2 ignores it
     assert d.match([1, 2, 3, 1], 5) == (0, [])
-    d1 = NgramDrafter(min_n=1, max_n=3, min_accept=0)
+    d1 = NgramDrafter(min_n=1, max_n=3)
     assert d1.match([1, 2, 3, 1], 5) == (1, [2, 3, 1])
 
 
 def test_incremental_growth_matches_a_fresh_index():
     ctx = [7, 1, 2, 3, 7, 1, 2, 4, 7, 1]
-    grown = NgramDrafter(min_n=1, max_n=3, min_accept=0)
+    grown = NgramDrafter(min_n=1, max_n=3)
     for end in range(1, len(ctx) + 1):
-        fresh = NgramDrafter(min_n=1, max_n=3, min_accept=0)
+        fresh = NgramDrafter(min_n=1, max_n=3)
         assert grown.match(ctx[:end], 4) == fresh.match(ctx[:end], 4)
 
 
 def test_context_that_is_not_an_extension_rebuilds_the_index():
-    d = NgramDrafter(min_n=1, max_n=2, min_accept=0)
+    d = NgramDrafter(min_n=1, max_n=2)
     assert d.match([1, 2, 3, 1, 2], 2) == (2, [3, 1])
     assert d.match([4, 5, 6, 4], 2) == (1, [5, 6])
 
 
-def test_adaptive_gate_silences_useless_match_lengths_and_reprobes():
-    d = NgramDrafter(min_n=1, max_n=1, min_accept=1.0, probe_every=4)
-    ctx = [1, 2, 1]
-    proposals = []
-    for _ in range(30):
-        draft = d.propose(ctx, 3)
-        proposals.append(len(draft) > 0)
-        if len(draft):
-            d.observe(0)  # every proposal rejected
-    assert proposals[:3] == [True, True, True]  # optimistic start
-    assert 3 <= sum(proposals) <= 12  # then only the periodic probes
-    # once the text turns repetitive, accepted probes re-enable drafting
-    for _ in range(40):
-        if len(d.propose(ctx, 3)):
-            d.observe(3)
-    assert all(len(d.propose(ctx, 3)) for _ in range(5))
+def test_confidence_grows_with_the_match_length():
+    d = NgramDrafter(min_n=1, max_n=3)
+    short = d.propose([7, 1, 9, 8, 1], 2)  # only the 1-gram "1" matched
+    long = d.propose([5, 6, 7, 1, 5, 6, 7], 2)  # the 3-gram "5 6 7" matched
+    assert short.tokens == [9, 8] and long.tokens == [1, 5]
+    assert short.confidence == [0.5, 0.5] and long.confidence == [0.75, 0.75]
 
 
 def test_reset_forgets_the_sequence():
-    d = NgramDrafter(min_accept=0)
+    d = NgramDrafter()
     d.match([1, 2, 3, 1, 2], 2)
     d.reset()
     assert d.match([9, 8], 2) == (0, [])
 
 
-@pytest.mark.parametrize("kwargs", [dict(min_n=0), dict(min_n=3, max_n=2), dict(min_accept=-1), dict(probe_every=0)])
+@pytest.mark.parametrize("kwargs", [dict(min_n=0), dict(min_n=3, max_n=2), dict(min_n=1.5), dict(max_n="4")])
 def test_bad_configuration_is_rejected(kwargs):
     with pytest.raises(InvalidRequest):
         NgramDrafter(**kwargs)

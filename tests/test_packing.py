@@ -76,7 +76,7 @@ def test_load_model_falls_back_on_a_cpu_without_the_kernel(cpu_without_packed_ke
 
     target = load_model(str(tiny_dir), dtype="bfloat16")
     assert target.packed_layers == 0 and "cannot run the packed kernel" not in target.linear_kernel
-    out = SpeculativeDecoder(target, NgramDrafter(), k=4).generate("w5 w9 w3 w5 w9", max_new_tokens=12)
+    out = SpeculativeDecoder(target, NgramDrafter(), k=4, k_policy="fixed").generate("w5 w9 w3 w5 w9", max_new_tokens=12)
     assert out.stats.new_tokens == 12
 
 
@@ -125,7 +125,7 @@ def test_greedy_speculation_on_a_packed_float32_target_matches_plain_decoding():
     target = loaded(packed)
     prompt = "w5 w9 w3 w5 w9 w3 w5 w9"
     plain = SpeculativeDecoder(target, None).generate(prompt, max_new_tokens=40)
-    spec = SpeculativeDecoder(target, NgramDrafter(), k=5).generate(prompt, max_new_tokens=40)
+    spec = SpeculativeDecoder(target, NgramDrafter(), k=5, k_policy="fixed").generate(prompt, max_new_tokens=40)
     assert spec.token_ids == plain.token_ids and spec.stats.accepted > 0
 
 
@@ -192,5 +192,5 @@ def test_greedy_speculation_on_a_packed_bfloat16_target_matches_plain_decoding()
     target.dtype = torch.bfloat16
     prompt = "w5 w9 w3 w5 w9 w3 w5 w9"
     plain = SpeculativeDecoder(target, None).generate(prompt, max_new_tokens=40)
-    spec = SpeculativeDecoder(target, NgramDrafter(), k=5).generate(prompt, max_new_tokens=40)
+    spec = SpeculativeDecoder(target, NgramDrafter(), k=5, k_policy="fixed").generate(prompt, max_new_tokens=40)
     assert spec.token_ids == plain.token_ids

@@ -28,7 +28,9 @@ def chat_dir(tmp_path_factory, tiny_target):
 
 @pytest.fixture(scope="module")
 def server(chat_dir):
-    s = Server("--target", str(chat_dir), "--max-queue", "32", "--admin-token", "sesame")
+    # fixed k: on a tiny model a draft costs as much as it saves, so the controller would run plain steps, and
+    # these tests are about what speculation does to the server's counters
+    s = Server("--target", str(chat_dir), "--max-queue", "32", "--admin-token", "sesame", "--k-policy", "fixed")
     yield s
     s.stop()
 

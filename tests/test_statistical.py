@@ -14,16 +14,16 @@ from verispec.audit import chi_square, run_audit
 
 CASES = {
     "model-draft-t1": (lambda t, d: ModelDrafter(d, t), SamplingParams(temperature=1.0)),
-    "ngram-onehot-t1": (lambda t, d: NgramDrafter(min_accept=0), SamplingParams(temperature=1.0)),
+    "ngram-onehot-t1": (lambda t, d: NgramDrafter(), SamplingParams(temperature=1.0)),
     "model-draft-topk-topp": (lambda t, d: ModelDrafter(d, t), SamplingParams(temperature=0.8, top_k=8, top_p=0.9)),
-    "ngram-topp": (lambda t, d: NgramDrafter(min_accept=0), SamplingParams(temperature=1.2, top_p=0.8)),
+    "ngram-topp": (lambda t, d: NgramDrafter(), SamplingParams(temperature=1.2, top_p=0.8)),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_strict_speculative_sampling_matches_exact_joint_distribution(tiny_target, tiny_noisy_draft, case):
     make, sampling = CASES[case]
-    decoder = SpeculativeDecoder(tiny_target, make(tiny_target, tiny_noisy_draft), k=3)
+    decoder = SpeculativeDecoder(tiny_target, make(tiny_target, tiny_noisy_draft), k=3, k_policy="fixed")
     assert joint_p_value(decoder, sampling) > ALPHA
 
 
@@ -45,7 +45,7 @@ def lossy_prompt(target):
 
 
 def test_lossy_typical_acceptance_fails_the_same_test(tiny_target):
-    decoder = SpeculativeDecoder(tiny_target, NgramDrafter(min_accept=0), k=3, acceptance="typical")
+    decoder = SpeculativeDecoder(tiny_target, NgramDrafter(), k=3, k_policy="fixed", acceptance="typical")
     prompt = lossy_prompt(tiny_target)
     sampling = SamplingParams(temperature=1.0)
     observed = sampled_joint(decoder, prompt, sampling)
@@ -54,11 +54,11 @@ def test_lossy_typical_acceptance_fails_the_same_test(tiny_target):
 
 
 def test_audit_passes_strict_and_fails_typical(tiny_target, tiny_noisy_draft):
-    strict = SpeculativeDecoder(tiny_target, ModelDrafter(tiny_noisy_draft, tiny_target), k=3)
+    strict = SpeculativeDecoder(tiny_target, ModelDrafter(tiny_noisy_draft, tiny_target), k=3, k_policy="fixed")
     report = run_audit(strict, PROMPT, temperature=1.0, samples=600, positions=3, seed=100)
     assert report.passed, report.to_dict()
     assert [t.position for t in report.positions] == [1, 2, 3] and all(t.dof > 3 for t in report.positions)
-    lossy = SpeculativeDecoder(tiny_target, NgramDrafter(min_accept=0), k=3, acceptance="typical")
+    lossy = SpeculativeDecoder(tiny_target, NgramDrafter(), k=3, k_policy="fixed", acceptance="typical")
     report = run_audit(lossy, lossy_prompt(tiny_target), temperature=1.0, samples=600, positions=3, seed=100)
     assert not report.passed and report.lossy
     assert min(t.p_value for t in report.positions) < 1e-6

@@ -107,14 +107,14 @@ def test_engine_tree_greedy_equals_plain_greedy(tiny_target, k):
         truth = prompt + plain.token_ids
         for seed in range(3):
             drafter = OracleTreeDrafter(truth, tiny_target.vocab_size, seed)
-            got = SpeculativeDecoder(tiny_target, drafter, k=k).generate(prompt, max_new_tokens=40)
+            got = SpeculativeDecoder(tiny_target, drafter, k=k, k_policy="fixed").generate(prompt, max_new_tokens=40)
             assert got.token_ids == plain.token_ids, (k, seed)
             if k >= 3:
                 assert got.stats.accepted > 0 and got.stats.verify_steps < 40
 
 
 def test_engine_refuses_a_tree_when_sampling(tiny_target):
-    decoder = SpeculativeDecoder(tiny_target, OracleTreeDrafter([], tiny_target.vocab_size), k=4)
+    decoder = SpeculativeDecoder(tiny_target, OracleTreeDrafter([], tiny_target.vocab_size), k=4, k_policy="fixed")
     with pytest.raises(RuntimeError, match="greedy decoding only"):
         decoder.generate([5, 9, 3], max_new_tokens=5, temperature=1.0, seed=0)
 
@@ -122,7 +122,7 @@ def test_engine_refuses_a_tree_when_sampling(tiny_target):
 def test_tree_steps_leave_the_cache_equal_to_a_fresh_prefill(tiny_target):
     prompt = [3, 4, 5, 6, 7, 8]
     plain = SpeculativeDecoder(tiny_target).generate(prompt, max_new_tokens=30)
-    decoder = SpeculativeDecoder(tiny_target, OracleTreeDrafter(prompt + plain.token_ids, 32), k=6, reuse_prefix=True)
+    decoder = SpeculativeDecoder(tiny_target, OracleTreeDrafter(prompt + plain.token_ids, 32), k=6, k_policy="fixed", reuse_prefix=True)
     out = decoder.generate(prompt, max_new_tokens=30)
     cached = decoder._cached_tokens
     assert cached == (prompt + out.token_ids)[: len(cached)] and len(cached) >= len(prompt)

@@ -43,6 +43,10 @@ def _model_options(p: argparse.ArgumentParser, drafter_default: str = "ngram") -
     g.add_argument("--eagle-width", type=int, default=4,
                    help="children per expanded node and nodes expanded per depth in the eagle tree (default: 4)")
     g.add_argument("--k", type=int, default=8, help="most draft tokens verified per step (default: 8)")
+    g.add_argument("--k-policy", default="cost", choices=["cost", "fixed"],
+                   help="cost (default): choose each step how many draft tokens to verify, 0 included, from step "
+                        "costs and acceptance measured on this machine; fixed: verify every draft token offered, "
+                        "up to --k (for experiments)")
     g.add_argument("--ngram-min", type=int, default=2, help="shortest suffix n-gram the ngram drafter matches (default: 2)")
     g.add_argument("--ngram-max", type=int, default=4, help="longest suffix n-gram the ngram drafter matches (default: 4)")
     g.add_argument("--dtype", default="float32", choices=list(DTYPES),
@@ -132,7 +136,7 @@ def _build_decoder(args):
     elif args.drafter == "eagle":
         options = eagle_options(args)
     drafter = make_drafter(args.drafter, target=target, draft_model=draft_model, **options)
-    return SpeculativeDecoder(target, drafter, k=args.k, acceptance=args.acceptance)
+    return SpeculativeDecoder(target, drafter, k=args.k, acceptance=args.acceptance, k_policy=args.k_policy)
 
 
 def cmd_generate(args) -> int:

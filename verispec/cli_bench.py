@@ -50,6 +50,7 @@ def add_parsers(sub) -> None:
         epilog="methods (comma-separated; options as :key=value):\n"
                "  baseline            plain decoding through verispec (the reference for speedups)\n"
                "  ngram[:k=8:min_n=2:max_n=4]   verispec's n-gram drafter\n"
+               "  (verispec methods also take :policy=cost|fixed, the k policy; default --k-policy)\n"
                "  model:REF[:k=4]     verispec with a separate draft model\n"
                "  eagle[:DIR][:k=8]   verispec's EAGLE head (shipped for the built-in target, or a train-eagle folder)\n"
                "  hf:greedy           transformers generate\n"
@@ -58,6 +59,9 @@ def add_parsers(sub) -> None:
                "example: verispec bench --categories summarization,rag --limit 5 --methods baseline,ngram,hf:pld")
     b.add_argument("--methods", default=DEFAULT_METHODS, help=f"methods to compare (default: {DEFAULT_METHODS})")
     b.add_argument("--k", type=int, default=8, help="default draft length for verispec methods (default: 8)")
+    b.add_argument("--k-policy", default="cost", choices=["cost", "fixed"],
+                   help="default k policy of verispec methods (a method's :policy= overrides it): cost (default) "
+                        "lets the controller choose the draft length per step, 0 included; fixed verifies up to k")
     _prompt_options(b, limit_default=None)
     _target_options(b)
     g = b.add_argument_group("sampling and output")
@@ -124,7 +128,7 @@ def cmd_bench(args) -> int:
         raise InvalidRequest("--methods lists a method twice")
     questions = _questions(args)
     target, load = _setup(args)
-    methods = [build_method(s, target, load, default_k=args.k) for s in specs]
+    methods = [build_method(s, target, load, default_k=args.k, default_policy=args.k_policy) for s in specs]
     reference = "baseline" if "baseline" in specs else specs[0]
     encode = prompt_encoder(SpeculativeDecoder(target))
     out = _out_dir(args, "bench")
@@ -235,7 +239,8 @@ def cmd_analyze(args) -> int:
     encode = prompt_encoder(SpeculativeDecoder(target))
     decode = lambda ids: target.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
     out = _out_dir(args, "analyze")
-    spec = f"{args.drafter}:k={args.k_max}"
+    # fixed k: every position up to k-max is drafted and verified, so acceptance is measured at each
+    spec = f"{args.drafter}:k={args.k_max}:policy=fixed"
     method = build_method(spec, target, load)
     answers = sum(len(q.turns) for q in questions)
 
@@ -276,8 +281,10 @@ def cmd_analyze(args) -> int:
 
     if sweep:
         base_name = "baseline"
-        methods = [build_method(base_name, target, load)] + [build_method(f"{args.drafter}:k={k}", target, load)
-                                                              for k in sweep]
+        methods = [build_method(base_name, target, load)] + [
+            build_method(f"{args.drafter}:k={k}:policy=fixed", target, load) for k in sweep]
+        # and the controller choosing k (0 included) per step, up to k-max
+        methods.append(build_method(f"{args.drafter}:k={args.k_max}:policy=cost", target, load))
         with tqdm(total=answers * len(methods), desc="k sweep", file=sys.stderr, disable=None) as bar:
             sweep_records = []
             for rec in run_benchmark(methods, questions, encode, decode, args.max_new_tokens,
@@ -289,9 +296,18 @@ def cmd_analyze(args) -> int:
                             "mean_accepted_tokens": summary[m.name]["mean_accepted_tokens"],
                             "identical": summary[m.name]["identical"]}
                            for k, m in zip(sweep, methods[1:])]
+        cost = summary[methods[-1].name]
+        ctrl = [r for r in sweep_records if r["method"] == methods[-1].name]
+        steps = sum(len(r["step_drafted"]) for r in ctrl)
+        result.controller = {"method": methods[-1].name, "speedup": cost["speedup"],
+                             "mean_accepted_tokens": cost["mean_accepted_tokens"], "identical": cost["identical"],
+                             "plain_step_share": sum(r["step_drafted"].count(0) for r in ctrl) / steps if steps else None}
         with open(out / "sweep_records.jsonl", "w", encoding="utf-8") as fh:
             fh.writelines(json.dumps(r) + "\n" for r in sweep_records)
 
+    from .controller import shared_cost_curve
+
+    result.learned_cost_ms = {w: 1000 * t for w, t in shared_cost_curve(target.model).measured().items()}
     text = _analysis_text(result, target.name, args)
     (out / "analysis.md").write_text(text, encoding="utf-8")
     files = {"table": str(out / "analysis.md"), "json": str(out / "analysis.json"),
@@ -339,6 +355,20 @@ def _analysis_text(r, target_name: str, args) -> str:
                      f"{p['predicted_tokens_per_step']:.3f} | {p['relative_verify_cost']:.2f} | {p['predicted_speedup']:.3f}x | "
                      f"{_f(m.get('mean_accepted_tokens'))} | {_f(m.get('speedup'))}{'x' if m else ''} |")
     lines += ["", f"predicted optimal k: {r.optimal_k}"]
+    if r.controller:
+        c = r.controller
+        share = "n/a" if c["plain_step_share"] is None else f"{100 * c['plain_step_share']:.1f}%"
+        lines += ["", f"cost-aware controller ({c['method']}, k chosen per step up to {r.k_max}, 0 included): "
+                      f"measured speedup {_f(c['speedup'])}x, #MAT {_f(c['mean_accepted_tokens'])}, "
+                      f"plain steps {share}"]
+    if r.learned_cost_ms:
+        lines += ["", "Step cost by width (tokens in the pass): this run's verify cost curve and the controller's "
+                      "curve learned online in the same process", "",
+                  "| width | verify cost curve (ms) | controller's curve (ms) |", "|---:|---:|---:|"]
+        for w in sorted(set(r.learned_cost_ms) | {j + 1 for j in r.verify_cost_ms}):
+            measured_ms = r.verify_cost_ms.get(w - 1)
+            learned = r.learned_cost_ms.get(w)
+            lines.append(f"| {w} | {_f(measured_ms, '.1f')} | {_f(learned, '.1f')} |")
     if r.measured:
         best = max(r.measured, key=lambda m: m["speedup"] or 0)
         lines.append(f"measured best k in the sweep: {best['k']} ({best['speedup']:.3f}x)")

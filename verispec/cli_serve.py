@@ -70,14 +70,14 @@ def cmd_serve(args) -> int:
         if args.drafter == "eagle" or args.eagle_head:
             raise
     config = ServerConfig(
-        target=target, drafters=drafters, default_drafter=args.drafter, k=args.k,
+        target=target, drafters=drafters, default_drafter=args.drafter, k=args.k, k_policy=args.k_policy,
         served_model_name=args.served_model_name, max_concurrency=args.max_concurrency, max_queue=args.max_queue,
         default_max_tokens=args.default_max_tokens, admin_token=args.admin_token,
         window_seconds=args.acceptance_window, speculation=not args.speculation_off,
     )
     app = create_app(config)
     print(f"verispec: serving {config.served_model_name or target.name} on http://{args.host}:{args.port} "
-          f"(drafter {args.drafter}, k {args.k}, {args.dtype}, {args.max_concurrency} slot(s), queue "
+          f"(drafter {args.drafter}, k {args.k} ({args.k_policy}), {args.dtype}, {args.max_concurrency} slot(s), queue "
           f"{args.max_queue})", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0

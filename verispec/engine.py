@@ -22,6 +22,7 @@ import torch
 from transformers import Cache
 
 from .cache import new_cache, truncate
+from .controller import COST, Controller, expected_tokens, shared_cost_curve
 from .drafters.base import EMPTY_DRAFT, Draft, Drafter
 from .drafters.model import common_prefix_length
 from .errors import InvalidRequest
@@ -105,7 +106,9 @@ class SpeculativeDecoder:
     """Lossless speculative decoding over a Hugging Face causal LM.
 
     ``drafter=None`` is plain decoding through the same loop. ``k`` is the most draft tokens verified per
-    step. ``acceptance="typical"`` switches to LOSSY Medusa-style typical acceptance (off by default and
+    step; ``k_policy="cost"`` (the default) lets the controller choose each step how many of them to draft and
+    verify, 0 included, from the step costs and acceptance it measures (``verispec.controller``);
+    ``k_policy="fixed"`` verifies every draft token the drafter offers, up to k. ``acceptance="typical"`` switches to LOSSY Medusa-style typical acceptance (off by default and
     marked lossy in every result). ``reuse_prefix`` keeps the target's KV cache between calls and reuses
     the longest shared prompt prefix.
     """
@@ -119,6 +122,7 @@ class SpeculativeDecoder:
         typical_epsilon: float = 0.09,
         typical_delta: float = 0.3,
         reuse_prefix: bool = True,
+        k_policy: str = COST,
     ) -> None:
         _check_k(k)
         if acceptance not in ACCEPTANCE_MODES:
@@ -129,6 +133,7 @@ class SpeculativeDecoder:
         self.acceptance = acceptance
         self.typical = (typical_epsilon, typical_delta)
         self.reuse_prefix = reuse_prefix
+        self.controller = Controller(shared_cost_curve(target.model), policy=k_policy)
         self._cache: Cache | None = None
         self._cached_tokens: list[int] = []
         self._features = FeatureBuffer()
@@ -219,6 +224,7 @@ class SpeculativeDecoder:
         stats = GenerationStats(
             drafter=self.drafter_name, acceptance=self.acceptance, lossy=self.lossy,
             k=k if self.drafter is not None else 0, prompt_tokens=len(ids),
+            k_policy=self.controller.policy if self.drafter is not None else "",
         )
         return GenerationStream(self._run(ids, sampling, max_new_tokens, seed, stops, k, stats), stats)
 
@@ -236,6 +242,8 @@ class SpeculativeDecoder:
         self._prefill(state)
         if self.drafter is not None:
             self.drafter.reset(sampling, generator)
+            self.controller.start_request()
+            self._calibrate(state, k)
         try:
             while not state.finish_reason:
                 t0 = time.perf_counter()
@@ -250,6 +258,8 @@ class SpeculativeDecoder:
             if tail:
                 yield tail
         finally:
+            if self.controller.costs:
+                stats.plain_step_seconds = self.controller.costs(1)
             # keep the cache for the next request only if it is exactly what we think it holds
             if self.reuse_prefix and state.cache.get_seq_length() == len(state.cached_tokens):
                 self._cache, self._cached_tokens, self._features = state.cache, state.cached_tokens, state.features
@@ -291,6 +301,28 @@ class SpeculativeDecoder:
                 state.features.append(select_layers(out.hidden_states, self.feature_layers))
         state.stats.prefill_seconds = time.perf_counter() - t0
 
+    def _calibrate(self, state: SequenceState, k: int) -> None:
+        """Seed the target's cost curve (once per model and process): time an engine step at a few widths up
+        to k + 1 on this request's context, then crop the cache back. The steps themselves refine it."""
+        curve = self.controller.costs
+        widths = sorted({1, 2, 1 + max(1, k // 2), 1 + k})
+        if self.controller.policy != COST or all(w in curve.measured() for w in widths):
+            return
+        start = time.perf_counter()
+        past = len(state.cached_tokens)
+        pending = state.tokens[past:]
+        device = self.target.device
+        for i, w in enumerate([1, *widths]):  # the first pass warms up and is not kept
+            feed = (pending * w)[: max(w, len(pending))]
+            t0 = time.perf_counter()
+            logits = self.target.model(input_ids=torch.tensor([feed], device=device), past_key_values=state.cache,
+                                       use_cache=True).logits[0]
+            probabilities(logits, state.sampling)
+            truncate(state.cache, past)
+            if i:
+                curve.observe(len(feed), time.perf_counter() - t0)
+        state.stats.calibration_seconds = time.perf_counter() - start
+
     def _step(self, state: SequenceState, k: int) -> tuple[list[int], int, int]:
         """One propose -> verify -> roll back -> observe step; returns (tokens to commit, draft depth,
         accepted draft tokens)."""
@@ -298,7 +330,13 @@ class SpeculativeDecoder:
         remaining = state.max_new_tokens - len(state.generated)
         room = (self.target.context_length or 1 << 30) - len(state.tokens)
         k = max(0, min(k, remaining - 1, room))
+        ctrl = self.controller
+        fed_count = len(state.tokens) - len(state.cached_tokens)
         draft: Draft = EMPTY_DRAFT
+        if self.drafter is not None:
+            if k > 0:
+                k = ctrl.draft_budget(k, fed_count, getattr(self.drafter, "tree_depth", None)).k
+            state.stats.step_budget.append(k)
         if self.drafter is not None and k > 0:
             if self.feature_layers:
                 draft = self.drafter.propose(state.tokens, k, features=state.features.view())
@@ -309,7 +347,16 @@ class SpeculativeDecoder:
                                    "verified for greedy decoding only")
             if len(draft) > k:
                 draft = draft.truncated(k)
+            ctrl.observe_draft(len(draft), time.perf_counter() - t0)
+            if draft.parents is None:
+                decision = ctrl.verify_length(len(draft), draft.confidence, draft.probs is None, fed_count)
+                draft = draft.truncated(decision.k)
+                state.stats.probes += decision.probe
         t1 = time.perf_counter()
+        if self.drafter is not None and ctrl.active:
+            expected = ctrl.state.acceptance
+            state.stats.predicted_tokens += (1.0 if not len(draft) else _expected(expected, draft))
+            state.stats.predicted_seconds += (t1 - t0) + ctrl.costs(fed_count + len(draft))
 
         device = self.target.device
         # committed tokens not in the cache yet: the pending token, after a tree step also the accepted path
@@ -353,6 +400,9 @@ class SpeculativeDecoder:
         if self.drafter is not None and len(draft):
             self.drafter.observe(n)
         t2 = time.perf_counter()
+        ctrl.observe_step(len(fed) + len(draft), t2 - t1)
+        if self.drafter is not None:
+            ctrl.observe_verdict(draft.depth, n, draft.confidence)
 
         state.stats.draft_seconds += t1 - t0
         state.stats.verify_seconds += t2 - t1
@@ -378,6 +428,14 @@ class SpeculativeDecoder:
         if state.text.stopped:
             state.finish_reason = "stop"
         return delta
+
+
+def _expected(acceptance, draft: Draft) -> float:
+    """The controller's expected committed tokens for this draft (chain: calibrated confidence per position;
+    tree: acceptance by depth)."""
+    if draft.parents is None and draft.confidence is not None:
+        return expected_tokens([acceptance.calibrated(c) for c in draft.confidence])
+    return expected_tokens([acceptance.at(i) for i in range(draft.depth)])
 
 
 def _check_k(k) -> None:

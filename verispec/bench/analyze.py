@@ -111,6 +111,8 @@ class Analysis:
     predictions: list[dict] = field(default_factory=list)  # per k: expected tokens (3 ways), speedup
     optimal_k: int = 0
     measured: list[dict] = field(default_factory=list)  # per k: speedup and #MAT from a sweep
+    controller: dict = field(default_factory=dict)  # the cost policy in the sweep: speedup, #MAT, plain steps
+    learned_cost_ms: dict[int, float] = field(default_factory=dict)  # the controller's curve: width -> ms
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -26,6 +26,7 @@ from typing import Callable
 import torch
 from transformers.generation.streamers import BaseStreamer
 
+from ..controller import COST, K_POLICIES
 from ..drafters import make_drafter
 from ..engine import SpeculativeDecoder
 from ..errors import InvalidRequest
@@ -84,9 +85,15 @@ def _number(key: str, value: str):
 
 
 def build_method(spec: str, target: LoadedModel, load: Callable[..., LoadedModel] | None,
-                 default_k: int = 8) -> Method:
-    """Build a method from its spec; ``load(ref, pack=None)`` resolves model references (shared between methods)."""
+                 default_k: int = 8, default_policy: str = COST) -> Method:
+    """Build a method from its spec; ``load(ref, pack=None)`` resolves model references (shared between methods).
+    verispec methods take ``policy=cost|fixed`` (the controller's k policy; default ``default_policy``)."""
     head, refs, raw_opts = parse_spec(spec)
+    if head.startswith("hf:") and "policy" in raw_opts:
+        raise InvalidRequest(f"{spec!r}: policy is an option of verispec methods, not of transformers' {head}")
+    policy = raw_opts.pop("policy", default_policy)
+    if policy not in K_POLICIES:
+        raise InvalidRequest(f"{spec!r}: policy must be one of {', '.join(K_POLICIES)}, got {policy!r}")
     opts = {key: _number(key, v) for key, v in raw_opts.items()}
     if head == "eagle":
         k = int(opts.pop("k", default_k))
@@ -95,7 +102,7 @@ def build_method(spec: str, target: LoadedModel, load: Callable[..., LoadedModel
             raise InvalidRequest(f"{spec!r}: eagle takes a head folder, k, tree, depth and width, e.g. eagle, "
                                  "eagle:DIR:k=6 or eagle:tree=1:k=16 (options tree, depth, width, lookup)")
         drafter = make_drafter("eagle", target=target, head=refs[0] if refs else None, **tree)
-        decoder = SpeculativeDecoder(target, drafter, k=k, reuse_prefix=False)
+        decoder = SpeculativeDecoder(target, drafter, k=k, reuse_prefix=False, k_policy=policy)
         return Method(spec, _verispec_runner(decoder), "verispec", drafter.name, k)
     if head in ("baseline", "none", "ngram", "model"):
         k = int(opts.pop("k", default_k))
@@ -109,7 +116,7 @@ def build_method(spec: str, target: LoadedModel, load: Callable[..., LoadedModel
         except TypeError as exc:
             raise InvalidRequest(f"{spec!r}: {exc}") from None
         # no prefix reuse: transformers' generate starts every prompt from an empty cache, so must we
-        decoder = SpeculativeDecoder(target, drafter, k=k, reuse_prefix=False)
+        decoder = SpeculativeDecoder(target, drafter, k=k, reuse_prefix=False, k_policy=policy)
         return Method(spec, _verispec_runner(decoder), "verispec", decoder.drafter_name,
                       k if drafter is not None else None)
     if head.startswith("hf:"):

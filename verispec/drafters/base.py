@@ -17,11 +17,18 @@ class Draft:
     or None when the drafter is deterministic (then q is one-hot on each proposed token).
 
     ``parents`` makes the draft a tree (greedy decoding only): node i is ``tokens[i]`` and follows node
-    ``parents[i]`` (-1 = the pending token); parents come before children. None = a chain."""
+    ``parents[i]`` (-1 = the pending token); parents come before children. None = a chain.
+
+    ``confidence`` (optional, chains): the drafter's own guess in [0, 1] that each position is accepted; the
+    engine's controller calibrates it against what the target accepts and uses it to decide how much of the
+    draft to verify. For sampled tokens it must depend on the distribution the token was drawn from (e.g. its
+    largest probability), never on the drawn token itself: verifying sampled tokens selected by their own value
+    would bias them (see ``verispec.controller``)."""
 
     tokens: list[int]
     probs: torch.Tensor | None = None
     parents: list[int] | None = None
+    confidence: list[float] | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -36,7 +43,8 @@ class Draft:
     def truncated(self, n: int) -> "Draft":
         """The first n nodes (a prefix of a tree is a tree, since parents come first)."""
         return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n],
-                     None if self.parents is None else self.parents[:n])
+                     None if self.parents is None else self.parents[:n],
+                     None if self.confidence is None else self.confidence[:n])
 
 
 EMPTY_DRAFT = Draft([])
@@ -61,3 +69,7 @@ class Drafter(Protocol):
 # and the engine then calls ``propose(context, k, features=F)`` with F [len(context) - 1, L, H]: the target's
 # hidden states at every committed position but the pending one, taken from the prefill and verify passes the
 # engine runs anyway (no extra target forward).
+#
+# A drafter that drafts a tree for some sampling parameters says so before drafting, so the controller can
+# budget nodes instead of chain positions:
+#     tree_depth: int | None    the tree's depth for the current request, None when it drafts a chain

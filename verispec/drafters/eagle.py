@@ -49,7 +49,7 @@ class EagleDrafter:
         if lookup and not tree:
             raise InvalidRequest("the eagle drafter's lookup branch needs tree mode (tree=True / --eagle-tree)")
         # in a tree the extra nodes ride on a pass that is wide anyway, so the lookup branch always proposes
-        self._lookup = NgramDrafter(min_accept=0) if lookup else None
+        self._lookup = NgramDrafter() if lookup else None
         self.name = "eagle+lookup" if lookup else "eagle"
         if not isinstance(head, EagleHead):
             head = EagleHead.load(resolve_head(target.name, head), dtype=target.dtype)
@@ -75,6 +75,11 @@ class EagleDrafter:
         if getattr(self, "_lookup", None) is not None:
             self._lookup.reset(sampling, generator)
         # the KV cache is kept: the next propose() keeps the pairs still valid for the new context
+
+    @property
+    def tree_depth(self) -> int | None:
+        """The tree's depth when this request drafts a tree (greedy, tree mode), else None."""
+        return self.depth if self.tree and self.sampling.greedy else None
 
     @torch.inference_mode()
     def propose(self, context: Sequence[int], k: int, features: torch.Tensor | None = None) -> Draft:
@@ -103,8 +108,11 @@ class EagleDrafter:
             return draft
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
+        confidence: list[float] = []
         for depth in range(k):
             logits = head.logits(g, self._extra)  # [draft vocabulary]
+            # the head's largest probability: a property of the distribution, not of the token drawn from it
+            confidence.append(float(torch.softmax(logits.float(), dim=-1).max()))
             if self.sampling.greedy:
                 token = self._ids[int(logits.argmax())]
             else:
@@ -118,7 +126,7 @@ class EagleDrafter:
                 g = head.step(torch.tensor([token], device=device), g[None], self._cache)[-1]
         self._cache.truncate(m)  # drop the drafted pairs: they were built from the head's own features
         self._tokens = list(context)
-        return Draft(tokens, torch.stack(probs) if probs else None)
+        return Draft(tokens, torch.stack(probs) if probs else None, confidence=confidence)
 
     def _lookup_branch(self, context: Sequence[int], m: int, k: int) -> list[int]:
         if self._lookup is None or k < 2:

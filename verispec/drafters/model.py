@@ -59,6 +59,7 @@ class ModelDrafter:
         device = self.draft.device
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
+        confidence: list[float] = []
         for _ in range(k):
             out = self.draft.model(
                 input_ids=torch.tensor([feed], device=device),
@@ -67,12 +68,15 @@ class ModelDrafter:
                 logits_to_keep=1,
             )
             self._cached.extend(feed)
-            q = self._distribution(out.logits[0, -1])  # [vocab]
+            logits = out.logits[0, -1]
+            q = self._distribution(logits)  # [vocab]
+            # the draft model's largest probability (of the distribution, not of the token drawn from it)
+            confidence.append(float(torch.softmax(logits.float(), dim=-1).max()))
             token = sample(q, self.generator)
             tokens.append(token)
             probs.append(q)
             feed = [token]
-        return Draft(tokens, torch.stack(probs) if probs else None)
+        return Draft(tokens, torch.stack(probs) if probs else None, confidence=confidence)
 
     def observe(self, num_accepted: int) -> None:
         pass  # the next propose() realigns the cache with the committed context

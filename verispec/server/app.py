@@ -45,6 +45,7 @@ class ServerConfig:
     drafters: dict[str, Callable[[], Drafter]]  # name -> factory of a fresh drafter (one per slot)
     default_drafter: str = "ngram"
     k: int = 8
+    k_policy: str = "cost"
     served_model_name: str | None = None
     max_concurrency: int = 1
     max_queue: int = 16
@@ -138,9 +139,9 @@ def create_app(config: ServerConfig) -> FastAPI:
         raise ValueError(f"default drafter {config.default_drafter!r} is not among {list(config.drafters)}")
 
     def make_slot() -> dict[str, SpeculativeDecoder]:
-        slot = {"none": SpeculativeDecoder(target, None, k=config.k)}
+        slot = {"none": SpeculativeDecoder(target, None, k=config.k, k_policy=config.k_policy)}
         for name, factory in config.drafters.items():
-            slot[name] = SpeculativeDecoder(target, factory(), k=config.k)
+            slot[name] = SpeculativeDecoder(target, factory(), k=config.k, k_policy=config.k_policy)
         return slot
 
     pool = SlotPool(make_slot, config.max_concurrency, config.max_queue)
@@ -364,8 +365,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     async def health():
         return {"status": "ok", "model": served, "speculation": state["speculation"],
                 "default_drafter": config.default_drafter, "drafters": ["none", *config.drafters], "k": config.k,
-                "running": pool.busy,
-                "queued": pool.waiting, "admitted": pool.admitted, "capacity": pool.capacity}
+                "k_policy": config.k_policy, "running": pool.busy, "queued": pool.waiting, "admitted": pool.admitted, "capacity": pool.capacity}
 
     @app.get("/metrics")
     async def prometheus():

@@ -1,0 +1,189 @@
+"""The cost-aware controller: the rule on synthetic cost curves and acceptance, and the engine with it on."""
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from statistical_helpers import ALPHA, joint_p_value
+from verispec import InvalidRequest, ModelDrafter, NgramDrafter, SamplingParams, SpeculativeDecoder
+from verispec.controller import Acceptance, Controller, CostCurve, expected_tokens
+
+
+class FixedCosts(CostCurve):
+    """A cost curve that is given, not measured: seconds(width) = base * (1 + slope * (width - 1))."""
+
+    def __init__(self, slope: float, base: float = 0.01):
+        super().__init__()
+        self.slope, self.base = slope, base
+
+    def observe(self, width, seconds):
+        pass
+
+    def measured(self):
+        return {w: self(w) for w in range(1, 65)}
+
+    def __bool__(self):
+        return True
+
+    def __call__(self, width):
+        return self.base * (1 + self.slope * (width - 1))
+
+
+def controller(slope: float, acceptance: float, draft_seconds_per_token: float = 0.0, **kwargs) -> Controller:
+    c = Controller(FixedCosts(slope), **kwargs)
+    c.history = Acceptance(prior=acceptance, weight=1e9)  # a known acceptance that observations cannot move
+    c.start_request()
+    if draft_seconds_per_token:
+        c.observe_draft(1, draft_seconds_per_token)
+    return c
+
+
+# ---------------------------------------------------------------------- the pieces
+def test_expected_tokens_is_one_plus_the_chance_of_reaching_each_position():
+    assert expected_tokens([]) == 1.0
+    assert expected_tokens([1.0, 1.0, 1.0]) == 4.0
+    assert expected_tokens([0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_cost_curve_interpolates_extrapolates_and_ignores_one_stall():
+    curve = CostCurve()
+    curve.observe(1, 1.0)
+    assert curve(5) == pytest.approx(1.0 * (1 + 0.1 * 4))  # one width: the optimistic prior slope
+    curve.observe(9, 3.0)
+    assert curve(5) == pytest.approx(2.0) and curve(1) == 1.0
+    assert curve(17) == pytest.approx(5.0)  # along the slope of the two widest
+    for _ in range(20):
+        curve.observe(1, 1.0)
+    curve.observe(1, 100.0)  # a stall counts as at most 3x the mean
+    assert curve(1) < 1.3
+
+
+def test_acceptance_counts_only_the_positions_reached():
+    acc = Acceptance(prior=0.5, weight=0.0)
+    acc.observe(verified=4, accepted=1)  # position 1 accepted, 2 rejected, 3 and 4 never reached
+    assert acc.at(0) == 1.0 and acc.at(1) == 0.0 and len(acc.positions) == 2
+
+
+# ---------------------------------------------------------------------- the rule
+def test_expensive_verify_and_low_acceptance_choose_a_plain_step():
+    c = controller(slope=1.0, acceptance=0.2, draft_seconds_per_token=0.002)
+    assert c.draft_budget(8).k == 0  # a draft model: not even drafted
+    cheap = controller(slope=1.0, acceptance=0.2)
+    assert cheap.draft_budget(8).k == 8  # drafting is free: draft, then decide on the draft
+    assert cheap.verify_length(8, None, deterministic=True).k == 0
+
+
+def test_cheap_verify_and_high_acceptance_choose_long_drafts():
+    c = controller(slope=0.02, acceptance=0.9, draft_seconds_per_token=0.0002)
+    assert c.draft_budget(16).k >= 12
+    assert c.verify_length(16, None, deterministic=True).k >= 12
+
+
+def test_the_choice_follows_the_machine():
+    """The same acceptance gives a long draft where verify is cheap and a short one where it is not."""
+    cheap = controller(slope=0.05, acceptance=0.7).verify_length(16, None, deterministic=True).k
+    costly = controller(slope=0.4, acceptance=0.7).verify_length(16, None, deterministic=True).k
+    assert cheap > costly >= 1
+
+
+def test_confidence_is_calibrated_against_what_was_accepted():
+    c = Controller(FixedCosts(0.3))
+    for _ in range(200):  # confident positions were accepted, unconfident ones rejected
+        c.observe_verdict(2, 1, [0.95, 0.15])
+    assert c.state.acceptance.calibrated(0.95) > 0.9 and c.state.acceptance.calibrated(0.15) < 0.1
+    assert c.verify_length(2, [0.95, 0.15], deterministic=True).k == 1
+    assert c.verify_length(2, [0.15, 0.95], deterministic=True).k == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(conf=st.lists(st.floats(0, 1), min_size=1, max_size=12), tail=st.lists(st.floats(0, 1), max_size=12),
+       slope=st.floats(0.01, 2.0))
+def test_sampled_drafts_are_cut_by_a_stopping_rule(conf, tail, slope):
+    """Whether position i is verified may depend on the confidences of positions 1..i only: changing what comes
+    after the first unverified position never changes the decision (otherwise sampled tokens would be verified
+    selectively by values they influence, which is not lossless)."""
+    c = Controller(FixedCosts(slope))
+    for _ in range(50):
+        c.observe_verdict(2, 1, [0.9, 0.1])
+    n = c.verify_length(len(conf), conf, deterministic=False).k
+    changed = conf[: n + 1] + tail[: max(0, len(conf) - n - 1)]
+    changed += conf[len(changed):]
+    assert c.verify_length(len(changed), changed, deterministic=False).k == n
+
+
+def test_no_flapping_near_break_even():
+    c = controller(slope=0.5, acceptance=0.45, draft_seconds_per_token=0.001)
+    decisions = [c.draft_budget(4).k > 0 for _ in range(60)]
+    switches = sum(a != b for a, b in zip(decisions, decisions[1:]))
+    assert switches <= 2 * (60 // c.first_probe_interval) + 1  # only the probes in and out
+
+
+def test_probes_back_off_when_they_fail_and_reset_when_they_succeed():
+    c = controller(slope=1.0, acceptance=0.05, draft_seconds_per_token=0.002, first_probe_interval=4,
+                   max_probe_interval=16)
+    probes = []
+    for step in range(80):
+        d = c.draft_budget(8)
+        if d.k:
+            assert d.probe and 1 <= d.k <= c.probe_length
+            probes.append(step)
+            c.observe_verdict(d.k, 0)
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert probes[0] == 3 and gaps[:3] == [8, 16, 16]  # every 4th step, then 8th, then 16th (the cap)
+    c.state.probe_pending = True
+    c.observe_verdict(2, 2)
+    assert c.state.probe_interval == 4
+
+
+def test_fixed_policy_verifies_what_is_drafted_and_bad_policies_are_rejected():
+    c = controller(slope=1.0, acceptance=0.05, policy="fixed")
+    assert c.draft_budget(6).k == 6 and c.verify_length(6, [0.0] * 6, deterministic=True).k == 6
+    with pytest.raises(InvalidRequest, match="k policy"):
+        Controller(CostCurve(), policy="always")
+
+
+def test_trees_spend_the_whole_budget_or_none():
+    assert controller(slope=0.05, acceptance=0.8).draft_budget(12, tree_depth=4).k == 12
+    assert controller(slope=1.0, acceptance=0.1, draft_seconds_per_token=0.001).draft_budget(12, tree_depth=4).k == 0
+
+
+# ---------------------------------------------------------------------- in the engine
+def with_costs(decoder: SpeculativeDecoder, slope: float) -> SpeculativeDecoder:
+    decoder.controller.costs = FixedCosts(slope)
+    return decoder
+
+
+@pytest.mark.parametrize("slope", [0.05, 0.5, 3.0])
+def test_greedy_output_is_identical_whatever_the_controller_decides(tiny_target, tiny_noisy_draft, slope):
+    prompt = [5, 9, 3, 5, 9, 4, 7, 5, 9, 3]
+    expected = SpeculativeDecoder(tiny_target).generate(prompt, max_new_tokens=40).token_ids
+    for drafter in (NgramDrafter(), ModelDrafter(tiny_noisy_draft, tiny_target)):
+        out = with_costs(SpeculativeDecoder(tiny_target, drafter, k=6), slope).generate(prompt, max_new_tokens=40)
+        assert out.token_ids == expected, (drafter.name, slope)
+        st_ = out.stats
+        assert st_.k_policy == "cost" and len(st_.step_budget) == st_.verify_steps
+        assert st_.predicted_speedup is not None and st_.measured_speedup is not None
+        if slope == 0.05 and drafter.name == "model":
+            assert st_.drafted > 0 and st_.plain_steps < st_.verify_steps / 2  # cheap verify: it speculates
+        if slope == 3.0 and drafter.name == "model":
+            assert st_.plain_steps > st_.verify_steps / 2  # a wide pass costs 4x a plain one: mostly plain
+
+
+def test_sampling_with_the_controller_cutting_drafts_is_lossless(tiny_target, tiny_noisy_draft):
+    """The controller cuts sampled drafts at lengths chosen from the draft model's confidence; the output
+    still matches the target's exact joint distribution."""
+    decoder = with_costs(SpeculativeDecoder(tiny_target, ModelDrafter(tiny_noisy_draft, tiny_target), k=3), 0.4)
+    sampling = SamplingParams(temperature=1.0)
+    assert joint_p_value(decoder, sampling) > ALPHA
+    out = decoder.generate([5, 9, 3, 5, 9], max_new_tokens=60, temperature=1.0, seed=3)
+    assert len(set(out.stats.step_drafted)) >= 2, out.stats.step_drafted  # drafts were cut at different lengths
+
+
+def test_stats_and_summary_report_the_controller(tiny_target):
+    out = with_costs(SpeculativeDecoder(tiny_target, NgramDrafter(), k=4), 2.0).generate(
+        [5, 9, 3, 5, 9, 4], max_new_tokens=20)
+    d = out.stats.to_dict()
+    for key in ("k_policy", "step_budget", "plain_steps", "probes", "predicted_speedup", "measured_speedup"):
+        assert key in d
+    assert "k policy cost" in out.stats.summary()
+    plain = SpeculativeDecoder(tiny_target).generate([5, 9, 3], max_new_tokens=5).stats
+    assert plain.k_policy == "" and "k policy" not in plain.summary()

@@ -1,0 +1,330 @@
+"""How many draft tokens to verify each step (0 included), chosen from costs and acceptance measured online.
+
+A step that verifies n draft tokens commits, in expectation, ``1 + sum_{i<=n} prod_{j<=i} a_j`` tokens, where
+a_j is the chance that draft position j is accepted given that j-1 were, and costs the drafter's time for the
+draft plus a target pass over (fed + n) tokens. The controller picks the n with the most expected tokens per
+second and compares it with a plain step (n = 0: no drafting work at all, one token per pass). Nothing here is
+tuned to a machine: the cost of a pass is measured per width on the machine that runs it, acceptance per
+position on the text being generated.
+
+Two decisions per step:
+
+1. ``draft_budget`` before drafting: how many tokens to ask the drafter for (0 = a plain step). Uses the
+   acceptance by position of this request (seeded by the drafter's history) and both costs.
+2. ``verify_length`` after drafting: how many of the proposed tokens to verify. The drafting cost is spent; a
+   drafter may attach a confidence to each position, which the controller turns into an acceptance estimate
+   through a calibration table it keeps against what the target really accepted.
+
+Lossless by construction: for drafts sampled from q the decision to verify position i may use the confidences of
+positions 1..i only, and a drafter's confidence at i must be a function of the distribution q_i it sampled from
+(e.g. its largest probability), never of the sampled token itself (choosing which sampled tokens to verify by
+their own value would bias them). The decision is a stopping rule over i, so strict rejection sampling still
+returns the target's distribution. Deterministic drafts (n-gram, greedy) may use every confidence at once.
+
+Exploration: when the rule says "plain", a small draft is still verified now and then (``probe``) so that a turn
+of the text towards something predictable is noticed; the interval doubles after each failed probe (up to
+``max_probe_interval``) and resets after a successful one. Switching between plain and speculative steps needs
+a ``margin`` of predicted gain (hysteresis), so near-ties do not flap.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+from .errors import InvalidRequest
+
+FIXED, COST = "fixed", "cost"
+K_POLICIES = (COST, FIXED)
+
+
+class RunningMean:
+    """A mean of the first observations that turns into an exponential moving average (weight ``smoothing``)
+    once it has seen about 1/smoothing of them; starts from ``prior`` counted as ``weight`` observations."""
+
+    __slots__ = ("value", "count", "smoothing")
+
+    def __init__(self, prior: float, weight: float = 1.0, smoothing: float = 0.1) -> None:
+        self.value, self.count, self.smoothing = float(prior), float(weight), smoothing
+
+    def add(self, x: float) -> None:
+        self.count += 1
+        self.value += (x - self.value) * max(1.0 / self.count, self.smoothing)
+
+    def copy(self, max_weight: float | None = None) -> "RunningMean":
+        weight = self.count if max_weight is None else min(self.count, max_weight)
+        return RunningMean(self.value, weight, self.smoothing)
+
+
+class CostCurve:
+    """Seconds of one engine step over ``width`` tokens (target pass, probabilities, rollback).
+
+    A running mean per measured width; between measured widths linear interpolation, beyond the widest along the
+    slope of the two widest (never decreasing), below the narrowest the narrowest's time. With one width measured
+    the extra tokens are assumed to cost ``prior_slope`` of a one-token pass each (an optimistic start that
+    gets corrected by the first measurements)."""
+
+    def __init__(self, smoothing: float = 0.1, prior_slope: float = 0.1) -> None:
+        self.smoothing = smoothing
+        self.prior_slope = prior_slope
+        self._means: dict[int, RunningMean] = {}
+
+    def observe(self, width: int, seconds: float) -> None:
+        mean = self._means.get(width)
+        if mean is None:
+            self._means[width] = RunningMean(seconds, 1.0, self.smoothing)
+        else:
+            mean.add(min(seconds, 3 * mean.value))  # one stall (a page fault, another process) is not the curve
+
+    def measured(self) -> dict[int, float]:
+        return {w: m.value for w, m in sorted(self._means.items())}
+
+    def __bool__(self) -> bool:
+        return bool(self._means)
+
+    def __call__(self, width: int) -> float:
+        if not self._means:
+            raise ValueError("no step has been timed yet")
+        points = sorted((w, m.value) for w, m in self._means.items())
+        if width <= points[0][0]:
+            return points[0][1]
+        for (w0, t0), (w1, t1) in zip(points, points[1:]):
+            if width <= w1:
+                return t0 + (t1 - t0) * (width - w0) / (w1 - w0)
+        if len(points) == 1:
+            w0, t0 = points[0]
+            return t0 * (1 + self.prior_slope * (width - w0))
+        (w0, t0), (w1, t1) = points[-2], points[-1]
+        slope = max((t1 - t0) / (w1 - w0), 0.0)
+        return t1 + slope * (width - w1)
+
+
+_CURVES: "weakref.WeakKeyDictionary[object, CostCurve]" = weakref.WeakKeyDictionary()
+
+
+def shared_cost_curve(model: object) -> CostCurve:
+    """The one cost curve of a target model in this process (every decoder over it measures into it)."""
+    curve = _CURVES.get(model)
+    if curve is None:
+        curve = _CURVES[model] = CostCurve()
+    return curve
+
+
+class Acceptance:
+    """P(draft position i accepted | positions < i accepted) per position, and a calibration table from a
+    drafter's confidence (ten bins over [0, 1]) to the same conditional probability."""
+
+    BINS = 10
+
+    def __init__(self, prior: float = 0.6, weight: float = 2.0, smoothing: float = 0.05) -> None:
+        self.prior, self.weight, self.smoothing = prior, weight, smoothing
+        self.positions: list[RunningMean] = []
+        self.bins = [RunningMean((b + 0.5) / self.BINS, weight, smoothing) for b in range(self.BINS)]
+
+    def copy(self, max_weight: float) -> "Acceptance":
+        """A per-request copy that starts from this history but follows the request after a few steps."""
+        out = Acceptance(self.prior, self.weight, self.smoothing)
+        out.positions = [m.copy(max_weight) for m in self.positions]
+        out.bins = [m.copy(max_weight) for m in self.bins]
+        return out
+
+    def _position(self, i: int) -> RunningMean:
+        while len(self.positions) <= i:
+            # an unseen position starts where the last seen one is (acceptance falls slowly with depth)
+            start = self.positions[-1].value if self.positions else self.prior
+            self.positions.append(RunningMean(start, self.weight, self.smoothing))
+        return self.positions[i]
+
+    def at(self, i: int) -> float:
+        """Estimated acceptance of position i (0-based) without a confidence."""
+        if i < len(self.positions):
+            return self.positions[i].value
+        return self.positions[-1].value if self.positions else self.prior
+
+    def calibrated(self, confidence: float) -> float:
+        return self.bins[_bin(confidence, self.BINS)].value
+
+    def observe(self, verified: int, accepted: int, confidence: list[float] | None = None) -> None:
+        """A draft of which ``verified`` tokens were checked and the first ``accepted`` of them kept."""
+        for i in range(min(verified, accepted + 1)):  # the positions that were reached
+            hit = 1.0 if i < accepted else 0.0
+            self._position(i).add(hit)
+            if confidence is not None and i < len(confidence):
+                self.bins[_bin(confidence[i], self.BINS)].add(hit)
+
+
+def _bin(confidence: float, bins: int) -> int:
+    return min(bins - 1, max(0, int(confidence * bins)))
+
+
+def expected_tokens(accept: list[float]) -> float:
+    """Expected committed tokens of a step that verifies drafts with these conditional acceptances:
+    1 (the correction or bonus token) + sum_i prod_{j<=i} a_j."""
+    total, reach = 1.0, 1.0
+    for a in accept:
+        reach *= a
+        total += reach
+    return total
+
+
+@dataclass
+class Decision:
+    """What the controller chose for one step and what it predicted."""
+
+    k: int  # draft tokens asked for (before drafting) or verified (after)
+    predicted_tokens: float  # expected committed tokens
+    predicted_seconds: float  # expected step time (draft + verify)
+    probe: bool = False  # verified to learn, against the rule's advice
+
+    @property
+    def rate(self) -> float:
+        return self.predicted_tokens / self.predicted_seconds if self.predicted_seconds > 0 else float("inf")
+
+
+@dataclass
+class RequestState:
+    """Per request: its acceptance (seeded from the drafter's history) and the probing schedule."""
+
+    acceptance: Acceptance
+    speculating: bool = True
+    plain_run: int = 0  # consecutive steps decided plain
+    probe_interval: int = 8
+    probe_pending: bool = False  # the current step is a probe
+
+
+class Controller:
+    """Chooses the draft length per step for one drafter over one target (see the module docstring).
+
+    ``costs``: the target's step time by width (shared by every decoder of the model in this process).
+    ``policy``: ``cost`` (the rule) or ``fixed`` (verify every draft token the drafter offers, up to k: for
+    experiments and for comparison)."""
+
+    def __init__(self, costs: CostCurve, policy: str = COST, margin: float = 0.03, probe_length: int = 2,
+                 first_probe_interval: int = 8, max_probe_interval: int = 64, request_weight: float = 4.0,
+                 cheap_draft: float = 0.02) -> None:
+        if policy not in K_POLICIES:
+            raise InvalidRequest(f"k policy must be one of {', '.join(K_POLICIES)}, got {policy!r}")
+        self.costs = costs
+        self.policy = policy
+        self.margin = margin
+        self.probe_length = probe_length
+        self.first_probe_interval = first_probe_interval
+        self.max_probe_interval = max_probe_interval
+        self.request_weight = request_weight
+        self.cheap_draft = cheap_draft
+        self.history = Acceptance()  # across requests, for this drafter
+        self.draft_seconds_per_token = RunningMean(0.0, 0.0, 0.1)  # across requests
+        self.state = self.start_request()
+
+    # ------------------------------------------------------------------ lifecycle
+    def start_request(self) -> RequestState:
+        self.state = RequestState(self.history.copy(self.request_weight), probe_interval=self.first_probe_interval)
+        return self.state
+
+    @property
+    def active(self) -> bool:
+        """False while the rule has nothing to go on (fixed policy, or no step timed yet)."""
+        return self.policy == COST and bool(self.costs)
+
+    # ------------------------------------------------------------------ costs
+    def draft_cost(self, n: int) -> float:
+        return self.draft_seconds_per_token.value * n if self.draft_seconds_per_token.count else 0.0
+
+    def drafting_is_cheap(self, k: int, fed: int = 1) -> bool:
+        return self.draft_cost(k) < self.cheap_draft * self.costs(fed)
+
+    def _decision(self, accept: list[float], fed: int, nodes: int, draft_seconds: float) -> Decision:
+        return Decision(nodes, expected_tokens(accept), draft_seconds + self.costs(fed + nodes))
+
+    def _best(self, accept: list[float], fed: int, draft_cost: bool) -> tuple[Decision, Decision]:
+        """(best chain of 1..len(accept) tokens, plain step)."""
+        plain = self._decision([], fed, 0, 0.0)
+        best = plain
+        for n in range(1, len(accept) + 1):
+            d = self._decision(accept[:n], fed, n, self.draft_cost(n) if draft_cost else 0.0)
+            if best.k == 0 or d.rate > best.rate:
+                best = d
+        return best, plain
+
+    def _choose(self, best: Decision, plain: Decision) -> Decision:
+        """Plain or speculative, with hysteresis and the probing schedule."""
+        st = self.state
+        if best.k == 0:
+            return plain
+        gain = best.rate / plain.rate
+        st.speculating = gain > 1 - self.margin if st.speculating else gain > 1 + self.margin
+        if st.speculating:
+            st.plain_run = 0
+            return best
+        st.plain_run += 1
+        if st.plain_run >= st.probe_interval:
+            st.plain_run = 0
+            st.probe_pending = True
+            return Decision(min(self.probe_length, best.k), best.predicted_tokens, best.predicted_seconds, True)
+        return plain
+
+    # ------------------------------------------------------------------ decisions
+    def draft_budget(self, k_max: int, fed: int = 1, tree_depth: int | None = None) -> Decision:
+        """Draft tokens (tree nodes with ``tree_depth``) to ask for; 0 = a plain step with no drafting work."""
+        self.state.probe_pending = False
+        if k_max <= 0 or not self.active:
+            return Decision(max(k_max, 0), 1.0, 0.0)
+        acc = self.state.acceptance
+        if tree_depth is not None:
+            # a tree spends its whole node budget in one pass; its accepted path is measured by depth
+            tree = self._decision([acc.at(i) for i in range(min(tree_depth, k_max))], fed, k_max,
+                                  self.draft_cost(k_max))
+            return self._choose(tree, self._decision([], fed, 0, 0.0))
+        if self.drafting_is_cheap(k_max, fed):
+            # drafting costs nothing next to a pass: draft the most, verify_length decides on the draft itself
+            best, _ = self._best([acc.at(i) for i in range(k_max)], fed, draft_cost=False)
+            return Decision(k_max, best.predicted_tokens, best.predicted_seconds)
+        best, plain = self._best([acc.at(i) for i in range(k_max)], fed, draft_cost=True)
+        return self._choose(best, plain)
+
+    def verify_length(self, length: int, confidence: list[float] | None, deterministic: bool,
+                      fed: int = 1) -> Decision:
+        """How many tokens of a chain draft of ``length`` to verify (the drafting cost is spent)."""
+        if length == 0 or not self.active:
+            return Decision(length, 1.0, 0.0)
+        st = self.state
+        if st.probe_pending:  # draft_budget asked for this draft as a probe
+            return Decision(min(length, self.probe_length), 1.0, self.costs(fed + min(length, self.probe_length)),
+                            True)
+        acc = st.acceptance
+        prior = [acc.at(i) for i in range(length)]
+        estimate = prior if confidence is None else [acc.calibrated(c) for c in confidence[:length]] + prior[
+            len(confidence):]
+        if deterministic or confidence is None:
+            n = length
+        else:
+            # a stopping rule: whether position i is verified depends on the confidences of 1..i only
+            n = length
+            for i in range(1, length + 1):
+                if self._best(estimate[:i] + prior[i:], fed, draft_cost=False)[0].k < i:
+                    n = i - 1
+                    break
+        best, plain = self._best(estimate[:n], fed, draft_cost=False)
+        if self.drafting_is_cheap(length, fed):
+            return self._choose(best, plain)  # this is the step's one plain-or-speculate decision
+        # the budget decided to speculate; with the draft paid for, verify what pays
+        return best if best.k and best.rate > plain.rate else plain
+
+    # ------------------------------------------------------------------ feedback
+    def observe_draft(self, proposed: int, seconds: float) -> None:
+        if proposed:
+            self.draft_seconds_per_token.add(seconds / proposed)
+
+    def observe_step(self, width: int, seconds: float) -> None:
+        self.costs.observe(width, seconds)
+
+    def observe_verdict(self, verified: int, accepted: int, confidence: list[float] | None = None) -> None:
+        """``verified`` draft positions were checked (the depth, for a tree) and ``accepted`` kept."""
+        st = self.state
+        if verified:
+            st.acceptance.observe(verified, accepted, confidence)
+            self.history.observe(verified, accepted, confidence)
+            if st.probe_pending:
+                st.probe_interval = (self.first_probe_interval if accepted
+                                     else min(2 * st.probe_interval, self.max_probe_interval))
+        st.probe_pending = False
