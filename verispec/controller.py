@@ -51,18 +51,20 @@ class RunningMean:
         self.count += 1
         self.value += (x - self.value) * max(1.0 / self.count, self.smoothing)
 
-    def copy(self, max_weight: float | None = None) -> "RunningMean":
+    def copy(self, max_weight: float | None = None, smoothing: float | None = None) -> "RunningMean":
         weight = self.count if max_weight is None else min(self.count, max_weight)
-        return RunningMean(self.value, weight, self.smoothing)
+        return RunningMean(self.value, weight, self.smoothing if smoothing is None else smoothing)
 
 
 class CostCurve:
     """Seconds of one engine step over ``width`` tokens (target pass, probabilities, rollback).
 
-    A running mean per measured width; between measured widths linear interpolation, beyond the widest along the
-    slope of the two widest (never decreasing), below the narrowest the narrowest's time. With one width measured
-    the extra tokens are assumed to cost ``prior_slope`` of a one-token pass each (an optimistic start that
-    gets corrected by the first measurements)."""
+    A running mean per measured width. Width 1 is read as measured (a one-token pass often takes a different
+    kernel path than any wider one); wider widths are read from a straight line fitted to the measured widths
+    from 2 up (least squares, each width weighted by how often it was measured, at most 20), so that one noisy
+    width does not bend the curve; never below the one-token time. With one wider width measured, the line goes
+    through it and width 1; with none, the extra tokens are assumed to cost ``prior_slope`` of a one-token pass
+    each (an optimistic start that the first measurements correct)."""
 
     def __init__(self, smoothing: float = 0.1, prior_slope: float = 0.1) -> None:
         self.smoothing = smoothing
@@ -85,18 +87,26 @@ class CostCurve:
     def __call__(self, width: int) -> float:
         if not self._means:
             raise ValueError("no step has been timed yet")
-        points = sorted((w, m.value) for w, m in self._means.items())
-        if width <= points[0][0]:
-            return points[0][1]
-        for (w0, t0), (w1, t1) in zip(points, points[1:]):
-            if width <= w1:
-                return t0 + (t1 - t0) * (width - w0) / (w1 - w0)
-        if len(points) == 1:
-            w0, t0 = points[0]
-            return t0 * (1 + self.prior_slope * (width - w0))
-        (w0, t0), (w1, t1) = points[-2], points[-1]
-        slope = max((t1 - t0) / (w1 - w0), 0.0)
-        return t1 + slope * (width - w1)
+        one = self._means.get(1)
+        wide = [(w, m.value, min(m.count, 20.0)) for w, m in self._means.items() if w > 1]
+        if one is None:  # only wide passes timed so far: scale the narrowest one down along the prior
+            w0, t0, _ = min(wide)
+            base = t0 / (1 + self.prior_slope * (w0 - 1))
+        else:
+            base = one.value
+        if width <= 1:
+            return base
+        if len(wide) >= 2:
+            total = sum(c for _, _, c in wide)
+            mw = sum(w * c for w, _, c in wide) / total
+            mt = sum(t * c for _, t, c in wide) / total
+            var = sum(c * (w - mw) ** 2 for w, _, c in wide)
+            slope = max(0.0, sum(c * (w - mw) * (t - mt) for w, t, c in wide) / var)
+            return max(base, mt + slope * (width - mw))
+        if len(wide) == 1:
+            w0, t0, _ = wide[0]
+            return max(base, base + (t0 - base) * (width - 1) / (w0 - 1))
+        return base * (1 + self.prior_slope * (width - 1))
 
 
 _CURVES: "weakref.WeakKeyDictionary[object, CostCurve]" = weakref.WeakKeyDictionary()
@@ -121,11 +131,11 @@ class Acceptance:
         self.positions: list[RunningMean] = []
         self.bins = [RunningMean((b + 0.5) / self.BINS, weight, smoothing) for b in range(self.BINS)]
 
-    def copy(self, max_weight: float) -> "Acceptance":
+    def copy(self, max_weight: float, smoothing: float | None = None) -> "Acceptance":
         """A per-request copy that starts from this history but follows the request after a few steps."""
-        out = Acceptance(self.prior, self.weight, self.smoothing)
-        out.positions = [m.copy(max_weight) for m in self.positions]
-        out.bins = [m.copy(max_weight) for m in self.bins]
+        out = Acceptance(self.prior, self.weight, self.smoothing if smoothing is None else smoothing)
+        out.positions = [m.copy(max_weight, out.smoothing) for m in self.positions]
+        out.bins = [m.copy(max_weight, out.smoothing) for m in self.bins]
         return out
 
     def _position(self, i: int) -> RunningMean:
@@ -190,6 +200,7 @@ class RequestState:
     plain_run: int = 0  # consecutive steps decided plain
     probe_interval: int = 8
     probe_pending: bool = False  # the current step is a probe
+    drafted: bool = False  # the request's first proposal (which also reads the prompt) has been made
 
 
 class Controller:
@@ -201,6 +212,7 @@ class Controller:
 
     def __init__(self, costs: CostCurve, policy: str = COST, margin: float = 0.03, probe_length: int = 2,
                  first_probe_interval: int = 8, max_probe_interval: int = 64, request_weight: float = 4.0,
+                 request_smoothing: float = 0.05,
                  cheap_draft: float = 0.02) -> None:
         if policy not in K_POLICIES:
             raise InvalidRequest(f"k policy must be one of {', '.join(K_POLICIES)}, got {policy!r}")
@@ -211,6 +223,7 @@ class Controller:
         self.first_probe_interval = first_probe_interval
         self.max_probe_interval = max_probe_interval
         self.request_weight = request_weight
+        self.request_smoothing = request_smoothing
         self.cheap_draft = cheap_draft
         self.history = Acceptance()  # across requests, for this drafter
         self.draft_seconds_per_token = RunningMean(0.0, 0.0, 0.1)  # across requests
@@ -218,7 +231,8 @@ class Controller:
 
     # ------------------------------------------------------------------ lifecycle
     def start_request(self) -> RequestState:
-        self.state = RequestState(self.history.copy(self.request_weight), probe_interval=self.first_probe_interval)
+        acceptance = self.history.copy(self.request_weight, self.request_smoothing)
+        self.state = RequestState(acceptance, probe_interval=self.first_probe_interval)
         return self.state
 
     @property
@@ -246,8 +260,9 @@ class Controller:
                 best = d
         return best, plain
 
-    def _choose(self, best: Decision, plain: Decision) -> Decision:
-        """Plain or speculative, with hysteresis and the probing schedule."""
+    def _choose(self, best: Decision, plain: Decision, tree: bool = False) -> Decision:
+        """Plain or speculative, with hysteresis and the probing schedule (a tree probes with its whole budget:
+        what is in question is the cost of the wide pass)."""
         st = self.state
         if best.k == 0:
             return plain
@@ -260,7 +275,8 @@ class Controller:
         if st.plain_run >= st.probe_interval:
             st.plain_run = 0
             st.probe_pending = True
-            return Decision(min(self.probe_length, best.k), best.predicted_tokens, best.predicted_seconds, True)
+            k = best.k if tree else min(self.probe_length, best.k)
+            return Decision(k, best.predicted_tokens, best.predicted_seconds, True)
         return plain
 
     # ------------------------------------------------------------------ decisions
@@ -274,7 +290,7 @@ class Controller:
             # a tree spends its whole node budget in one pass; its accepted path is measured by depth
             tree = self._decision([acc.at(i) for i in range(min(tree_depth, k_max))], fed, k_max,
                                   self.draft_cost(k_max))
-            return self._choose(tree, self._decision([], fed, 0, 0.0))
+            return self._choose(tree, self._decision([], fed, 0, 0.0), tree=True)
         if self.drafting_is_cheap(k_max, fed):
             # drafting costs nothing next to a pass: draft the most, verify_length decides on the draft itself
             best, _ = self._best([acc.at(i) for i in range(k_max)], fed, draft_cost=False)
@@ -312,8 +328,11 @@ class Controller:
 
     # ------------------------------------------------------------------ feedback
     def observe_draft(self, proposed: int, seconds: float) -> None:
-        if proposed:
+        # a request's first proposal also reads the whole prompt (an EAGLE head, a draft model's prefill): a
+        # one-time cost, not what each further draft token costs
+        if proposed and self.state.drafted:
             self.draft_seconds_per_token.add(seconds / proposed)
+        self.state.drafted = self.state.drafted or bool(proposed)
 
     def observe_step(self, width: int, seconds: float) -> None:
         self.costs.observe(width, seconds)

@@ -108,8 +108,8 @@ class SpeculativeDecoder:
     ``drafter=None`` is plain decoding through the same loop. ``k`` is the most draft tokens verified per
     step; ``k_policy="cost"`` (the default) lets the controller choose each step how many of them to draft and
     verify, 0 included, from the step costs and acceptance it measures (``verispec.controller``);
-    ``k_policy="fixed"`` verifies every draft token the drafter offers, up to k. ``acceptance="typical"`` switches to LOSSY Medusa-style typical acceptance (off by default and
-    marked lossy in every result). ``reuse_prefix`` keeps the target's KV cache between calls and reuses
+    ``k_policy="fixed"`` verifies every draft token the drafter offers, up to k. ``acceptance="typical"``
+    switches to LOSSY Medusa-style typical acceptance (off by default and marked lossy in every result). ``reuse_prefix`` keeps the target's KV cache between calls and reuses
     the longest shared prompt prefix.
     """
 
@@ -303,7 +303,7 @@ class SpeculativeDecoder:
 
     def _calibrate(self, state: SequenceState, k: int) -> None:
         """Seed the target's cost curve (once per model and process): time an engine step at a few widths up
-        to k + 1 on this request's context, then crop the cache back. The steps themselves refine it."""
+        to k + 1 on this request's context, twice, then crop the cache back. The steps themselves refine it."""
         curve = self.controller.costs
         widths = sorted({1, 2, 1 + max(1, k // 2), 1 + k})
         if self.controller.policy != COST or all(w in curve.measured() for w in widths):
@@ -312,7 +312,7 @@ class SpeculativeDecoder:
         past = len(state.cached_tokens)
         pending = state.tokens[past:]
         device = self.target.device
-        for i, w in enumerate([1, *widths]):  # the first pass warms up and is not kept
+        for i, w in enumerate([1, *widths, *widths]):  # the first pass warms up and is not kept
             feed = (pending * w)[: max(w, len(pending))]
             t0 = time.perf_counter()
             logits = self.target.model(input_ids=torch.tensor([feed], device=device), past_key_values=state.cache,
@@ -351,9 +351,9 @@ class SpeculativeDecoder:
             if draft.parents is None:
                 decision = ctrl.verify_length(len(draft), draft.confidence, draft.probs is None, fed_count)
                 draft = draft.truncated(decision.k)
-                state.stats.probes += decision.probe
         t1 = time.perf_counter()
         if self.drafter is not None and ctrl.active:
+            state.stats.probes += ctrl.state.probe_pending and len(draft) > 0
             expected = ctrl.state.acceptance
             state.stats.predicted_tokens += (1.0 if not len(draft) else _expected(expected, draft))
             state.stats.predicted_seconds += (t1 - t0) + ctrl.costs(fed_count + len(draft))
