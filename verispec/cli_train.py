@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from .errors import InvalidRequest
-from .models import DEFAULT_MODEL, DTYPES
+from .models import DEFAULT_MODEL, DTYPES, LoadedModel
 
 
 def add_train_parser(sub) -> None:
@@ -74,7 +74,7 @@ def _refuse_eval_prompts(prompts: list[str]) -> None:
 
 def cmd_train_eagle(args) -> int:
     from .eagle.data import build_dataset, read_prompts, select_prompts
-    from .eagle.train import TrainConfig, measure_acceptance, train_head
+    from .eagle.train import TrainConfig, train_head
     from .models import cache_dir, load_model
 
     for name, value, low in (("--samples", args.samples, 2), ("--max-new-tokens", args.max_new_tokens, 1),
@@ -147,3 +147,32 @@ def _record(out: str | Path, key: str, value) -> None:
     cfg = HeadConfig.load(Path(out))
     cfg.training[key] = value
     cfg.save(Path(out))
+
+
+def measure_acceptance(target: LoadedModel, head_dir: str | Path, prompts: list[list[int]], k: int = 6,
+                       max_new_tokens: int = 96, progress: bool = True) -> dict:
+    """Run the trained head in the real engine (greedy) on held-out prompts: mean accepted tokens per step
+    (#MAT, bonus included) and acceptance per draft position."""
+    from tqdm import tqdm
+
+    from .drafters.eagle import EagleDrafter
+    from .engine import SpeculativeDecoder
+
+    # fixed k: every position up to k is drafted and verified, so acceptance is measured at each
+    decoder = SpeculativeDecoder(target, EagleDrafter(target, head_dir), k=k, reuse_prefix=False, k_policy="fixed")
+    steps = tokens = drafted = accepted = 0
+    per_drafted = [0] * k
+    per_accepted = [0] * k
+    for ids in tqdm(prompts, desc="held-out check", unit="prompt", disable=not progress):
+        s = decoder.generate(ids, max_new_tokens=max_new_tokens).stats
+        steps += s.verify_steps
+        tokens += sum(s.step_tokens)
+        drafted += s.drafted
+        accepted += s.accepted
+        for i, (d, a) in enumerate(zip(s.drafted_per_position, s.accepted_per_position)):
+            per_drafted[i] += d
+            per_accepted[i] += a
+    return {"prompts": len(prompts), "k": k, "max_new_tokens": max_new_tokens,
+            "mean_accepted_tokens": round(tokens / max(1, steps), 3),
+            "acceptance_rate": round(accepted / max(1, drafted), 4),
+            "position_acceptance": [round(a / d, 4) if d else None for a, d in zip(per_accepted, per_drafted)]}

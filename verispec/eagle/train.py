@@ -395,31 +395,3 @@ def _training_record(meta: dict, config: TrainConfig, report: TrainReport, cover
         "validation_history": report.val_history,
         **({"continued_from": report.continued_from} if report.continued_from else {}),
     }
-
-
-def measure_acceptance(target: LoadedModel, head_dir: str | Path, prompts: list[list[int]], k: int = 6,
-                       max_new_tokens: int = 96, progress: bool = True) -> dict:
-    """Run the trained head in the real engine (greedy) on held-out prompts: mean accepted tokens per step
-    (#MAT, bonus included) and acceptance per draft position."""
-    from tqdm import tqdm
-
-    from ..drafters.eagle import EagleDrafter
-    from ..engine import SpeculativeDecoder
-
-    decoder = SpeculativeDecoder(target, EagleDrafter(target, head_dir), k=k, reuse_prefix=False)
-    steps = tokens = drafted = accepted = 0
-    per_drafted = [0] * k
-    per_accepted = [0] * k
-    for ids in tqdm(prompts, desc="held-out check", unit="prompt", disable=not progress):
-        s = decoder.generate(ids, max_new_tokens=max_new_tokens).stats
-        steps += s.verify_steps
-        tokens += sum(s.step_tokens)
-        drafted += s.drafted
-        accepted += s.accepted
-        for i, (d, a) in enumerate(zip(s.drafted_per_position, s.accepted_per_position)):
-            per_drafted[i] += d
-            per_accepted[i] += a
-    return {"prompts": len(prompts), "k": k, "max_new_tokens": max_new_tokens,
-            "mean_accepted_tokens": round(tokens / max(1, steps), 3),
-            "acceptance_rate": round(accepted / max(1, drafted), 4),
-            "position_acceptance": [round(a / d, 4) if d else None for a, d in zip(per_accepted, per_drafted)]}
