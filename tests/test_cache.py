@@ -66,3 +66,18 @@ def test_truncate_refuses_to_grow():
     cache = new_cache()
     with pytest.raises(ValueError, match="cannot truncate"):
         truncate(cache, 3)
+
+
+@torch.inference_mode()
+def test_emptying_the_cache_again_and_again_keeps_one_buffer():
+    """A one-token prompt prefills nothing, and every verify pass is then rolled back to an empty cache. Refilling
+    an emptied cache once doubled its buffer each time, until an allocation of 34 GB failed (found by the schema
+    fuzz run, tests/test_api_contract.py); the emptied cache now reuses its buffer."""
+    model = make_model(seed=2)
+    cache = new_cache()
+    for width in [1, 2, 5, 9] * 10:
+        model(input_ids=torch.zeros(1, width, dtype=torch.long), past_key_values=cache, use_cache=True)
+        truncate(cache, 0)
+    assert cache.layers[0]._key_buffer.shape[-2] == cache_module.MIN_CAPACITY
+    model(input_ids=torch.zeros(1, 300, dtype=torch.long), past_key_values=cache, use_cache=True)  # grows once
+    assert cache.layers[0]._key_buffer.shape[-2] == 2 * cache_module.MIN_CAPACITY

@@ -28,14 +28,22 @@ class GrowingLayer(DynamicLayer):
         return (buf is not None and self.keys is not None and self.keys.data_ptr() == buf.data_ptr()
                 and self.keys.shape[:-2] == buf.shape[:-2] and self.keys.shape[-1] == buf.shape[-1])
 
+    def _fits_buffer(self, key_states: torch.Tensor) -> bool:
+        buf = self._key_buffer
+        return (buf is not None and buf.shape[:-2] == key_states.shape[:-2] and buf.shape[-1] == key_states.shape[-1]
+                and buf.dtype == key_states.dtype and buf.device == key_states.device)
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         length = self.get_seq_length()
         need = length + key_states.shape[-2]
-        if not self._is_view_of_buffer() or need > self._key_buffer.shape[-2]:
-            # first use, full, or the layer's tensors were replaced (e.g. reordered): move into a new buffer
-            old = self._key_buffer.shape[-2] if self._key_buffer is not None else 0
+        # the buffer still holds this layer's positions (an empty view after a crop to 0 may not share its pointer)
+        ours = self._fits_buffer(key_states) and (length == 0 or self._is_view_of_buffer())
+        if not ours or need > self._key_buffer.shape[-2]:
+            # first use, full, or the layer's tensors were replaced (e.g. reordered): move into a new buffer,
+            # doubling only when ours is full
+            old = self._key_buffer.shape[-2] if ours else 0
             capacity = max(need, 2 * old, MIN_CAPACITY)
             shape = (*key_states.shape[:-2], capacity, key_states.shape[-1])
             keys = key_states.new_empty(shape)

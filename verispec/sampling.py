@@ -15,6 +15,11 @@ import torch
 from .errors import InvalidRequest
 
 
+# below this temperature sampling is the argmax (ties shared): e^(-d / T) is 0 in float32 for any logit gap d that
+# float32 can tell from 0 at the logits' scale
+TINY_TEMPERATURE = 1e-20
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How a token is chosen from logits. ``top_k=0`` and ``top_p=1.0`` switch those filters off."""
@@ -47,7 +52,13 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.greedy:
         index = logits.argmax(dim=-1, keepdim=True)
         return torch.zeros_like(logits).scatter_(-1, index, 1.0)
-    logits = logits / params.temperature
+    top = logits.max(dim=-1, keepdim=True).values
+    if params.temperature < TINY_TEMPERATURE:
+        # the limit T -> 0: the largest logits share the mass (dividing would overflow float32, or divide by a
+        # temperature that rounds to 0 in float32, and softmax would return NaN)
+        ties = (logits == top).float()
+        return ties / ties.sum(dim=-1, keepdim=True)
+    logits = (logits - top) / params.temperature  # shifted first: the largest is 0, the rest stay finite or -inf
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
