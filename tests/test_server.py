@@ -113,8 +113,9 @@ def malformed_requests(model):
         {"logprobs": True}, {"presence_penalty": 1}, {"frequency_penalty": 0.5},
         {"tools": [{"type": "function", "function": {"name": "f"}}]}, {"response_format": {"type": "json_object"}},
         {"unknown_param": 1}, {"verispec": {"drafter": "eagle"}}, {"verispec": {"k": 0}},
-        {"verispec": {"speculation": "no"}}, {"verispec": {"foo": 1}}, {"stream_options": {"include_usage": True}},
-        {"max_completion_tokens": 0}, {"best_of": 2},
+        {"verispec": {"speculation": "no"}}, {"verispec": {"foo": 1}}, {"stream_options": {"include_usage": "y"}},
+        {"max_completion_tokens": 0}, {"best_of": 2}, {"messages": [{"role": "user", "content": "  "}]},
+        {"messages": [{"role": "user", "content": []}]}, {"seed": False}, {"store": 0},
     ]
     for edit in edits:
         body = {**good, **edit}

@@ -27,6 +27,9 @@ def add_serve_parser(sub, model_options) -> None:
                         "(default: 16)")
     g.add_argument("--default-max-tokens", type=int, default=256,
                    help="max_tokens when a request gives none (default: 256)")
+    g.add_argument("--max-tokens-limit", type=int, default=None, metavar="N",
+                   help="the most tokens one request may ask for (default: the model's context window); larger "
+                        "max_tokens get a 400 naming the limit, and /openapi.json declares it")
     g.add_argument("--served-model-name", metavar="NAME", help="model id clients send (default: the target's name)")
     g.add_argument("--admin-token", default=os.environ.get("VERISPEC_ADMIN_TOKEN"),
                    help="require 'Authorization: Bearer TOKEN' on /admin endpoints (default: $VERISPEC_ADMIN_TOKEN; "
@@ -49,7 +52,7 @@ def cmd_serve(args) -> int:
 
     for name, value, low in (("--port", args.port, 0), ("--max-concurrency", args.max_concurrency, 1),
                              ("--max-queue", args.max_queue, 0), ("--default-max-tokens", args.default_max_tokens, 1),
-                             ("--k", args.k, 1)):
+                             ("--k", args.k, 1), ("--max-tokens-limit", args.max_tokens_limit or 1, 1)):
         if value < low:
             raise InvalidRequest(f"{name} must be >= {low}, got {value}")
     if args.acceptance != "strict":
@@ -72,7 +75,7 @@ def cmd_serve(args) -> int:
     config = ServerConfig(
         target=target, drafters=drafters, default_drafter=args.drafter, k=args.k, k_policy=args.k_policy,
         served_model_name=args.served_model_name, max_concurrency=args.max_concurrency, max_queue=args.max_queue,
-        default_max_tokens=args.default_max_tokens, admin_token=args.admin_token,
+        default_max_tokens=args.default_max_tokens, max_tokens_limit=args.max_tokens_limit, admin_token=args.admin_token,
         window_seconds=args.acceptance_window, speculation=not args.speculation_off,
     )
     app = create_app(config)

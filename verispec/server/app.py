@@ -33,7 +33,8 @@ from ..models import LoadedModel
 from ..sampling import SamplingParams
 from .metrics import Metrics
 from .pool import SlotPool
-from .schemas import ChatRequest, CompletionRequest, SpeculationSwitch
+from .schemas import (IGNORED, UNSUPPORTED_UNLESS, ChatCompletion, ChatRequest, Completion, CompletionRequest, ErrorResponse,
+                      Health, ModelList, SpeculationState, SpeculationSwitch)
 
 log = logging.getLogger("verispec.server")
 _DONE = object()
@@ -50,6 +51,7 @@ class ServerConfig:
     max_concurrency: int = 1
     max_queue: int = 16
     default_max_tokens: int = 256
+    max_tokens_limit: int | None = None  # the most tokens one request may ask for (None: the context window)
     admin_token: str | None = None
     window_seconds: float = 600.0
     speculation: bool = True
@@ -161,7 +163,12 @@ def create_app(config: ServerConfig) -> FastAPI:
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(exc.status_code, str(exc.detail), kind)
+        response = error_response(exc.status_code, str(exc.detail), kind)
+        response.headers.update(exc.headers or {})
+        if exc.status_code == 405:  # every method of the path (the path's routes are separate, one per method)
+            methods = app.openapi().get("paths", {}).get(request.url.path, {})
+            response.headers["Allow"] = ", ".join(m.upper() for m in methods)
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
@@ -172,6 +179,8 @@ def create_app(config: ServerConfig) -> FastAPI:
         log.exception("request failed")
         return error_response(500, f"internal error: {type(exc).__name__}; the server is still running",
                               "server_error")
+
+    token_cap = config.max_tokens_limit or target.context_length
 
     async def parse(request: Request, schema: type[BaseModel]) -> Any:
         raw = await request.body()
@@ -193,6 +202,9 @@ def create_app(config: ServerConfig) -> FastAPI:
             raise APIError(404, f"model '{req.model}' does not exist; this server serves {', '.join(sorted(model_names))}"
                            " (see GET /v1/models)", "not_found_error", "model", "model_not_found")
         opts = req.verispec
+        if opts.drafter is not None and opts.drafter not in ("none", *config.drafters):
+            raise APIError(400, f"drafter '{opts.drafter}' is not available; this server has: "
+                                f"{', '.join(['none', *config.drafters])}", param="verispec.drafter")
         disabled_by = None
         if not state["speculation"]:
             name, disabled_by = "none", "server"
@@ -200,9 +212,6 @@ def create_app(config: ServerConfig) -> FastAPI:
             name, disabled_by = "none", "request"
         else:
             name = opts.drafter or config.default_drafter
-            if name not in ("none", *config.drafters):
-                raise APIError(400, f"drafter '{name}' is not available; this server has: "
-                                    f"{', '.join(['none', *config.drafters])}", param="verispec.drafter")
         try:
             SamplingParams(temperature=req.temperature, top_p=req.top_p)
             ids = encoder.encode(prompt, raw=raw)
@@ -213,7 +222,11 @@ def create_app(config: ServerConfig) -> FastAPI:
             raise APIError(400, f"the prompt has {len(ids)} tokens but the model's context window is {limit}; "
                                 "shorten the prompt", param="messages" if endpoint == "chat" else "prompt",
                            code="context_length_exceeded")
-        max_tokens = req.token_limit() or config.default_max_tokens
+        max_tokens = req.token_limit() or min(config.default_max_tokens, token_cap or config.default_max_tokens)
+        if token_cap is not None and max_tokens > token_cap:
+            param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
+            raise APIError(400, f"{param} = {max_tokens} is more than this server allows per request "
+                                f"({token_cap}); ask for fewer tokens", param=param)
         options = dict(max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
                        stop=req.stop, k=opts.k)
         return _Job(endpoint, name, ids, options, disabled_by)
@@ -345,29 +358,42 @@ def create_app(config: ServerConfig) -> FastAPI:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return _GuardedStream(stream_events(job, request, include_usage), pool.unreserve)
 
-    @app.post("/v1/chat/completions")
+    errors = {status: {"model": ErrorResponse, "description": why} for status, why in (
+        (400, "invalid request: the message names the parameter and the fix"),
+        (404, "unknown model"), (429, "server busy: retry after a short wait"),
+        (500, "a generation failed; the server keeps running"))}
+    streamed = {"text/event-stream": {
+        "description": "with stream: true, server-sent events whose data are chunk objects (JSON), then [DONE]",
+        "schema": {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}}}
+
+    @app.post("/v1/chat/completions", response_model=None, summary="Chat completion (OpenAI-compatible)",
+              responses={200: {"model": ChatCompletion, "content": streamed}, **errors})
     async def chat_completions(request: Request):
         req = await parse(request, ChatRequest)
         return await respond(req, req.chat(), False, "chat", request)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=None, summary="Text completion (OpenAI-compatible)",
+              responses={200: {"model": Completion, "content": streamed}, **errors})
     async def completions(request: Request):
         req = await parse(request, CompletionRequest)
         return await respond(req, req.prompt, True, "completion", request)
 
     # ------------------------------------------------------------- information and control
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList, summary="The model ids this server answers to")
     async def models():
         return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "verispec"}
                                            for name in sorted(model_names)]}
 
-    @app.get("/health")
+    @app.get("/health", response_model=Health, summary="Liveness, configuration and load")
     async def health():
         return {"status": "ok", "model": served, "speculation": state["speculation"],
                 "default_drafter": config.default_drafter, "drafters": ["none", *config.drafters], "k": config.k,
-                "k_policy": config.k_policy, "running": pool.busy, "queued": pool.waiting, "admitted": pool.admitted, "capacity": pool.capacity}
+                "k_policy": config.k_policy, "running": pool.busy, "queued": pool.waiting,
+                "admitted": pool.admitted, "capacity": pool.capacity}
 
-    @app.get("/metrics")
+    @app.get("/metrics", summary="Prometheus metrics", response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},
+                              "description": "Prometheus text exposition format"}})
     async def prometheus():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -376,12 +402,17 @@ def create_app(config: ServerConfig) -> FastAPI:
             raise APIError(401, "admin endpoints need 'Authorization: Bearer <admin token>'",
                            "authentication_error")
 
-    @app.get("/admin/speculation")
+    admin_errors = {401: {"model": ErrorResponse, "description": "missing or wrong admin token"},
+                    400: errors[400]}
+
+    @app.get("/admin/speculation", response_model=SpeculationState, responses=admin_errors,
+             summary="Whether speculation is on server-wide")
     async def get_speculation(request: Request):
         authorize(request)
         return {"enabled": state["speculation"]}
 
-    @app.post("/admin/speculation")
+    @app.post("/admin/speculation", response_model=SpeculationState, responses=admin_errors,
+              summary="Turn speculation on or off server-wide (the off switch)")
     async def set_speculation(request: Request):
         authorize(request)
         body = await parse(request, SpeculationSwitch)
@@ -390,4 +421,53 @@ def create_app(config: ServerConfig) -> FastAPI:
         log.warning("speculation turned %s server-wide", "on" if body.enabled else "off")
         return {"enabled": state["speculation"]}
 
+    app.openapi = lambda: _openapi(app, sorted(model_names), ["none", *config.drafters], token_cap,
+                                   target.vocab_size)
     return app
+
+
+def _openapi(app: FastAPI, model_names: list[str], drafters: list[str], token_cap: int | None,
+             vocab_size: int) -> dict:
+    """FastAPI's schema plus the request bodies: the handlers read the body themselves (so that every error keeps
+    OpenAI's shape and names its parameter), so the models are declared here, with the limits of this server
+    (the model ids it serves, the most tokens per request)."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    from fastapi.openapi.utils import get_openapi
+
+    schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for path, model in (("/v1/chat/completions", ChatRequest), ("/v1/completions", CompletionRequest),
+                        ("/admin/speculation", SpeculationSwitch)):
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(body.pop("$defs", {}))
+        props = body.get("properties", {})
+        if "model" in props:
+            props["model"] = {"type": "string", "enum": model_names, "title": "Model"}
+            # unknown parameters are refused; OpenAI's that change nothing here are accepted at their no-op values
+            body["additionalProperties"] = False
+            for name, allowed in UNSUPPORTED_UNLESS.items():
+                if allowed:
+                    values = [v for i, v in enumerate(allowed) if v not in allowed[:i]]  # 0 and 0.0 are one value
+                    props[name] = {"enum": values, "description": "accepted only at this value"}
+            for name in IGNORED:
+                props[name] = {"description": "accepted and ignored"}
+        for name in ("max_tokens", "max_completion_tokens"):
+            prop = body.get("properties", {}).get(name)
+            if prop is not None and token_cap is not None:
+                for option in prop.get("anyOf", [prop]):
+                    if option.get("type") == "integer":
+                        option["maximum"] = token_cap
+        for option in props.get("prompt", {}).get("anyOf", []):  # token ids: within the vocabulary
+            if option.get("type") == "array" and option.get("items", {}).get("type") == "integer":
+                option["items"]["maximum"] = vocab_size - 1
+        components[model.__name__] = body
+        schema["paths"][path]["post"]["requestBody"] = {
+            "required": True, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+    options = components.get("SpeculationOptions", {}).get("properties", {})
+    if "drafter" in options:
+        options["drafter"] = {"anyOf": [{"type": "string", "enum": drafters}, {"type": "null"}], "default": None,
+                              "description": "a drafter this server was started with, or 'none'"}
+    app.openapi_schema = schema
+    return schema
+

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, StrictInt, field_validator,
-                      model_validator)
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool,
+                      WithJsonSchema, field_validator, model_validator)
 
 
 def _no_text_or_bool(value):
@@ -21,6 +21,27 @@ def _no_text_or_bool(value):
 
 
 Number = Annotated[float, BeforeValidator(_no_text_or_bool)]
+
+
+def _integral(value):
+    # JSON Schema counts 5.0 as an integer; text and booleans are not
+    if isinstance(value, (str, bool)):
+        raise ValueError("must be an integer")
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+
+def _has_text(value: str) -> str:
+    if not value.strip():
+        raise ValueError("must contain some text, not only whitespace")
+    return value
+
+
+# a string with at least one non-space character (the schema says so with a pattern)
+Text = Annotated[str, AfterValidator(_has_text), WithJsonSchema({"type": "string", "pattern": r"\S"})]
+Stop = Annotated[str, Field(min_length=1)]
 
 # name -> the values at which the parameter changes nothing (then it is accepted and ignored)
 UNSUPPORTED_UNLESS = {
@@ -49,6 +70,19 @@ UNSUPPORTED_UNLESS = {
 IGNORED = {"user", "metadata"}  # harmless bookkeeping fields
 
 
+def _same(a, b) -> bool:
+    """JSON equality: false is not 0, 0 is 0.0 (Python's == says False == 0)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return a == b
+    return type(a) is type(b) and a == b
+
+
 class SpeculationOptions(BaseModel):
     """The ``verispec`` extension field of a request."""
 
@@ -56,7 +90,9 @@ class SpeculationOptions(BaseModel):
 
     speculation: StrictBool = Field(True, description="false decodes this request plainly")
     drafter: str | None = Field(None, description="a drafter the server was started with, or 'none'")
-    k: StrictInt | None = Field(None, ge=1, le=64, description="most draft tokens per step")
+    k: int | None = Field(None, ge=1, le=64, description="most draft tokens per step")
+
+    _k = field_validator("k", mode="before")(lambda v: _integral(v))
 
 
 class StreamOptions(BaseModel):
@@ -69,14 +105,16 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str = Field(min_length=1)
-    max_tokens: StrictInt | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1)
     temperature: Number = Field(1.0, ge=0.0, le=2.0)
     top_p: Number = Field(1.0, gt=0.0, le=1.0)
-    seed: StrictInt | None = Field(None, ge=0, lt=2**63)
-    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: Stop | Annotated[list[Stop], Field(max_length=4)] | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     verispec: SpeculationOptions = Field(default_factory=SpeculationOptions)
+
+    _common_integers = field_validator("max_tokens", "seed", mode="before")(lambda v: _integral(v))
 
     @field_validator("stop")
     @classmethod
@@ -95,27 +133,25 @@ class _Common(BaseModel):
                 continue
             if name not in UNSUPPORTED_UNLESS:
                 raise ValueError(f"unknown parameter '{name}'")
-            if value not in UNSUPPORTED_UNLESS[name]:
+            if not any(_same(value, allowed) for allowed in UNSUPPORTED_UNLESS[name]):
                 raise ValueError(f"parameter '{name}' = {value!r} is not supported by this server; "
                                  f"remove it or use {UNSUPPORTED_UNLESS[name][0]!r}" if UNSUPPORTED_UNLESS[name]
                                  else f"parameter '{name}' is not supported by this server; remove it")
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed with stream: true")
-        return self
+        return self  # stream_options without stream: true is ignored
 
 
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]
+    content: Text | Annotated[list[TextPart], Field(min_length=1)]
     name: str | None = None
 
     def text(self) -> str:
@@ -124,7 +160,9 @@ class Message(BaseModel):
 
 class ChatRequest(_Common):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    _chat_integers = field_validator("max_completion_tokens", mode="before")(lambda v: _integral(v))
 
     def chat(self) -> list[dict[str, Any]]:
         # SmolLM2-style templates know "system"; OpenAI's newer "developer" role means the same
@@ -135,14 +173,20 @@ class ChatRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[str] | list[StrictInt]
+    prompt: (Text | Annotated[list[Text], Field(min_length=1, json_schema_extra={"maxItems": 1})]
+             | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)])
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _token_ids(cls, v):
+        if isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v):
+            return [_integral(x) for x in v]
+        return v
 
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, v):
         if isinstance(v, list):
-            if not v:
-                raise ValueError("prompt is empty")
             if all(isinstance(x, str) for x in v):
                 if len(v) != 1:
                     raise ValueError("only one prompt per request is supported (batch prompts: send one request "
@@ -158,3 +202,93 @@ class SpeculationSwitch(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     enabled: StrictBool
+
+
+# ----------------------------------------------------------------------------- responses (documented in /openapi.json)
+class ErrorBody(BaseModel):
+    message: str
+    type: str = Field(description="invalid_request_error, not_found_error, authentication_error, "
+                                  "rate_limit_error, client_closed_request or server_error")
+    param: str | None = Field(None, description="the request parameter at fault, when there is one")
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error, in OpenAI's shape."""
+
+    error: ErrorBody
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"]
+
+
+class _Response(BaseModel):
+    id: str
+    created: int
+    model: str
+    system_fingerprint: str
+    usage: Usage
+    verispec: dict[str, Any] = Field(description="this request's speculative-decoding stats: drafter, k, "
+                                                 "acceptance, tokens per step, timings")
+
+
+class ChatCompletion(_Response):
+    object: Literal["chat.completion"]
+    choices: list[ChatChoice]
+
+
+class Completion(_Response):
+    object: Literal["text_completion"]
+    choices: list[CompletionChoice]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+    model: str
+    speculation: bool
+    default_drafter: str
+    drafters: list[str]
+    k: int
+    k_policy: Literal["cost", "fixed"]
+    running: int
+    queued: int
+    admitted: int
+    capacity: int
+
+
+class SpeculationState(BaseModel):
+    enabled: bool
