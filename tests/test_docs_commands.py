@@ -21,7 +21,7 @@ def invocations(text: str) -> list[list[str]]:
     found = []
     for block in BLOCK.findall(text):
         for line in block.splitlines():
-            line = line.split(" # ")[0].strip()
+            line = line.split(" # ")[0].strip().removesuffix("&").strip()  # a job sent to the background
             if not line or line.startswith("#"):
                 continue
             for part in re.split(r"\s(?:&&|\||;)\s", line):
