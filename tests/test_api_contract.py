@@ -77,6 +77,12 @@ def test_real_responses_match_the_declared_models(api):
     assert err.param == "max_tokens" and str(LIMIT) in err.message
     unknown = httpx.post(api.url + "/v1/completions", json={"model": "tiny", "prompt": PROMPT, "colour": 1})
     assert unknown.status_code == 400 and "colour" in ErrorResponse.model_validate(unknown.json()).error.message
+    for extreme in ({"temperature": 1.1, "top_p": 1.7e-158, "seed": 1}, {"temperature": 2.9e-192}):
+        # the request that once made a 500 (top_p rounding to 0 in float32), and a temperature that overflowed
+        r = httpx.post(api.url + "/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4, **extreme})
+        assert r.status_code == 200, r.text
+        ChatCompletion.model_validate(r.json())
     no_auth = httpx.post(api.url + "/admin/speculation", json={"enabled": True})
     assert no_auth.status_code == 401
     ErrorResponse.model_validate(no_auth.json())
