@@ -49,9 +49,11 @@ def test_eagle_greedy_equals_plain_greedy_in_float32(decoders, prompt):
         assert fast.stats.drafter == name and fast.stats.drafted > 0
 
 
-def test_shipped_head_gets_drafts_accepted(decoders):
-    """Greedy, so deterministic for these weights."""
-    _, chain, tree = decoders
+def test_shipped_head_gets_drafts_accepted(default_model):
+    """Greedy, so deterministic for these weights. Fixed k: this measures the head, not the controller's cuts."""
+    chain = SpeculativeDecoder(default_model, EagleDrafter(default_model), k=6, k_policy="fixed")
+    tree = SpeculativeDecoder(default_model, EagleDrafter(default_model, tree=True, lookup=True, width=6, depth=5),
+                              k=24, k_policy="fixed")
 
     def tokens_per_step(decoder):
         stats = [decoder.generate(p, max_new_tokens=64).stats for p in PROMPTS]

@@ -168,6 +168,17 @@ def test_eagle_sampling_at_temperature_1_with_an_untrained_head(tiny_target):
     assert joint_p_value(decoder, SamplingParams(temperature=1.0)) > ALPHA
 
 
+@pytest.mark.parametrize("case", EAGLE_SAMPLING)
+def test_eagle_trees_when_sampling_match_exact_joint_distribution(small_target, trained_head_dir, case):
+    """The head's dynamic tree (deterministic nodes) at temperature 0.3, with and without top-k / top-p, verified
+    by the one-hot tree rule: the committed tokens follow the target exactly, and trees were really drafted."""
+    drafter = EagleDrafter(small_target, trained_head_dir[0], tree=True, depth=3, width=2)
+    decoder = SpeculativeDecoder(small_target, drafter, k=6, k_policy="fixed")
+    assert joint_p_value(decoder, EAGLE_SAMPLING[case]) > ALPHA
+    out = decoder.generate(PROMPTS[0], max_new_tokens=20, seed=1, temperature=EAGLE_SAMPLING[case].temperature)
+    assert out.stats.drafted > 0 and max(out.stats.step_drafted) >= 2 and out.stats.accepted > 0
+
+
 def test_lossy_typical_acceptance_with_eagle_fails_the_exact_test(small_target, trained_head_dir):
     decoder = SpeculativeDecoder(small_target, EagleDrafter(small_target, trained_head_dir[0]), k=3, k_policy="fixed",
                                  acceptance="typical")

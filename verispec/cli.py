@@ -35,8 +35,8 @@ def _model_options(p: argparse.ArgumentParser, drafter_default: str = "ngram") -
                    help="head for --drafter eagle, as written by `verispec train-eagle` (default: the head shipped "
                         "for the built-in target)")
     g.add_argument("--eagle-tree", action="store_true",
-                   help="with --drafter eagle and greedy decoding, draft a tree of --k candidate tokens (EAGLE-2 style) "
-                        "instead of a chain; sampled requests keep the chain")
+                   help="with --drafter eagle, draft a tree of --k candidate tokens (EAGLE-2 style) instead of a "
+                        "chain, verified losslessly at any temperature")
     g.add_argument("--eagle-lookup", action="store_true",
                    help="with --eagle-tree, add a prompt-lookup (n-gram) branch to each tree (drafter 'eagle+lookup')")
     g.add_argument("--eagle-depth", type=int, default=4, help="depth of the eagle tree (default: 4)")

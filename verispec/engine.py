@@ -7,7 +7,7 @@ KV-cache invariant: the target cache holds a prefix of the committed tokens that
 one (``tokens[-1]``, the *pending* token). A step feeds the uncached committed tokens (normally just the pending
 one) and the drafts x_1..x_k in one forward, which yields p_1..p_{k+1}; after verification the cache is cropped
 to keep the fed tokens + the accepted drafts, and the correction/bonus token becomes the new pending token.
-A *tree* of drafts (greedy only) is fed with a tree attention mask; then every node is cropped and the
+A *tree* of drafts is fed with a tree attention mask (and verified by ``verify_tree``: greedy or sampled); then every node is cropped and the
 accepted path is fed again, in front of the next step's drafts.
 """
 
@@ -32,7 +32,8 @@ from .sampling import SamplingParams, probabilities
 from .stats import GenerationStats
 from .text import TextAssembler
 from .tree import tree_inputs
-from .verify import ACCEPTANCE_MODES, LOSSY_MODES, STRICT, verify, verify_tree_greedy, verify_typical
+from .verify import (ACCEPTANCE_MODES, LOSSY_MODES, STRICT, TorchCoins, verify, verify_tree, verify_tree_greedy,
+                     verify_typical)
 
 Prompt = str | Sequence[dict] | Sequence[int]
 
@@ -342,9 +343,6 @@ class SpeculativeDecoder:
                 draft = self.drafter.propose(state.tokens, k, features=state.features.view())
             else:
                 draft = self.drafter.propose(state.tokens, k)
-            if draft.parents is not None and not state.sampling.greedy:
-                raise RuntimeError(f"drafter {self.drafter_name} proposed a tree while sampling; trees are "
-                                   "verified for greedy decoding only")
             if len(draft) > k:
                 draft = draft.truncated(k)
             ctrl.observe_draft(len(draft), time.perf_counter() - t0)
@@ -373,7 +371,10 @@ class SpeculativeDecoder:
         logits = out.logits[0, len(fed) - 1 :]  # [k+1, vocab]: after the pending token, then after each draft
         p = probabilities(logits, state.sampling)  # [k+1, vocab]
         if draft.parents is not None:
-            path, next_token = verify_tree_greedy(draft.tokens, draft.parents, p.argmax(dim=-1).tolist())
+            if state.sampling.greedy:
+                path, next_token = verify_tree_greedy(draft.tokens, draft.parents, p.argmax(dim=-1).tolist())
+            else:
+                path, next_token = verify_tree(draft.tokens, draft.parents, p, TorchCoins(state.generator))
             n, accepted = len(path), [draft.tokens[i] for i in path]
             keep_rows = list(range(len(fed))) + [len(fed) + i for i in path]
             # the accepted nodes' keys sit between rejected siblings: drop every node and feed the accepted

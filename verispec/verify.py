@@ -109,8 +109,8 @@ def verify_tree_greedy(draft_tokens: list[int], parents: list[int], target_token
 
     Walks from the root: while a child of the current node carries the target's greedy token, accept it and
     descend. Returns (the accepted nodes along the path, the target's greedy token after the last one), so the
-    committed tokens are exactly those plain greedy decoding produces. Sampling needs a different rule
-    (recursive rejection over siblings), so trees are used for greedy decoding only."""
+    committed tokens are exactly those plain greedy decoding produces. ``verify_tree`` is the rule for sampling
+    (at temperature 0 it gives the same path)."""
     children: dict[int, dict[int, int]] = {}
     for i, (token, parent) in enumerate(zip(draft_tokens, parents)):
         if not -1 <= parent < i:
@@ -125,3 +125,79 @@ def verify_tree_greedy(draft_tokens: list[int], parents: list[int], target_token
             return path, token
         path.append(child)
         node = child
+
+
+class TorchCoins:
+    """The randomness of ``verify_tree``: a biased coin and a categorical draw from one seeded generator. Tests
+    substitute a source that enumerates every outcome with its probability."""
+
+    def __init__(self, generator: torch.Generator | None) -> None:
+        self.generator = generator
+
+    def bernoulli(self, probability: float) -> bool:
+        if probability >= 1.0:
+            return True
+        if probability <= 0.0:
+            return False
+        return float(torch.rand((), generator=self.generator, dtype=torch.float64)) < probability
+
+    def categorical(self, probs: torch.Tensor) -> int:
+        return sample(probs, self.generator)
+
+
+def verify_tree(draft_tokens: list[int], parents: list[int], p: torch.Tensor, coins,
+                q: dict[int, torch.Tensor] | None = None) -> tuple[list[int], int]:
+    """Lossless verification of a *tree* of drafts when sampling (multi-candidate speculative sampling: SpecInfer,
+    Miao et al. 2024; EAGLE-2's sampling mode).
+
+    Node i is token ``draft_tokens[i]`` under node ``parents[i]`` (-1 = the pending token; parents first).
+    ``p`` [1 + N, V]: row 0 is the target's distribution after the pending token, row i + 1 after node i (each
+    with the node's ancestors as context). Starting at the pending token, with residual r = p of the current node,
+    the children are tried in the order they appear:
+
+    - deterministic children (``q`` None or without an entry for the parent: n-gram branches, a head's top-k):
+      accept x_j with probability r(x_j) / sum(r); on rejection remove x_j from r;
+    - children drawn independently *with replacement* from the drafter's distribution ``q[parent]``: accept x_j
+      with probability min(1, r(x_j) / q(x_j)); on rejection r <- max(r - q, 0).
+
+    An accepted child becomes the current node (its own row of p starts a fresh residual); when every child is
+    rejected (or a node has none) the next token is drawn from norm(r). Either way each committed token is
+    distributed exactly as the target's own sample, whatever the candidates were. Returns (accepted nodes along
+    the path, the token after them)."""
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(parents):
+        if not -1 <= parent < i:
+            raise ValueError(f"node {i} has parent {parent}; parents must come before their children")
+        children.setdefault(parent, []).append(i)
+    if p.shape[0] != len(draft_tokens) + 1:
+        raise ValueError(f"p must have {len(draft_tokens) + 1} rows (the pending token and each node), got {p.shape[0]}")
+    path: list[int] = []
+    node = -1
+    while True:
+        residual = p[node + 1].double().clone()
+        q_node = None if q is None else q.get(node)
+        accepted = None
+        for child in children.get(node, []):
+            x = draft_tokens[child]
+            total = float(residual.sum())
+            if total <= 0.0:
+                break
+            if q_node is None:
+                if coins.bernoulli(float(residual[x]) / total):
+                    accepted = child
+                    break
+                residual[x] = 0.0
+            else:
+                qx = float(q_node[x])
+                ratio = float(residual[x]) / (total * qx) if qx > 0 else 0.0
+                if coins.bernoulli(ratio):
+                    accepted = child
+                    break
+                residual = (residual / total - q_node.double()).clamp_min(0.0)
+        if accepted is None:
+            total = float(residual.sum())
+            if total <= 0.0:  # only rounding can empty the residual; the target's own row is then exact
+                residual, total = p[node + 1].double(), float(p[node + 1].sum())
+            return path, coins.categorical(residual / total)
+        path.append(accepted)
+        node = accepted

@@ -7,7 +7,7 @@ is a model reference:
     ngram  ngram:k=4:max_n=3     verispec's n-gram drafter, with k and NgramDrafter options
     model:REF  model:REF:k=4     verispec with a separate draft model REF
     eagle  eagle:DIR:k=6         verispec's EAGLE head (the shipped one, or the head folder DIR)
-    eagle:tree=1:k=16            the same head drafting a tree of k nodes (greedy; :depth=4:width=4)
+    eagle:tree=1:k=16            the same head drafting a tree of k nodes (:depth=4:width=4)
     eagle:tree=1:lookup=1:k=24   ... with a prompt-lookup branch in the tree (drafter eagle+lookup)
     hf:greedy                    transformers ``generate`` (greedy or sampling)
     hf:pld  hf:pld:k=10          transformers prompt lookup (``prompt_lookup_num_tokens``, default 10)

@@ -16,7 +16,8 @@ class Draft:
     """Proposed continuation. ``probs`` is q, the drafter's distribution for each token ([k, vocab]),
     or None when the drafter is deterministic (then q is one-hot on each proposed token).
 
-    ``parents`` makes the draft a tree (greedy decoding only): node i is ``tokens[i]`` and follows node
+    ``parents`` makes the draft a tree of deterministic candidates (q is one-hot on each node; any temperature,
+    verified by ``verify.verify_tree``): node i is ``tokens[i]`` and follows node
     ``parents[i]`` (-1 = the pending token); parents come before children. None = a chain.
 
     ``confidence`` (optional, chains): the drafter's own guess in [0, 1] that each position is accepted; the

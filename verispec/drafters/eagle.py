@@ -15,9 +15,12 @@ With ``lookup=True`` (tree mode only) a prompt-lookup branch joins the tree: the
 of the context's suffix, merged into the head's tree where they share a prefix. The drafter is then named
 ``eagle+lookup`` in stats and benchmarks.
 
-With ``tree=True`` and greedy decoding it proposes a tree instead (EAGLE-2's dynamic tree): each round expands
-the ``width`` most likely frontier nodes (by the head's cumulative log-probability) by their ``width`` best
-children, for ``depth`` rounds, and returns the k most likely nodes; the engine verifies all of them in one pass.
+With ``tree=True`` it proposes a tree instead (EAGLE-2's dynamic tree): each round expands the ``width`` most
+likely frontier nodes (by the head's cumulative log-probability) by their ``width`` best children, for ``depth``
+rounds, and returns the k most likely nodes; the engine verifies all of them in one pass. The nodes are chosen
+deterministically (no sampling), so at any temperature the engine verifies them as one-hot candidates: try each
+child with probability equal to the target's residual mass on it (``verify.verify_tree``), which keeps the target's
+distribution exactly.
 """
 
 from __future__ import annotations
@@ -78,8 +81,8 @@ class EagleDrafter:
 
     @property
     def tree_depth(self) -> int | None:
-        """The tree's depth when this request drafts a tree (greedy, tree mode), else None."""
-        return self.depth if self.tree and self.sampling.greedy else None
+        """The tree's depth when this drafter drafts trees (tree mode), else None."""
+        return self.depth if self.tree else None
 
     @torch.inference_mode()
     def propose(self, context: Sequence[int], k: int, features: torch.Tensor | None = None) -> Draft:
@@ -98,7 +101,7 @@ class EagleDrafter:
             self._grow_vocabulary(context)
         new_tokens = torch.tensor(context[keep + 1 : m + 1], device=device)
         g = head.step(new_tokens, head.fuse_features(features[keep:m]), self._cache)[-1]  # [H]
-        if self.tree and self.sampling.greedy:
+        if self.tree:
             branch = self._lookup_branch(context, m, k)
             draft = self._grow_tree(g, m, k - len(branch))
             if branch:
