@@ -58,6 +58,9 @@ def test_audit_passes_strict_and_fails_typical(tiny_target, tiny_noisy_draft):
     report = run_audit(strict, PROMPT, temperature=1.0, samples=600, positions=3, seed=100)
     assert report.passed, report.to_dict()
     assert [t.position for t in report.positions] == [1, 2, 3] and all(t.dof > 3 for t in report.positions)
+    assert report.steps >= 600 and report.draft_steps > 0 and 0 < report.accepted <= report.drafted  # exercised
+    plain = run_audit(SpeculativeDecoder(tiny_target), PROMPT, temperature=1.0, samples=20, positions=3, seed=1)
+    assert plain.drafted == 0 and plain.steps == 60
     lossy = SpeculativeDecoder(tiny_target, NgramDrafter(), k=3, k_policy="fixed", acceptance="typical")
     report = run_audit(lossy, lossy_prompt(tiny_target), temperature=1.0, samples=600, positions=3, seed=100)
     assert not report.passed and report.lossy

@@ -47,6 +47,11 @@ class AuditReport:
     samples: int
     alpha: float
     positions: list[PositionTest] = field(default_factory=list)
+    # how much speculation the samples exercised (a drafter that never drafted leaves plain decoding audited)
+    steps: int = 0
+    draft_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
 
     @property
     def threshold(self) -> float:
@@ -144,10 +149,15 @@ def run_audit(
     counts = [0] * positions
     eos = decoder.target.eos_token_ids
     forcer = TeacherForcer(decoder.target, prompt_ids, sampling)
+    steps = draft_steps = drafted = accepted = 0
     for s in range(samples):
         g = decoder.generate(prompt_ids, max_new_tokens=positions, temperature=temperature, top_k=top_k,
                              top_p=top_p, seed=seed + s)
         tokens = g.token_ids
+        steps += g.stats.verify_steps
+        draft_steps += g.stats.drafts
+        drafted += g.stats.drafted
+        accepted += g.stats.accepted
         p = forcer.distributions(tokens)  # [len(tokens), vocab]
         for j, token in enumerate(tokens):
             observed[j, token] += 1
@@ -159,7 +169,8 @@ def run_audit(
             progress(s + 1)
     report = AuditReport(
         drafter=decoder.drafter_name, acceptance=decoder.acceptance, lossy=decoder.lossy, temperature=temperature,
-        top_k=top_k, top_p=top_p, samples=samples, alpha=alpha,
+        top_k=top_k, top_p=top_p, samples=samples, alpha=alpha, steps=steps, draft_steps=draft_steps,
+        drafted=drafted, accepted=accepted,
     )
     for j in range(positions):
         if counts[j] == 0:

@@ -179,6 +179,12 @@ def cmd_audit(args) -> int:
         for t in report.positions:
             print(f"{t.position:>8} {t.samples:>6} {t.statistic:>10.2f} {t.dof:>5} {t.p_value:>10.4g}")
         print(f"verdict: {report.verdict} (every p-value must be >= alpha/positions = {report.threshold:.4g})")
+        print(f"speculation exercised: {report.draft_steps} of {report.steps} steps verified drafts "
+              f"({report.drafted} draft tokens, {report.accepted} accepted)")
+        if report.drafter != "none" and report.drafted == 0:
+            print("warning: no draft was verified, so this audited plain decoding only; with the cost-aware "
+                  "controller that happens where drafts do not pay: add --k-policy fixed to audit the drafter",
+                  file=sys.stderr)
     return 0 if report.passed else 1
 
 
