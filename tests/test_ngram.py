@@ -68,3 +68,15 @@ def test_reset_forgets_the_sequence():
 def test_bad_configuration_is_rejected(kwargs):
     with pytest.raises(InvalidRequest):
         NgramDrafter(**kwargs)
+
+
+def test_branches_merge_several_earlier_continuations_into_one_tree():
+    d = NgramDrafter(min_n=1, max_n=2, branches=3)
+    ctx = [1, 2, 3, 9, 1, 2, 4, 9, 1, 2, 5, 1, 2]
+    assert d.continuations(ctx, 2) == [[5, 1], [4, 9], [3, 9]]  # the most recent match first
+    draft = d.propose(ctx, 5)
+    assert draft.tokens == [5, 1, 2, 4, 9] and draft.parents == [-1, 0, 1, -1, 3] and draft.probs is None
+    shared = NgramDrafter(min_n=1, max_n=1, branches=2).propose([7, 8, 9, 7, 8, 6, 7], 4)
+    assert shared.tokens == [8, 6, 7, 9] and shared.parents == [-1, 0, 1, 0]  # the common first token is one node
+    with pytest.raises(InvalidRequest, match="branches"):
+        NgramDrafter(branches=0)

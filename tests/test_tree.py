@@ -140,3 +140,15 @@ def test_tree_steps_leave_the_cache_equal_to_a_fresh_prefill(tiny_target):
     # and the next request reuses it
     again = decoder.generate(prompt + out.token_ids[:10], max_new_tokens=10)
     assert again.stats.reused_prompt_tokens > len(prompt)
+
+
+def test_ngram_trees_are_lossless_greedy_and_sampled(tiny_target):
+    from statistical_helpers import ALPHA, joint_p_value
+    from verispec import NgramDrafter, SamplingParams
+
+    prompt = [5, 9, 3, 5, 9, 4, 5, 9, 7, 5, 9]
+    plain = SpeculativeDecoder(tiny_target).generate(prompt, max_new_tokens=30)
+    tree = SpeculativeDecoder(tiny_target, NgramDrafter(min_n=1, max_n=2, branches=3), k=6, k_policy="fixed")
+    out = tree.generate(prompt, max_new_tokens=30)
+    assert out.token_ids == plain.token_ids and out.stats.drafted > 0
+    assert joint_p_value(tree, SamplingParams(temperature=1.0)) > ALPHA

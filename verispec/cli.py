@@ -49,6 +49,9 @@ def _model_options(p: argparse.ArgumentParser, drafter_default: str = "ngram") -
                         "up to --k (for experiments)")
     g.add_argument("--ngram-min", type=int, default=2, help="shortest suffix n-gram the ngram drafter matches (default: 2)")
     g.add_argument("--ngram-max", type=int, default=4, help="longest suffix n-gram the ngram drafter matches (default: 4)")
+    g.add_argument("--ngram-branches", type=int, default=1,
+                   help="with more than 1, the ngram drafter proposes a tree of what followed that many earlier "
+                        "matches (default: 1, a chain)")
     g.add_argument("--dtype", default="float32", choices=list(DTYPES),
                    help="weights and activations; float32 (default) guarantees greedy output identical to plain "
                         "decoding, bfloat16 only approximately (rounding differs between wide and narrow passes)")
@@ -130,7 +133,7 @@ def _build_decoder(args):
     options = {}
     draft_model = None
     if args.drafter == "ngram":
-        options = {"min_n": args.ngram_min, "max_n": args.ngram_max}
+        options = {"min_n": args.ngram_min, "max_n": args.ngram_max, "branches": args.ngram_branches}
     elif args.drafter == "model" and args.draft_model:
         draft_model = load_model(args.draft_model, dtype=args.dtype)
     elif args.drafter == "eagle":

@@ -20,19 +20,23 @@ from .base import EMPTY_DRAFT, Draft
 class NgramDrafter:
     name = "ngram"
 
-    def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
+    def __init__(self, min_n: int = 2, max_n: int = 4, branches: int = 1) -> None:
         if isinstance(min_n, bool) or not isinstance(min_n, int) or isinstance(max_n, bool) \
                 or not isinstance(max_n, int) or min_n < 1 or max_n < min_n:
             raise InvalidRequest(f"n-gram sizes need whole numbers 1 <= min_n <= max_n, got min_n={min_n!r}, "
                                  f"max_n={max_n!r}")
-        self.min_n, self.max_n = min_n, max_n
+        if isinstance(branches, bool) or not isinstance(branches, int) or not 1 <= branches <= 16:
+            raise InvalidRequest(f"n-gram branches must be a whole number in 1..16, got {branches!r}")
+        self.min_n, self.max_n, self.branches = min_n, max_n, branches
+        # with several branches the drafter proposes a tree (any temperature: its candidates are deterministic)
+        self.tree_depth = None if branches == 1 else 64
         self.reset()
 
     def reset(self, sampling: SamplingParams | None = None, generator: torch.Generator | None = None) -> None:
         self._tokens: list[int] = []
         self._indexed = 0  # n-grams ending at positions < _indexed are in the index
-        # n -> {n-gram: position right after its most recent occurrence}
-        self._index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(self.min_n, self.max_n + 1)}
+        # n -> {n-gram: positions right after its most recent occurrences, oldest first, at most `branches`}
+        self._index: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in range(self.min_n, self.max_n + 1)}
 
     def _sync(self, context: Sequence[int]) -> None:
         known = len(self._tokens)
@@ -45,7 +49,10 @@ class NgramDrafter:
         for end in range(self._indexed, len(tokens) - 1):
             for n, table in self._index.items():
                 if end + 1 >= n:
-                    table[tuple(tokens[end + 1 - n : end + 1])] = end + 1
+                    seen = table.setdefault(tuple(tokens[end + 1 - n : end + 1]), [])
+                    seen.append(end + 1)
+                    if len(seen) > self.branches:
+                        del seen[0]
         self._indexed = max(self._indexed, len(tokens) - 1)
 
     def match(self, context: Sequence[int], k: int) -> tuple[int, list[int]]:
@@ -54,17 +61,51 @@ class NgramDrafter:
         self._sync(context)
         tokens = self._tokens
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
-            start = self._index[n].get(tuple(tokens[len(tokens) - n :]))
-            if start is not None:
-                return n, tokens[start : start + k]
+            starts = self._index[n].get(tuple(tokens[len(tokens) - n :]))
+            if starts:
+                return n, tokens[starts[-1] : starts[-1] + k]
         return 0, []
 
+    def continuations(self, context: Sequence[int], k: int) -> list[list[int]]:
+        """Up to ``branches`` distinct continuations: what followed the most recent occurrences of the longest
+        matching suffix n-gram first, then of shorter ones."""
+        self._sync(context)
+        tokens, found = self._tokens, []
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            for start in reversed(self._index[n].get(tuple(tokens[len(tokens) - n :]), [])):
+                branch = tokens[start : start + k]
+                if branch and branch not in found:
+                    found.append(branch)
+                if len(found) == self.branches:
+                    return found
+        return found
+
     def propose(self, context: Sequence[int], k: int) -> Draft:
+        if self.branches > 1:
+            return self._tree(context, k)
         n, continuation = self.match(context, k)
         if not continuation:
             return EMPTY_DRAFT
         # a longer match is likelier to continue the same way; the controller learns what each length is worth
         return Draft(continuation, confidence=[n / (n + 1)] * len(continuation))
+
+    def _tree(self, context: Sequence[int], k: int) -> Draft:
+        """The continuations merged into one tree of at most k nodes (shared prefixes share nodes)."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        children: dict[tuple[int, int], int] = {}
+        for branch in self.continuations(context, k):
+            node = -1
+            for token in branch:
+                child = children.get((node, token))
+                if child is None:
+                    if len(tokens) == k:
+                        break
+                    tokens.append(token)
+                    parents.append(node)
+                    child = children[(node, token)] = len(tokens) - 1
+                node = child
+        return Draft(tokens, None, parents) if tokens else EMPTY_DRAFT
 
     def observe(self, num_accepted: int) -> None:
         pass
