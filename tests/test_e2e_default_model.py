@@ -24,7 +24,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def decoders(default_model):
-    return SpeculativeDecoder(default_model), SpeculativeDecoder(default_model, NgramDrafter(), k=8)
+    return SpeculativeDecoder(default_model), SpeculativeDecoder(default_model, NgramDrafter(), k=8, k_policy="fixed")
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -62,7 +62,7 @@ def test_cli_generate_json_matches_drafter_none():
 def test_audit_passes_strict_and_fails_lossy_typical_on_the_documented_setting(default_model):
     """The documented audit setting (docs/analysis.md): default raw prompt, n-gram drafter, temperature 1."""
     def audit(acceptance):
-        decoder = SpeculativeDecoder(default_model, NgramDrafter(), k=8, acceptance=acceptance)
+        decoder = SpeculativeDecoder(default_model, NgramDrafter(), k=8, k_policy="fixed", acceptance=acceptance)
         prompt_ids = decoder.encode(DEFAULT_AUDIT_PROMPT, raw=True)
         return run_audit(decoder, prompt_ids, temperature=1.0, samples=150, positions=3, seed=0)
 

@@ -28,8 +28,8 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def decoders(default_model):
     tree = EagleDrafter(default_model, tree=True, lookup=True, width=6, depth=5)
-    return (SpeculativeDecoder(default_model), SpeculativeDecoder(default_model, EagleDrafter(default_model), k=6),
-            SpeculativeDecoder(default_model, tree, k=24))
+    return (SpeculativeDecoder(default_model), SpeculativeDecoder(default_model, EagleDrafter(default_model), k=6, k_policy="fixed"),
+            SpeculativeDecoder(default_model, tree, k=24, k_policy="fixed"))
 
 
 def test_shipped_head_is_small_and_names_its_target():
@@ -64,7 +64,7 @@ def test_shipped_head_gets_drafts_accepted(default_model):
 
 
 def test_audit_passes_with_the_eagle_drafter_at_temperature_1(default_model):
-    decoder = SpeculativeDecoder(default_model, EagleDrafter(default_model), k=4)
+    decoder = SpeculativeDecoder(default_model, EagleDrafter(default_model), k=4, k_policy="fixed")
     prompt_ids = decoder.encode("Write a short poem about the sea.")
     report = run_audit(decoder, prompt_ids, temperature=1.0, samples=150, positions=3, seed=0)
     assert report.passed, report.to_dict()

@@ -44,14 +44,14 @@ def test_bfloat16_runs_with_every_drafter(bf16_model, drafter):
         "eagle-tree": lambda: EagleDrafter(bf16_model, tree=True),
     }[drafter]
     k = 16 if drafter == "eagle-tree" else 4
-    out = SpeculativeDecoder(bf16_model, make(), k=k).generate(PROMPT, max_new_tokens=24)
+    out = SpeculativeDecoder(bf16_model, make(), k=k, k_policy="fixed").generate(PROMPT, max_new_tokens=24)
     assert out.stats.new_tokens >= 1 and out.text.strip()
     if drafter in ("model", "eagle", "eagle-tree"):
         assert out.stats.drafted > 0 and out.stats.accepted > 0
 
 
 def test_audit_passes_in_bfloat16(bf16_model):
-    decoder = SpeculativeDecoder(bf16_model, NgramDrafter(), k=8)
+    decoder = SpeculativeDecoder(bf16_model, NgramDrafter(), k=8, k_policy="fixed")
     prompt_ids = decoder.encode(DEFAULT_AUDIT_PROMPT, raw=True)
     report = run_audit(decoder, prompt_ids, temperature=1.0, samples=150, positions=3, seed=0)
     assert report.passed, report.to_dict()
