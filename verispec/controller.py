@@ -51,9 +51,9 @@ class RunningMean:
         self.count += 1
         self.value += (x - self.value) * max(1.0 / self.count, self.smoothing)
 
-    def copy(self, max_weight: float | None = None, smoothing: float | None = None) -> "RunningMean":
+    def copy(self, max_weight: float | None = None) -> "RunningMean":
         weight = self.count if max_weight is None else min(self.count, max_weight)
-        return RunningMean(self.value, weight, self.smoothing if smoothing is None else smoothing)
+        return RunningMean(self.value, weight, self.smoothing)
 
 
 class CostCurve:
@@ -70,8 +70,10 @@ class CostCurve:
         self.smoothing = smoothing
         self.prior_slope = prior_slope
         self._means: dict[int, RunningMean] = {}
+        self._line: tuple[float, float, float, float] | None = None
 
     def observe(self, width: int, seconds: float) -> None:
+        self._line = None
         mean = self._means.get(width)
         if mean is None:
             self._means[width] = RunningMean(seconds, 1.0, self.smoothing)
@@ -85,6 +87,16 @@ class CostCurve:
         return bool(self._means)
 
     def __call__(self, width: int) -> float:
+        if self._line is None:
+            self._line = self._fit()
+        base, anchor_width, anchor_seconds, slope = self._line
+        if width <= 1:
+            return base
+        return max(base, anchor_seconds + slope * (width - anchor_width))
+
+    def _fit(self) -> tuple[float, float, float, float]:
+        """(one-token time, a point of the line for wider passes, its slope); refitted only after an observation,
+        since the engine reads the curve many times per step."""
         if not self._means:
             raise ValueError("no step has been timed yet")
         one = self._means.get(1)
@@ -94,19 +106,16 @@ class CostCurve:
             base = t0 / (1 + self.prior_slope * (w0 - 1))
         else:
             base = one.value
-        if width <= 1:
-            return base
         if len(wide) >= 2:
             total = sum(c for _, _, c in wide)
             mw = sum(w * c for w, _, c in wide) / total
             mt = sum(t * c for _, t, c in wide) / total
             var = sum(c * (w - mw) ** 2 for w, _, c in wide)
-            slope = max(0.0, sum(c * (w - mw) * (t - mt) for w, t, c in wide) / var)
-            return max(base, mt + slope * (width - mw))
+            return base, mw, mt, max(0.0, sum(c * (w - mw) * (t - mt) for w, t, c in wide) / var)
         if len(wide) == 1:
             w0, t0, _ = wide[0]
-            return max(base, base + (t0 - base) * (width - 1) / (w0 - 1))
-        return base * (1 + self.prior_slope * (width - 1))
+            return base, 1.0, base, (t0 - base) / (w0 - 1)
+        return base, 1.0, base, base * self.prior_slope
 
 
 _CURVES: "weakref.WeakKeyDictionary[object, CostCurve]" = weakref.WeakKeyDictionary()
@@ -131,11 +140,11 @@ class Acceptance:
         self.positions: list[RunningMean] = []
         self.bins = [RunningMean((b + 0.5) / self.BINS, weight, smoothing) for b in range(self.BINS)]
 
-    def copy(self, max_weight: float, smoothing: float | None = None) -> "Acceptance":
+    def copy(self, max_weight: float) -> "Acceptance":
         """A per-request copy that starts from this history but follows the request after a few steps."""
-        out = Acceptance(self.prior, self.weight, self.smoothing if smoothing is None else smoothing)
-        out.positions = [m.copy(max_weight, out.smoothing) for m in self.positions]
-        out.bins = [m.copy(max_weight, out.smoothing) for m in self.bins]
+        out = Acceptance(self.prior, self.weight, self.smoothing)
+        out.positions = [m.copy(max_weight) for m in self.positions]
+        out.bins = [m.copy(max_weight) for m in self.bins]
         return out
 
     def _position(self, i: int) -> RunningMean:
@@ -212,7 +221,6 @@ class Controller:
 
     def __init__(self, costs: CostCurve, policy: str = COST, margin: float = 0.03, probe_length: int = 2,
                  first_probe_interval: int = 8, max_probe_interval: int = 64, request_weight: float = 4.0,
-                 request_smoothing: float = 0.05,
                  cheap_draft: float = 0.02) -> None:
         if policy not in K_POLICIES:
             raise InvalidRequest(f"k policy must be one of {', '.join(K_POLICIES)}, got {policy!r}")
@@ -223,7 +231,6 @@ class Controller:
         self.first_probe_interval = first_probe_interval
         self.max_probe_interval = max_probe_interval
         self.request_weight = request_weight
-        self.request_smoothing = request_smoothing
         self.cheap_draft = cheap_draft
         self.history = Acceptance()  # across requests, for this drafter
         self.draft_seconds_per_token = RunningMean(0.0, 0.0, 0.1)  # across requests
@@ -231,7 +238,7 @@ class Controller:
 
     # ------------------------------------------------------------------ lifecycle
     def start_request(self) -> RequestState:
-        acceptance = self.history.copy(self.request_weight, self.request_smoothing)
+        acceptance = self.history.copy(self.request_weight)
         self.state = RequestState(acceptance, probe_interval=self.first_probe_interval)
         return self.state
 
@@ -251,14 +258,28 @@ class Controller:
         return Decision(nodes, expected_tokens(accept), draft_seconds + self.costs(fed + nodes))
 
     def _best(self, accept: list[float], fed: int, draft_cost: bool) -> tuple[Decision, Decision]:
-        """(best chain of 1..len(accept) tokens, plain step)."""
+        """(best chain of 1..len(accept) tokens, plain step); E(n) accumulated as n grows."""
         plain = self._decision([], fed, 0, 0.0)
         best = plain
-        for n in range(1, len(accept) + 1):
-            d = self._decision(accept[:n], fed, n, self.draft_cost(n) if draft_cost else 0.0)
+        tokens = reach = 1.0
+        for n, a in enumerate(accept, 1):
+            reach *= a
+            tokens += reach
+            d = Decision(n, tokens, (self.draft_cost(n) if draft_cost else 0.0) + self.costs(fed + n))
             if best.k == 0 or d.rate > best.rate:
                 best = d
         return best, plain
+
+    def _estimate(self, length: int, confidence: list[float] | None) -> list[float]:
+        """Acceptance of draft positions 1..length: the calibrated confidence where the drafter gave one,
+        else this request's acceptance by position."""
+        acc = self.state.acceptance
+        given = [] if confidence is None else [acc.calibrated(c) for c in confidence[:length]]
+        return given + [acc.at(i) for i in range(len(given), length)]
+
+    def predicted_tokens(self, length: int, confidence: list[float] | None) -> float:
+        """Expected committed tokens of a step that verifies this draft (a tree: ``length`` = its depth)."""
+        return expected_tokens(self._estimate(length, confidence))
 
     def _choose(self, best: Decision, plain: Decision, tree: bool = False) -> Decision:
         """Plain or speculative, with hysteresis and the probing schedule (a tree probes with its whole budget:
@@ -307,10 +328,8 @@ class Controller:
         if st.probe_pending:  # draft_budget asked for this draft as a probe
             return Decision(min(length, self.probe_length), 1.0, self.costs(fed + min(length, self.probe_length)),
                             True)
-        acc = st.acceptance
-        prior = [acc.at(i) for i in range(length)]
-        estimate = prior if confidence is None else [acc.calibrated(c) for c in confidence[:length]] + prior[
-            len(confidence):]
+        prior = self._estimate(length, None)
+        estimate = prior if confidence is None else self._estimate(length, confidence)
         if deterministic or confidence is None:
             n = length
         else:

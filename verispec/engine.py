@@ -22,7 +22,7 @@ import torch
 from transformers import Cache
 
 from .cache import new_cache, truncate
-from .controller import COST, Controller, expected_tokens, shared_cost_curve
+from .controller import COST, Controller, shared_cost_curve
 from .drafters.base import EMPTY_DRAFT, Draft, Drafter
 from .drafters.model import common_prefix_length
 from .errors import InvalidRequest
@@ -352,8 +352,8 @@ class SpeculativeDecoder:
         t1 = time.perf_counter()
         if self.drafter is not None and ctrl.active:
             state.stats.probes += ctrl.state.probe_pending and len(draft) > 0
-            expected = ctrl.state.acceptance
-            state.stats.predicted_tokens += (1.0 if not len(draft) else _expected(expected, draft))
+            chain_confidence = draft.confidence if draft.parents is None else None
+            state.stats.predicted_tokens += ctrl.predicted_tokens(draft.depth, chain_confidence)
             state.stats.predicted_seconds += (t1 - t0) + ctrl.costs(fed_count + len(draft))
 
         device = self.target.device
@@ -429,14 +429,6 @@ class SpeculativeDecoder:
         if state.text.stopped:
             state.finish_reason = "stop"
         return delta
-
-
-def _expected(acceptance, draft: Draft) -> float:
-    """The controller's expected committed tokens for this draft (chain: calibrated confidence per position;
-    tree: acceptance by depth)."""
-    if draft.parents is None and draft.confidence is not None:
-        return expected_tokens([acceptance.calibrated(c) for c in draft.confidence])
-    return expected_tokens([acceptance.at(i) for i in range(draft.depth)])
 
 
 def _check_k(k) -> None:
