@@ -39,3 +39,31 @@ def default_model():
     from verispec import load_model
 
     return load_model("smollm2-135m")
+
+
+def require_llama_cpp():
+    """llama_cpp, or a skip with the install command, except in CI (VERISPEC_REQUIRE_LLAMACPP=1), where its
+    absence is a failure: CI installs the extra, so these tests must run there."""
+    if os.environ.get("VERISPEC_REQUIRE_LLAMACPP") == "1":
+        import llama_cpp
+
+        return llama_cpp
+    return pytest.importorskip("llama_cpp", reason='the llamacpp backend needs pip install "verispec[llamacpp]"')
+
+
+@pytest.fixture(scope="session")
+def llama_q41():
+    """The built-in model's GGUF run as shipped (Q4_1) by the llamacpp backend."""
+    require_llama_cpp()
+    from verispec import load_model
+
+    return load_model("smollm2-135m", backend="llamacpp")
+
+
+@pytest.fixture(scope="session")
+def llama_f32():
+    """The same file converted once to F32 weights (exactly the Q4_1 values), on the llamacpp backend."""
+    require_llama_cpp()
+    from verispec import load_model
+
+    return load_model("smollm2-135m", backend="llamacpp", weights="f32")

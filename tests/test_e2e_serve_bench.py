@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 
+from conftest import require_llama_cpp
 from serving import Server
 from verispec.cli import main
 
@@ -32,9 +33,17 @@ def test_bench_on_spec_bench_prompts(default_model, tmp_path, capsys):
     assert result["environment"]["versions"]["transformers"]
 
 
-@pytest.fixture(scope="module")
-def server(default_model):  # default_model: the model is fetched and cached before the server starts
-    s = Server("--max-queue", "16")
+@pytest.fixture(scope="module", params=["transformers", "llamacpp"])
+def server(request, default_model):  # default_model: the model is fetched and cached before the server starts
+    # fixed k: the tests assert that drafts were verified, and the cost policy may skip them on a busy machine; on
+    # llama.cpp F32 weights, where speculative output is identical to plain decoding (quantized kernels round
+    # differently at different pass widths)
+    backend = ["--backend", request.param, "--k-policy", "fixed"]
+    if request.param == "llamacpp":
+        require_llama_cpp()
+        backend += ["--weights", "f32"]
+    s = Server("--max-queue", "16", *backend)
+    s.backend_args = backend
     yield s
     s.stop()
 
@@ -49,7 +58,7 @@ def test_openai_client_chat_equals_verispec_generate(server, client, capsys):
     resp = client.chat.completions.create(model="smollm2-135m", messages=messages, temperature=0, max_tokens=40)
     streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
         model="smollm2-135m", messages=messages, temperature=0, max_tokens=40, stream=True) if c.choices)
-    assert main(["generate", COPY_PROMPT, "--max-new-tokens", "40", "--json"]) == 0
+    assert main(["generate", COPY_PROMPT, "--max-new-tokens", "40", "--json", *server.backend_args]) == 0
     cli = json.loads(capsys.readouterr().out)
     assert resp.choices[0].message.content == cli["text"] == streamed
     assert resp.model_extra["verispec"]["accepted"] > 0  # the copy prompt is drafted and accepted
@@ -100,9 +109,15 @@ def test_eight_clients_five_requests_each(server):
 
 def test_server_offers_the_shipped_eagle_head(server, client, capsys):
     prompt = "Give three tips for keeping a houseplant alive."
+    if "llamacpp" in server.backend_args:  # no hidden states from llama.cpp: eagle is not offered, and asking fails
+        assert "eagle" not in httpx.get(server.url + "/health").json()["drafters"]
+        with pytest.raises(openai.BadRequestError, match="eagle"):
+            client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": prompt}],
+                                           max_tokens=4, extra_body={"verispec": {"drafter": "eagle"}})
+        return
     resp = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": prompt}],
                                           temperature=0, max_tokens=40, extra_body={"verispec": {"drafter": "eagle"}})
-    assert main(["generate", prompt, "--max-new-tokens", "40", "--json", "--drafter", "none"]) == 0
+    assert main(["generate", prompt, "--max-new-tokens", "40", "--json", "--drafter", "none", *server.backend_args]) == 0
     assert resp.choices[0].message.content == json.loads(capsys.readouterr().out)["text"]
     stats = resp.model_extra["verispec"]
     assert stats["drafter"] == "eagle" and stats["accepted"] > 0

@@ -64,8 +64,8 @@ def test_cache_after_generation_equals_fresh_prefill(tiny_target, tiny_noisy_dra
     fresh = DynamicCache()
     with torch.no_grad():
         tiny_target.model(torch.tensor([committed[:-1]]), past_key_values=fresh, use_cache=True)
-    assert decoder._cache.get_seq_length() == fresh.get_seq_length()
-    for mine, ref in zip(decoder._cache.layers, fresh.layers):
+    assert len(decoder._cache) == fresh.get_seq_length()
+    for mine, ref in zip(decoder._cache.cache.layers, fresh.layers):
         torch.testing.assert_close(mine.keys, ref.keys, atol=1e-5, rtol=1e-4)
         torch.testing.assert_close(mine.values, ref.values, atol=1e-5, rtol=1e-4)
 
@@ -74,11 +74,11 @@ def test_draft_model_cache_rolls_back(tiny_target, tiny_noisy_draft):
     drafter = ModelDrafter(tiny_noisy_draft, tiny_target)
     decoder = SpeculativeDecoder(tiny_target, drafter, k=4, k_policy="fixed")
     decoder.generate(PROMPTS[0], max_new_tokens=25)
-    assert drafter._cache.get_seq_length() == len(drafter._cached)
+    assert len(drafter._cache) == len(drafter._cached)
     fresh = DynamicCache()
     with torch.no_grad():
         tiny_noisy_draft.model(torch.tensor([drafter._cached]), past_key_values=fresh, use_cache=True)
-    for mine, ref in zip(drafter._cache.layers, fresh.layers):
+    for mine, ref in zip(drafter._cache.cache.layers, fresh.layers):
         torch.testing.assert_close(mine.keys, ref.keys, atol=1e-5, rtol=1e-4)
 
 

@@ -135,7 +135,7 @@ def test_tree_steps_leave_the_cache_equal_to_a_fresh_prefill(tiny_target):
     fresh = DynamicCache()
     with torch.no_grad():
         tiny_target.model(input_ids=torch.tensor([cached]), past_key_values=fresh, use_cache=True)
-    for a, b in zip(decoder._cache.layers, fresh.layers):
+    for a, b in zip(decoder._cache.cache.layers, fresh.layers):
         assert torch.allclose(a.keys, b.keys, atol=1e-5) and torch.allclose(a.values, b.values, atol=1e-5)
     # and the next request reuses it
     again = decoder.generate(prompt + out.token_ids[:10], max_new_tokens=10)

@@ -19,7 +19,6 @@ from typing import Callable, Sequence
 import torch
 from scipy.stats import chi2
 
-from .cache import new_cache, truncate
 from .engine import SpeculativeDecoder
 from .errors import InvalidRequest
 from .sampling import SamplingParams, probabilities
@@ -105,19 +104,17 @@ class TeacherForcer:
 
     def __init__(self, target, prompt_ids: list[int], sampling: SamplingParams):
         self.target, self.prompt_ids, self.sampling = target, list(prompt_ids), sampling
-        self.cache = new_cache()
+        self.cache = target.new_kv()
         if len(prompt_ids) > 1:
             with torch.inference_mode():
-                target.model(input_ids=torch.tensor([prompt_ids[:-1]], device=target.device),
-                             past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+                target.forward(self.cache, prompt_ids[:-1], last_only=True)
 
     @torch.inference_mode()
     def distributions(self, continuation: Sequence[int]) -> torch.Tensor:
         """p(. | prompt, continuation[:j]) for j = 0..len-1, processed as the engine does ([len, vocab])."""
         feed = [self.prompt_ids[-1], *continuation[:-1]]
-        logits = self.target.model(input_ids=torch.tensor([feed], device=self.target.device),
-                                   past_key_values=self.cache, use_cache=True).logits[0]
-        truncate(self.cache, len(self.prompt_ids) - 1)
+        logits = self.target.forward(self.cache, feed).logits
+        self.cache.truncate(len(self.prompt_ids) - 1)
         return probabilities(logits, self.sampling)
 
 

@@ -72,6 +72,19 @@ def cache_length(cache: Cache | None) -> int:
     return 0 if cache is None else int(cache.get_seq_length())
 
 
+class TorchKV:
+    """One sequence's transformers cache behind the backend protocol (``verispec.backend.KVCache``)."""
+
+    def __init__(self, cache: Cache | None = None) -> None:
+        self.cache = new_cache() if cache is None else cache
+
+    def __len__(self) -> int:
+        return cache_length(self.cache)
+
+    def truncate(self, length: int) -> None:
+        truncate(self.cache, length)
+
+
 def truncate(cache: Cache, length: int) -> None:
     """Keep the first ``length`` positions of ``cache`` and drop the rest (rejected draft tokens)."""
     current = cache_length(cache)

@@ -9,6 +9,7 @@ import logging
 import sys
 
 from . import __version__
+from .cli_backend import add_backend_options, load_args_model
 from .cli_bench import add_analyze_parser, add_parsers as add_bench_parsers
 from .cli_serve import add_serve_parser
 from .cli_train import add_train_parser
@@ -58,6 +59,7 @@ def _model_options(p: argparse.ArgumentParser, drafter_default: str = "ngram") -
     g.add_argument("--acceptance", default="strict", choices=["strict", "typical"],
                    help="strict = rejection sampling, lossless (default); typical = Medusa-style typical "
                         "acceptance, LOSSY: faster but no longer the target's distribution")
+    add_backend_options(g)
 
 
 def _sampling_options(p: argparse.ArgumentParser, temperature: float) -> None:
@@ -127,15 +129,14 @@ def eagle_options(args) -> dict:
 def _build_decoder(args):
     from .drafters import make_drafter
     from .engine import SpeculativeDecoder
-    from .models import load_model
 
-    target = load_model(args.target, dtype=args.dtype)
+    target = load_args_model(args, args.target)
     options = {}
     draft_model = None
     if args.drafter == "ngram":
         options = {"min_n": args.ngram_min, "max_n": args.ngram_max, "branches": args.ngram_branches}
     elif args.drafter == "model" and args.draft_model:
-        draft_model = load_model(args.draft_model, dtype=args.dtype)
+        draft_model = load_args_model(args, args.draft_model)
     elif args.drafter == "eagle":
         options = eagle_options(args)
     drafter = make_drafter(args.drafter, target=target, draft_model=draft_model, **options)

@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 
 from .errors import InvalidRequest
+from .backend import BACKENDS
+from .cli_backend import WEIGHT_CHOICES
 from .models import BUILTINS, DEFAULT_MODEL, DTYPES
 
 DEFAULT_METHODS = "baseline,ngram,hf:pld"
@@ -36,8 +38,14 @@ def _target_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--target", default=DEFAULT_MODEL, metavar="REF",
                    help=f"target model: built-in name ({', '.join(BUILTINS)}), local directory, .gguf or hub id "
                         f"(default: {DEFAULT_MODEL})")
-    g.add_argument("--dtype", default="float32", choices=list(DTYPES), help="weights and activations (default: float32)")
-    g.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    g.add_argument("--dtype", default="float32", choices=list(DTYPES),
+                   help="transformers backend: weights and activations (default: float32)")
+    g.add_argument("--threads", type=int,
+                   help="CPU threads: torch's (default: torch's choice) and llama.cpp's (default: the usable cores)")
+    g.add_argument("--backend", default="transformers", choices=BACKENDS,
+                   help="backend of verispec methods without backend= (default: transformers)")
+    g.add_argument("--weights", default="as-is", choices=WEIGHT_CHOICES,
+                   help="llamacpp backend: weight format for methods without weights= (default: as-is)")
 
 
 def add_parsers(sub) -> None:
@@ -55,7 +63,11 @@ def add_parsers(sub) -> None:
                "  eagle[:DIR][:k=8]   verispec's EAGLE head (shipped for the built-in target, or a train-eagle folder)\n"
                "  hf:greedy           transformers generate\n"
                "  hf:pld[:k=10]       transformers prompt lookup (prompt_lookup_num_tokens)\n"
-               "  hf:assisted:REF     transformers assisted generation with a draft model\n\n"
+               "  hf:assisted:REF     transformers assisted generation with a draft model\n"
+               "  llamacpp[:weights=F]           llama-cpp-python's plain generation on the GGUF file\n"
+               "  llamacpp:lookup[:k=10:ngram=2] llama-cpp-python's prompt-lookup decoding\n"
+               "  (verispec methods take :backend=transformers|llamacpp and :weights=as-is|f32|f16|q8_0|... for their\n"
+               "   own target, e.g. ngram:backend=llamacpp:weights=f32)\n\n"
                "example: verispec bench --categories summarization,rag --limit 5 --methods baseline,ngram,hf:pld")
     b.add_argument("--methods", default=DEFAULT_METHODS, help=f"methods to compare (default: {DEFAULT_METHODS})")
     b.add_argument("--k", type=int, default=8, help="default draft length for verispec methods (default: 8)")
@@ -70,6 +82,9 @@ def add_parsers(sub) -> None:
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass for sampling (default: 1)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed for every answer (default: 0)")
     g.add_argument("--warmup", type=int, default=1, help="questions answered untimed first (default: 1)")
+    g.add_argument("--reference", metavar="METHOD",
+                   help="method that speedups and identical shares are measured against (default: baseline if "
+                        "listed, else the first method); e.g. llamacpp, what a CPU user runs without verispec")
     g.add_argument("--out", metavar="DIR", help="results folder (default: bench-results/<UTC time>)")
     g.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     b.set_defaults(func=cmd_bench)
@@ -88,10 +103,15 @@ def _setup(args):
         raise InvalidRequest(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     loaded = {}
 
-    def load(ref: str, pack: bool | None = None):
-        if (ref, pack) not in loaded:
-            loaded[ref, pack] = load_model(ref, dtype=args.dtype, pack=pack)
-        return loaded[ref, pack]
+    def load(ref: str, pack: bool | None = None, backend: str | None = None, weights: str | None = None):
+        backend = backend or getattr(args, "backend", "transformers")
+        weights = (weights or getattr(args, "weights", "as-is")) if backend == "llamacpp" else "as-is"
+        key = (ref, pack, backend, weights)
+        if key not in loaded:
+            dtype = args.dtype if backend == "transformers" else "float32"
+            loaded[key] = load_model(ref, dtype=dtype, pack=pack, backend=backend, weights=weights,
+                                     threads=args.threads)
+        return loaded[key]
 
     return load(args.target), load
 
@@ -128,8 +148,11 @@ def cmd_bench(args) -> int:
         raise InvalidRequest("--methods lists a method twice")
     questions = _questions(args)
     target, load = _setup(args)
-    methods = [build_method(s, target, load, default_k=args.k, default_policy=args.k_policy) for s in specs]
-    reference = "baseline" if "baseline" in specs else specs[0]
+    methods = [build_method(s, target, load, default_k=args.k, default_policy=args.k_policy, threads=args.threads)
+               for s in specs]
+    reference = args.reference or ("baseline" if "baseline" in specs else specs[0])
+    if reference not in specs:
+        raise InvalidRequest(f"--reference {reference!r} is not one of --methods")
     encode = prompt_encoder(SpeculativeDecoder(target))
     out = _out_dir(args, "bench")
     total = len(methods) * sum(len(q.turns) for q in questions)
@@ -162,15 +185,20 @@ def cmd_bench(args) -> int:
                    "categories": args.categories, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
                    "temperature": args.temperature, "top_p": args.top_p, "seed": args.seed, "k": args.k,
                    "warmup": args.warmup},
-        "environment": environment(args.dtype, str(target.device), target.packed_layers, target.linear_kernel),
+        "environment": environment(args.dtype, str(target.device), getattr(target, "packed_layers", 0), target.kernel,
+                                   target.backend),
         "files": files,
         **summary,
     }
     env = result["environment"]
-    header = (f"verispec bench · {target.name} · {args.dtype} ({target.linear_kernel}) · {env['cpu']} "
+    env["method_kernels"] = {m.name: m.kernel for m in methods}
+    header = (f"verispec bench · {target.name} · {target.backend} {args.dtype} ({target.kernel}) · {env['cpu']} "
               f"[{env['torch_cpu_capability']}] · {env['torch_threads']} threads · "
               f"max {args.max_new_tokens} new tokens · temperature {args.temperature}\n")
-    if target.packed_layers and any(m.family == "transformers" for m in methods):
+    for m in methods:
+        if m.kernel and m.kernel != f"{target.backend}: {target.kernel}":
+            header += f"{m.name} runs on {m.kernel}\n"
+    if getattr(target, "packed_layers", 0) and any(m.family == "transformers" for m in methods):
         header += "transformers' methods run the plain weights, as transformers loads them (hf:...:pack=1: packed)\n"
     header += "\n"
     (out / "summary.md").write_text(header + table, encoding="utf-8")
@@ -307,7 +335,7 @@ def cmd_analyze(args) -> int:
 
     from .controller import shared_cost_curve
 
-    result.learned_cost_ms = {w: 1000 * t for w, t in shared_cost_curve(target.model).measured().items()}
+    result.learned_cost_ms = {w: 1000 * t for w, t in shared_cost_curve(target.cost_key).measured().items()}
     text = _analysis_text(result, target.name, args)
     (out / "analysis.md").write_text(text, encoding="utf-8")
     files = {"table": str(out / "analysis.md"), "json": str(out / "analysis.json"),
@@ -316,7 +344,8 @@ def cmd_analyze(args) -> int:
               "limit": args.limit, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
               "sweep_k": sweep, "context_tokens": context_len}
     payload = {"command": "verispec " + shlex.join(args.argv), "config": config,
-               "environment": environment(args.dtype, str(target.device), target.packed_layers, target.linear_kernel),
+               "environment": environment(args.dtype, str(target.device), getattr(target, "packed_layers", 0), target.kernel,
+                                   target.backend),
                "files": files, **result.to_dict()}
     (out / "analysis.json").write_text(json.dumps(payload, indent=2), encoding="utf-8")
     print(text)

@@ -47,7 +47,7 @@ def cmd_serve(args) -> int:
 
     from .drafters import EagleDrafter, ModelDrafter, NgramDrafter
     from .errors import ModelNotFound
-    from .models import load_model
+    from .cli_backend import load_args_model
     from .server import ServerConfig, create_app
 
     for name, value, low in (("--port", args.port, 0), ("--max-concurrency", args.max_concurrency, 1),
@@ -59,19 +59,24 @@ def cmd_serve(args) -> int:
         raise InvalidRequest("the server runs strict (lossless) acceptance only; drop --acceptance")
     if args.drafter == "model" and not args.draft_model:
         raise InvalidRequest("--drafter model needs --draft-model REF")
-    target = load_model(args.target, dtype=args.dtype)
+    target = load_args_model(args, args.target)
     drafters = {"ngram": lambda: NgramDrafter(min_n=args.ngram_min, max_n=args.ngram_max)}
     if args.draft_model:
-        draft = load_model(args.draft_model, dtype=args.dtype)
+        draft = load_args_model(args, args.draft_model)
         ModelDrafter(draft, target)  # checks compatibility now, not on the first request
         drafters["model"] = lambda: ModelDrafter(draft, target)
-    try:  # the EAGLE head shipped for the target (or --eagle-head); its weights are shared by every slot
-        head = EagleDrafter(target, args.eagle_head).head
-        tree = dict(tree=args.eagle_tree, depth=args.eagle_depth, width=args.eagle_width, lookup=args.eagle_lookup)
-        drafters["eagle"] = lambda: EagleDrafter(target, head, **tree)
-    except ModelNotFound:
+    if not target.supports_features:  # EAGLE heads read hidden states this backend does not give
         if args.drafter == "eagle" or args.eagle_head:
-            raise
+            raise InvalidRequest(f"the eagle drafter needs --backend transformers (the {target.backend} backend "
+                                 "does not return the target's hidden states)")
+    else:
+        try:  # the EAGLE head shipped for the target (or --eagle-head); its weights are shared by every slot
+            head = EagleDrafter(target, args.eagle_head).head
+            tree = dict(tree=args.eagle_tree, depth=args.eagle_depth, width=args.eagle_width, lookup=args.eagle_lookup)
+            drafters["eagle"] = lambda: EagleDrafter(target, head, **tree)
+        except ModelNotFound:
+            if args.drafter == "eagle" or args.eagle_head:
+                raise
     config = ServerConfig(
         target=target, drafters=drafters, default_drafter=args.drafter, k=args.k, k_policy=args.k_policy,
         served_model_name=args.served_model_name, max_concurrency=args.max_concurrency, max_queue=args.max_queue,
@@ -80,7 +85,8 @@ def cmd_serve(args) -> int:
     )
     app = create_app(config)
     print(f"verispec: serving {config.served_model_name or target.name} on http://{args.host}:{args.port} "
-          f"(drafter {args.drafter}, k {args.k} ({args.k_policy}), {args.dtype}, {args.max_concurrency} slot(s), queue "
+          f"(drafter {args.drafter}, k {args.k} ({args.k_policy}), {target.backend}: {target.kernel}, {args.dtype}, "
+          f"{args.max_concurrency} slot(s), queue "
           f"{args.max_queue})", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0

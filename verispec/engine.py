@@ -19,19 +19,16 @@ from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import torch
-from transformers import Cache
 
-from .cache import new_cache, truncate
+from .backend import KVCache, TargetModel
 from .controller import COST, Controller, shared_cost_curve
 from .drafters.base import EMPTY_DRAFT, Draft, Drafter
 from .drafters.model import common_prefix_length
 from .errors import InvalidRequest
-from .features import FeatureBuffer, select_layers
-from .models import LoadedModel
+from .features import FeatureBuffer
 from .sampling import SamplingParams, probabilities
 from .stats import GenerationStats
 from .text import TextAssembler
-from .tree import tree_inputs
 from .verify import (ACCEPTANCE_MODES, LOSSY_MODES, STRICT, TorchCoins, verify, verify_tree, verify_tree_greedy,
                      verify_typical)
 
@@ -71,7 +68,7 @@ class SequenceState:
     generator: torch.Generator
     text: TextAssembler
     stats: GenerationStats
-    cache: Cache
+    cache: KVCache | None  # None until prefill takes a cache (a reused one or a new one)
     cached_tokens: list[int] = field(default_factory=list)  # exactly the tokens whose keys/values are cached
     features: FeatureBuffer = field(default_factory=FeatureBuffer)  # target hidden states of cached_tokens
     finish_reason: str = ""
@@ -104,7 +101,7 @@ class GenerationStream:
 
 
 class SpeculativeDecoder:
-    """Lossless speculative decoding over a Hugging Face causal LM.
+    """Lossless speculative decoding over a target model on any backend (``verispec.backend``).
 
     ``drafter=None`` is plain decoding through the same loop. ``k`` is the most draft tokens verified per
     step; ``k_policy="cost"`` (the default) lets the controller choose each step how many of them to draft and
@@ -116,7 +113,7 @@ class SpeculativeDecoder:
 
     def __init__(
         self,
-        target: LoadedModel,
+        target: TargetModel,
         drafter: Drafter | None = None,
         k: int = 8,
         acceptance: str = STRICT,
@@ -134,13 +131,19 @@ class SpeculativeDecoder:
         self.acceptance = acceptance
         self.typical = (typical_epsilon, typical_delta)
         self.reuse_prefix = reuse_prefix
-        self.controller = Controller(shared_cost_curve(target.model), policy=k_policy)
-        self._cache: Cache | None = None
+        self.controller = Controller(shared_cost_curve(target.cost_key), policy=k_policy)
+        self._cache: KVCache | None = None
         self._cached_tokens: list[int] = []
         self._features = FeatureBuffer()
         # drafters that read the target's hidden states (EAGLE heads) name the layers; the engine then takes
         # them from the forward passes it runs anyway and hands them to propose()
         self.feature_layers: tuple[int, ...] = tuple(getattr(drafter, "feature_layers", None) or ())
+        if self.feature_layers and not target.supports_features:
+            raise InvalidRequest(f"the {self.drafter_name} drafter reads the target's hidden states, which the "
+                                 f"{target.backend} backend does not provide; use --backend transformers")
+        if drafter is not None and getattr(drafter, "tree_depth", None) and not target.supports_trees:
+            raise InvalidRequest(f"token trees need the transformers backend (the {target.backend} backend verifies "
+                                 "chains only); drop the tree option or use --backend transformers")
 
     @property
     def drafter_name(self) -> str:
@@ -238,7 +241,7 @@ class SpeculativeDecoder:
         state = SequenceState(
             tokens=list(ids), prompt_len=len(ids), max_new_tokens=max_new_tokens, sampling=sampling,
             generator=generator, text=TextAssembler(self.target.tokenizer, stops), stats=stats,
-            cache=new_cache(),
+            cache=None,
         )
         self._prefill(state)
         if self.drafter is not None:
@@ -262,7 +265,7 @@ class SpeculativeDecoder:
             if self.controller.costs:
                 stats.plain_step_seconds = self.controller.costs(1)
             # keep the cache for the next request only if it is exactly what we think it holds
-            if self.reuse_prefix and state.cache.get_seq_length() == len(state.cached_tokens):
+            if self.reuse_prefix and state.cache is not None and len(state.cache) == len(state.cached_tokens):
                 self._cache, self._cached_tokens, self._features = state.cache, state.cached_tokens, state.features
         generated = state.generated
         if state.text.stop_token_count is not None:
@@ -281,25 +284,23 @@ class SpeculativeDecoder:
         keep = 0
         if self.reuse_prefix and self._cache is not None:
             keep = min(common_prefix_length(self._cached_tokens, ids), len(ids) - 1)
-            truncate(self._cache, keep)
+            self._cache.truncate(keep)
             if self.feature_layers:
                 keep = min(keep, len(self._features))
-                truncate(self._cache, keep)
+                self._cache.truncate(keep)
                 self._features.truncate(keep)
                 state.features = self._features
             state.cache, state.cached_tokens = self._cache, self._cached_tokens[:keep]
             self._cache = None  # owned by this sequence now
+        else:
+            state.cache = self.target.new_kv()
         state.stats.reused_prompt_tokens = keep
         feed = ids[keep:-1]
         if feed:
-            out = self.target.model(
-                input_ids=torch.tensor([feed], device=self.target.device),
-                past_key_values=state.cache, use_cache=True, logits_to_keep=1,
-                output_hidden_states=bool(self.feature_layers),
-            )
+            out = self.target.forward(state.cache, feed, last_only=True, feature_layers=self.feature_layers)
             state.cached_tokens.extend(feed)
             if self.feature_layers:
-                state.features.append(select_layers(out.hidden_states, self.feature_layers))
+                state.features.append(out.hidden)
         state.stats.prefill_seconds = time.perf_counter() - t0
 
     def _calibrate(self, state: SequenceState, k: int) -> None:
@@ -312,14 +313,11 @@ class SpeculativeDecoder:
         start = time.perf_counter()
         past = len(state.cached_tokens)
         pending = state.tokens[past:]
-        device = self.target.device
         for i, w in enumerate([1, *widths, *widths]):  # the first pass warms up and is not kept
             feed = (pending * w)[: max(w, len(pending))]
             t0 = time.perf_counter()
-            logits = self.target.model(input_ids=torch.tensor([feed], device=device), past_key_values=state.cache,
-                                       use_cache=True).logits[0]
-            probabilities(logits, state.sampling)
-            truncate(state.cache, past)
+            probabilities(self.target.forward(state.cache, feed).logits, state.sampling)
+            state.cache.truncate(past)
             if i:
                 curve.observe(len(feed), time.perf_counter() - t0)
         state.stats.calibration_seconds = time.perf_counter() - start
@@ -360,15 +358,9 @@ class SpeculativeDecoder:
         # committed tokens not in the cache yet: the pending token, after a tree step also the accepted path
         past = len(state.cached_tokens)
         fed = state.tokens[past:]
-        extra = {}
-        if draft.parents is not None:
-            positions, mask = tree_inputs(past, len(fed), draft.parents, self.target.dtype, device)
-            extra = dict(position_ids=positions, attention_mask=mask)
-        out = self.target.model(
-            input_ids=torch.tensor([[*fed, *draft.tokens]], device=device),
-            past_key_values=state.cache, use_cache=True, output_hidden_states=bool(self.feature_layers), **extra,
-        )
-        logits = out.logits[0, len(fed) - 1 :]  # [k+1, vocab]: after the pending token, then after each draft
+        out = self.target.forward(state.cache, [*fed, *draft.tokens], parents=draft.parents,
+                                  feature_layers=self.feature_layers)
+        logits = out.logits[len(fed) - 1 :]  # [k+1, vocab]: after the pending token, then after each draft
         p = probabilities(logits, state.sampling)  # [k+1, vocab]
         if draft.parents is not None:
             if state.sampling.greedy:
@@ -379,7 +371,7 @@ class SpeculativeDecoder:
             keep_rows = list(range(len(fed))) + [len(fed) + i for i in path]
             # the accepted nodes' keys sit between rejected siblings: drop every node and feed the accepted
             # path again with the next step's pass (no extra forward; only the cache API's crop)
-            truncate(state.cache, past + len(fed))
+            state.cache.truncate(past + len(fed))
             state.cached_tokens.extend(fed)
         else:
             x = torch.tensor(draft.tokens, dtype=torch.long, device=device)  # [k]
@@ -391,12 +383,12 @@ class SpeculativeDecoder:
             n, next_token = verdict.num_accepted, verdict.next_token
             accepted = draft.tokens[:n]
             keep_rows = list(range(len(fed) + n))
-            truncate(state.cache, past + len(fed) + n)
+            state.cache.truncate(past + len(fed) + n)
             state.cached_tokens.extend([*fed, *accepted])
         if self.feature_layers:
             # hidden states of every committed token but the new pending one, from this same forward; rows of
             # tokens fed again after a tree step are already recorded
-            rows = select_layers(out.hidden_states, self.feature_layers)[keep_rows]
+            rows = out.hidden[keep_rows]
             state.features.append(rows[len(state.features) - past :])
         if self.drafter is not None and len(draft):
             self.drafter.observe(n)

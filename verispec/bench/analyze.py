@@ -11,33 +11,28 @@ from typing import Callable, Sequence
 import torch
 
 from .. import analysis
-from ..cache import new_cache, truncate
-from ..models import LoadedModel
+from ..backend import TargetModel
 from ..sampling import SamplingParams, probabilities
 
 
 @torch.inference_mode()
-def verify_cost_curve(target: LoadedModel, context: Sequence[int], max_drafted: int = 16, repeats: int = 7,
+def verify_cost_curve(target: TargetModel, context: Sequence[int], max_drafted: int = 16, repeats: int = 7,
                       sampling: SamplingParams | None = None,
                       progress: Callable[[], None] | None = None) -> dict[int, float]:
     """Median seconds of one engine verify step that checks j draft tokens (a target pass over j+1 tokens,
     turning logits into probabilities, cropping the cache back), for j = 0..max_drafted, after a prefill
     of ``context``. Widths are interleaved within each repeat so machine noise hits them alike."""
     sampling = sampling or SamplingParams()
-    device = target.device
-    cache = new_cache()
+    cache = target.new_kv()
     ctx = list(context)
-    target.model(input_ids=torch.tensor([ctx], device=device), past_key_values=cache, use_cache=True,
-                 logits_to_keep=1)
+    target.forward(cache, ctx, last_only=True)
     times: dict[int, list[float]] = {j: [] for j in range(max_drafted + 1)}
     feed_pool = ctx[-(max_drafted + 1):] * (max_drafted + 1)
     for r in range(repeats + 1):  # the first round warms up and is dropped
         for j in range(max_drafted + 1):
-            feed = torch.tensor([feed_pool[: j + 1]], device=device)
             t0 = time.perf_counter()
-            logits = target.model(input_ids=feed, past_key_values=cache, use_cache=True).logits[0]
-            probabilities(logits, sampling)
-            truncate(cache, len(ctx))
+            probabilities(target.forward(cache, feed_pool[: j + 1]).logits, sampling)
+            cache.truncate(len(ctx))
             if r:
                 times[j].append(time.perf_counter() - t0)
             if progress:
@@ -46,7 +41,7 @@ def verify_cost_curve(target: LoadedModel, context: Sequence[int], max_drafted: 
 
 
 @torch.inference_mode()
-def teacher_forced_beta(target: LoadedModel, draft: LoadedModel, sequences: Sequence[tuple[list[int], list[int]]],
+def teacher_forced_beta(target: TargetModel, draft: TargetModel, sequences: Sequence[tuple[list[int], list[int]]],
                         sampling: SamplingParams) -> float:
     """Mean over generated positions of beta = sum_x min(p(x), q(x)), with p from the target and q from the
     draft model both conditioned on the same (prompt, generated prefix): the per-token acceptance
@@ -55,10 +50,10 @@ def teacher_forced_beta(target: LoadedModel, draft: LoadedModel, sequences: Sequ
     for prompt, generated in sequences:
         if not generated:
             continue
-        ids = torch.tensor([prompt + generated[:-1]], device=target.device)
+        ids = prompt + generated[:-1]
         n = len(generated)
-        p = probabilities(target.model(input_ids=ids).logits[0, -n:].float(), sampling)
-        q_logits = draft.model(input_ids=ids.to(draft.device)).logits[0, -n:].float().to(target.device)
+        p = probabilities(target.forward(target.new_kv(), ids).logits[-n:].float(), sampling)
+        q_logits = draft.forward(draft.new_kv(), ids).logits[-n:].float().to(p.device)
         vocab = min(p.shape[-1], q_logits.shape[-1])  # padded vocabularies: ids past the real ones never occur
         q = probabilities(q_logits[:, :vocab], sampling)
         total += analysis.beta(p[:, :vocab], q).sum().item()
@@ -67,12 +62,11 @@ def teacher_forced_beta(target: LoadedModel, draft: LoadedModel, sequences: Sequ
 
 
 @torch.inference_mode()
-def eagle_teacher_forced_beta(target: LoadedModel, head, sequences: Sequence[tuple[list[int], list[int]]],
+def eagle_teacher_forced_beta(target: TargetModel, head, sequences: Sequence[tuple[list[int], list[int]]],
                               sampling: SamplingParams) -> float:
     """Like ``teacher_forced_beta`` for an EAGLE head at draft depth 1: q at each generated position comes from the
     head fed the target's true hidden states of the prefix (what it sees for the first draft token of a step)."""
     from ..eagle.head import KVCache
-    from ..features import select_layers
 
     layers = tuple(head.config.feature_layers)
     total, count = 0.0, 0
@@ -81,9 +75,9 @@ def eagle_teacher_forced_beta(target: LoadedModel, head, sequences: Sequence[tup
             continue
         ids = prompt + generated[:-1]
         n = len(generated)
-        out = target.model(input_ids=torch.tensor([ids], device=target.device), output_hidden_states=True)
-        p = probabilities(out.logits[0, -n:].float(), sampling)  # [n, V]
-        feats = head.fuse_features(select_layers(out.hidden_states, layers))  # [len(ids), H]
+        out = target.forward(target.new_kv(), ids, feature_layers=layers)
+        p = probabilities(out.logits[-n:].float(), sampling)  # [n, V]
+        feats = head.fuse_features(out.hidden)  # [len(ids), H]
         # pair i = (f_i, t_{i+1}) gives q for t_{i+2}: the last n pairs end at position len(ids) - 2
         g = head.step(torch.tensor(ids[1:], device=target.device), feats[:-1], KVCache())[-(n - 1):] if n > 1 else None
         if g is None:

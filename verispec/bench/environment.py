@@ -20,14 +20,17 @@ def _version(package: str) -> str | None:
         return None
 
 
-def environment(dtype: str, device: str, packed_layers: int = 0, kernel: str | None = None) -> dict:
-    """``kernel`` is what the target's linears ran on (``LoadedModel.linear_kernel``); the ``kernels`` block says
-    what this CPU would run for each dtype with packing on (probed, not read off a list)."""
+def environment(dtype: str, device: str, packed_layers: int = 0, kernel: str | None = None,
+                backend: str = "transformers") -> dict:
+    """``kernel`` is what the target's linears ran on (``TargetModel.kernel``); the ``kernels`` block says what this
+    CPU would run for each dtype with packing on (probed, not read off a list)."""
     cpu = cpu_info()
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "versions": {p: _version(p) for p in ("verispec", "torch", "transformers", "tokenizers")},
+        "versions": {p: _version(p) for p in ("verispec", "torch", "transformers", "tokenizers",
+                                                    "llama_cpp_python")},
         "python": platform.python_version(),
+        "backend": backend,
         "dtype": dtype,
         "device": device,
         "linear_kernel": kernel,

@@ -12,6 +12,11 @@ is a model reference:
     hf:greedy                    transformers ``generate`` (greedy or sampling)
     hf:pld  hf:pld:k=10          transformers prompt lookup (``prompt_lookup_num_tokens``, default 10)
     hf:assisted:REF              transformers assisted generation with draft model REF
+    llamacpp  llamacpp:lookup     llama-cpp-python's plain generation / prompt lookup (``verispec.bench.llamacpp_peers``)
+
+verispec methods take per-method target options: ``backend=transformers|llamacpp`` and, on llama.cpp,
+``weights=as-is|f32|f16|q8_0|...`` (e.g. ``ngram:backend=llamacpp:weights=f16``), so backends and weight formats
+compare in one run; ``llamacpp`` peers take ``weights=`` too.
 
 transformers' methods run the target as transformers loads it, with plain weights (what a transformers user runs),
 not verispec's prepacked ones; ``hf:greedy:pack=1`` runs them on the packed weights instead.
@@ -30,7 +35,6 @@ from ..controller import COST, K_POLICIES
 from ..drafters import make_drafter
 from ..engine import SpeculativeDecoder
 from ..errors import InvalidRequest
-from ..models import LoadedModel
 
 
 @dataclass
@@ -57,6 +61,7 @@ class Method:
     family: str  # "verispec" or "transformers"
     drafter: str = "none"
     k: int | None = None
+    kernel: str = ""  # what ran the target's layers, when known (backend, weights, kernel)
 
 
 def parse_spec(spec: str) -> tuple[str, list[str], dict[str, str]]:
@@ -69,6 +74,8 @@ def parse_spec(spec: str) -> tuple[str, list[str], dict[str, str]]:
         if not rest:
             raise InvalidRequest("hf needs a kind: hf:greedy, hf:pld or hf:assisted:REF")
         head, rest = f"hf:{rest[0]}", rest[1:]
+    if head == "llamacpp" and rest and "=" not in rest[0]:
+        head, rest = f"llamacpp:{rest[0]}", rest[1:]
     refs = [p for p in rest if "=" not in p]
     opts = dict(p.split("=", 1) for p in rest if "=" in p)
     return head, refs, opts
@@ -84,13 +91,28 @@ def _number(key: str, value: str):
             raise InvalidRequest(f"option {key}={value!r} must be a number") from None
 
 
-def build_method(spec: str, target: LoadedModel, load: Callable[..., LoadedModel] | None,
-                 default_k: int = 8, default_policy: str = COST) -> Method:
-    """Build a method from its spec; ``load(ref, pack=None)`` resolves model references (shared between methods).
-    verispec methods take ``policy=cost|fixed`` (the controller's k policy; default ``default_policy``)."""
+def build_method(spec: str, target, load: Callable | None, default_k: int = 8, default_policy: str = COST,
+                 threads: int | None = None) -> Method:
+    """Build a method from its spec; ``load(ref, pack=None, backend=None, weights=None)`` resolves model references
+    (shared between methods; None = the run's defaults). verispec methods take ``policy=cost|fixed`` (the
+    controller's k policy; default ``default_policy``) and ``backend=``/``weights=`` (their own target)."""
     head, refs, raw_opts = parse_spec(spec)
-    if head.startswith("hf:") and "policy" in raw_opts:
-        raise InvalidRequest(f"{spec!r}: policy is an option of verispec methods, not of transformers' {head}")
+    if head.startswith(("hf:", "llamacpp")) and "policy" in raw_opts:
+        raise InvalidRequest(f"{spec!r}: policy is an option of verispec methods, not of {head}")
+    backend, weights = raw_opts.pop("backend", None), raw_opts.pop("weights", None)
+    if head.startswith("hf:") and (backend or weights):
+        raise InvalidRequest(f"{spec!r}: transformers' methods run the transformers backend; drop backend=/weights=")
+    if head == "llamacpp" or head.startswith("llamacpp:"):
+        if backend or refs:
+            raise InvalidRequest(f"{spec!r}: llama.cpp peers take k=, ngram= (lookup) and weights= only")
+        from ..llamacpp import choose_weights  # noqa: F401  (a clear error when llama-cpp-python is missing)
+        from .llamacpp_peers import build_llamacpp_peer
+
+        model = load(target.name, backend="llamacpp", weights=weights or "as-is")
+        opts = {key: _number(key, v) for key, v in raw_opts.items()}
+        return build_llamacpp_peer(spec, head.partition(":")[2], opts, model.path, threads, target.eos_token_ids)
+    if backend or weights:
+        target = load(target.name, backend=backend, weights=weights)
     policy = raw_opts.pop("policy", default_policy)
     if policy not in K_POLICIES:
         raise InvalidRequest(f"{spec!r}: policy must be one of {', '.join(K_POLICIES)}, got {policy!r}")
@@ -103,7 +125,7 @@ def build_method(spec: str, target: LoadedModel, load: Callable[..., LoadedModel
                                  "eagle:DIR:k=6 or eagle:tree=1:k=16 (options tree, depth, width, lookup)")
         drafter = make_drafter("eagle", target=target, head=refs[0] if refs else None, **tree)
         decoder = SpeculativeDecoder(target, drafter, k=k, reuse_prefix=False, k_policy=policy)
-        return Method(spec, _verispec_runner(decoder), "verispec", drafter.name, k)
+        return Method(spec, _verispec_runner(decoder), "verispec", drafter.name, k, _kernel(target))
     if head in ("baseline", "none", "ngram", "model"):
         k = int(opts.pop("k", default_k))
         if head == "model" and len(refs) != 1:
@@ -118,7 +140,7 @@ def build_method(spec: str, target: LoadedModel, load: Callable[..., LoadedModel
         # no prefix reuse: transformers' generate starts every prompt from an empty cache, so must we
         decoder = SpeculativeDecoder(target, drafter, k=k, reuse_prefix=False, k_policy=policy)
         return Method(spec, _verispec_runner(decoder), "verispec", decoder.drafter_name,
-                      k if drafter is not None else None)
+                      k if drafter is not None else None, _kernel(target))
     if head.startswith("hf:"):
         kind = head[3:]
         extra: dict = {}
@@ -140,10 +162,16 @@ def build_method(spec: str, target: LoadedModel, load: Callable[..., LoadedModel
         pack = bool(opts.pop("pack", 0))
         if opts:
             raise InvalidRequest(f"{spec!r}: unknown option(s) {', '.join(opts)}")
+        if target.backend != "transformers":
+            target = load(target.name, pack=False, backend="transformers")
         model = target if pack or not target.packed_layers or load is None else load(target.name, pack=False)
-        return Method(spec, _hf_runner(model, extra), "transformers", kind, k)
+        return Method(spec, _hf_runner(model, extra), "transformers", kind, k, _kernel(model))
     raise InvalidRequest(f"unknown method {spec!r}; choose baseline, ngram, model:REF, eagle[:DIR], hf:greedy, "
-                         "hf:pld or hf:assisted:REF")
+                         "hf:pld, hf:assisted:REF, llamacpp or llamacpp:lookup")
+
+
+def _kernel(target) -> str:
+    return f"{target.backend}: {target.kernel}"
 
 
 def _verispec_runner(decoder: SpeculativeDecoder):
@@ -178,7 +206,7 @@ class _TimingStreamer(BaseStreamer):
         pass
 
 
-def _hf_runner(target: LoadedModel, extra: dict):
+def _hf_runner(target, extra: dict):
     model, tok = target.model, target.tokenizer
     eos = sorted(target.eos_token_ids)
     pad = tok.pad_token_id if tok.pad_token_id is not None else (eos[0] if eos else 0)

@@ -33,7 +33,7 @@ import torch
 from ..eagle.head import EagleHead, KVCache
 from ..eagle.weights import resolve_head
 from ..errors import InvalidRequest
-from ..models import LoadedModel
+from ..backend import TargetModel
 from ..sampling import SamplingParams, probabilities, sample
 from .base import EMPTY_DRAFT, Draft
 from .model import common_prefix_length
@@ -43,12 +43,15 @@ from .ngram import NgramDrafter
 class EagleDrafter:
     name = "eagle"
 
-    def __init__(self, target: LoadedModel, head: EagleHead | str | Path | None = None, *, tree: bool = False,
+    def __init__(self, target: TargetModel, head: EagleHead | str | Path | None = None, *, tree: bool = False,
                  depth: int = 4, width: int = 4, context_vocab: bool = True, lookup: bool = False):
         for name, value in (("depth", depth), ("width", width)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidRequest(f"eagle tree {name} must be a whole number >= 1, got {value!r}")
         self.tree, self.depth, self.width = bool(tree), depth, width
+        if not target.supports_features:
+            raise InvalidRequest(f"the eagle drafter reads the target's hidden states, which the {target.backend} "
+                                 "backend does not give; use --backend transformers (docs/llamacpp.md says why)")
         if lookup and not tree:
             raise InvalidRequest("the eagle drafter's lookup branch needs tree mode (tree=True / --eagle-tree)")
         # in a tree the extra nodes ride on a pass that is wide anyway, so the lookup branch always proposes

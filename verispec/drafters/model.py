@@ -6,9 +6,8 @@ from typing import Sequence
 
 import torch
 
-from ..cache import new_cache, truncate
+from ..backend import TargetModel
 from ..compat import check_compatible
-from ..models import LoadedModel
 from ..sampling import SamplingParams, probabilities, sample
 from .base import Draft
 
@@ -29,7 +28,7 @@ class ModelDrafter:
 
     name = "model"
 
-    def __init__(self, draft: LoadedModel, target: LoadedModel | None = None, *, check_chat_template: bool = True):
+    def __init__(self, draft: TargetModel, target: TargetModel | None = None, *, check_chat_template: bool = True):
         if target is not None:
             check_compatible(target.tokenizer, draft.tokenizer, check_chat_template=check_chat_template)
         self.draft = draft
@@ -39,7 +38,7 @@ class ModelDrafter:
     def reset(self, sampling: SamplingParams, generator: torch.Generator | None) -> None:
         self.sampling = sampling
         self.generator = generator
-        self._cache = new_cache()
+        self._cache = None  # the draft's KV cache, made at the first proposal
         self._cached: list[int] = []  # tokens whose keys/values are in _cache
 
     def _distribution(self, logits: torch.Tensor) -> torch.Tensor:
@@ -52,23 +51,18 @@ class ModelDrafter:
 
     @torch.inference_mode()
     def propose(self, context: Sequence[int], k: int) -> Draft:
+        if self._cache is None:
+            self._cache = self.draft.new_kv()
         keep = min(common_prefix_length(self._cached, context), len(context) - 1)
-        truncate(self._cache, keep)
+        self._cache.truncate(keep)
         del self._cached[keep:]
         feed = list(context[keep:])
-        device = self.draft.device
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         confidence: list[float] = []
         for _ in range(k):
-            out = self.draft.model(
-                input_ids=torch.tensor([feed], device=device),
-                past_key_values=self._cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
+            logits = self.draft.forward(self._cache, feed, last_only=True).logits[-1]
             self._cached.extend(feed)
-            logits = out.logits[0, -1]
             q = self._distribution(logits)  # [vocab]
             # the draft model's largest probability (of the distribution, not of the token drawn from it)
             confidence.append(float(torch.softmax(logits.float(), dim=-1).max()))

@@ -1,0 +1,147 @@
+"""The llamacpp backend on the real built-in GGUF file: tokenization equal to the transformers backend's, plain
+decoding equal to llama-cpp-python's own greedy generation, speculation identical to plain decoding on F32 weights,
+rollback, the audit, the CLI, bench peers and the server through the openai client. Marked e2e; run in CI (which
+installs the llamacpp extra and sets VERISPEC_REQUIRE_LLAMACPP=1, so a missing llama-cpp-python fails there)."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import require_llama_cpp
+from verispec import SpeculativeDecoder, load_model, make_drafter
+from verispec.audit import run_audit
+from verispec.cli import main
+from verispec.errors import InvalidRequest, ModelNotFound
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = [
+    "Repeat this list exactly, one item per line: alpha beta gamma delta epsilon zeta eta theta iota kappa",
+    "Summarize in one sentence: The committee met on Tuesday to review the budget. The committee approved the "
+    "budget for roads and schools, and the committee postponed the vote on the new library until next month.",
+    "Write a short poem about the sea.",
+]
+
+
+def plain_llama_cpp_python(model, prompt_ids, n):
+    """Greedy tokens from llama-cpp-python's own high-level generate on the same file (what users run)."""
+    llama_cpp = require_llama_cpp()
+    llm = llama_cpp.Llama(model_path=str(model.path), n_ctx=2048, n_threads=2, verbose=False)
+    out = []
+    for token in llm.generate(prompt_ids, temp=0.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
+        out.append(int(token))
+        if token in model.eos_token_ids or len(out) >= n:
+            break
+    return out
+
+
+def test_tokenizer_and_chat_template_match_the_transformers_backend(llama_q41, default_model):
+    texts = ["Hello, world!", "  leading spaces and\ttabs\nnew lines", "naïve café — 東京 🙂", "x = [1, 2, 3]  # code"]
+    decoder = SpeculativeDecoder(llama_q41)
+    reference = SpeculativeDecoder(default_model)
+    for text in texts:
+        assert decoder.encode(text) == reference.encode(text)  # chat template applied, same ids
+        assert decoder.encode(text, raw=True) == reference.encode(text, raw=True)
+        # llama.cpp's own tokenizer reads the same GGUF vocabulary: it agrees with transformers' reading of it
+        assert llama_q41.llama_tokenize(text, add_special=False) == default_model.tokenizer(
+            text, add_special_tokens=False)["input_ids"]
+    assert llama_q41.vocab_size == default_model.vocab_size
+    assert llama_q41.eos_token_ids >= default_model.eos_token_ids
+
+
+def test_plain_decoding_equals_llama_cpp_pythons_greedy_generate(llama_q41):
+    """Same file, same kernels, same one-token steps: verispec's plain loop on llama.cpp is token-identical."""
+    decoder = SpeculativeDecoder(llama_q41)
+    for prompt in PROMPTS:
+        ids = decoder.encode(prompt)
+        ours = decoder.generate(ids, max_new_tokens=40).token_ids
+        assert ours == plain_llama_cpp_python(llama_q41, ids, 40), prompt
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "model"])
+def test_speculation_on_f32_weights_is_identical_to_plain_decoding(llama_f32, drafter):
+    plain = SpeculativeDecoder(llama_f32)
+    draft = make_drafter(drafter, target=llama_f32, draft_model=llama_f32 if drafter == "model" else None)
+    spec = SpeculativeDecoder(llama_f32, draft, k=6, k_policy="fixed")
+    drafted = 0
+    for prompt in PROMPTS:
+        a = plain.generate(prompt, max_new_tokens=48)
+        b = spec.generate(prompt, max_new_tokens=48)
+        assert b.token_ids == a.token_ids, prompt
+        drafted += b.stats.drafted
+        if drafter == "model":  # the same model drafts for itself: every draft token is accepted
+            assert b.stats.accepted == b.stats.drafted
+    assert drafted > 0
+
+
+def test_rollback_leaves_the_cache_of_a_fresh_prefill(llama_f32):
+    """After speculative steps with rejections the next-token logits equal those after a fresh prefill."""
+    decoder = SpeculativeDecoder(llama_f32, make_drafter("ngram"), k=8, k_policy="fixed")
+    g = decoder.generate(PROMPTS[1], max_new_tokens=40)
+    assert g.stats.drafted > g.stats.accepted  # rejections, so rollbacks
+    cached = decoder._cached_tokens
+    committed = g.prompt_token_ids + g.token_ids
+    # the committed tokens (past an end token the last step may have accepted more, which stay cached)
+    assert cached[: len(committed) - 1] == committed[:-1] and len(decoder._cache) == len(cached)
+    mine = llama_f32.forward(decoder._cache, [504]).logits[-1]
+    fresh = llama_f32.new_kv()
+    ref = llama_f32.forward(fresh, [*cached, 504], last_only=True).logits[-1]
+    torch.testing.assert_close(mine, ref, atol=2e-3, rtol=0)
+
+
+def test_kv_sequences_are_released_and_reused(llama_q41):
+    for _ in range(3 * 8):  # more than the context's 8 sequences: dropped caches give theirs back
+        kv = llama_q41.new_kv()
+        llama_q41.forward(kv, [1, 2, 3])
+        del kv
+    held = [llama_q41.new_kv() for _ in range(8)]
+    with pytest.raises(InvalidRequest, match="sequences are in use"):
+        llama_q41.new_kv()
+    del held
+
+
+def test_audit_passes_on_the_llamacpp_backend(llama_q41):
+    decoder = SpeculativeDecoder(llama_q41, make_drafter("ngram"), k=4, k_policy="fixed")
+    prompt = decoder.encode("one two three four five one two three four five one two", raw=True)
+    report = run_audit(decoder, prompt, temperature=1.0, samples=200, positions=3, seed=0)
+    assert report.drafted > 0
+    assert report.passed, report.to_dict()
+
+
+def test_what_the_backend_cannot_do_is_a_clear_error(llama_q41, tiny_dir):
+    with pytest.raises(InvalidRequest, match="transformers"):
+        SpeculativeDecoder(llama_q41, make_drafter("ngram", branches=3))
+    with pytest.raises(InvalidRequest, match="transformers"):
+        llama_q41.forward(llama_q41.new_kv(), [1, 2], feature_layers=(1,))
+    with pytest.raises(ModelNotFound, match="GGUF"):
+        load_model(str(tiny_dir), backend="llamacpp")
+    with pytest.raises(InvalidRequest, match="--weights"):
+        load_model(str(tiny_dir), weights="f16")
+    with pytest.raises(InvalidRequest, match="dtype"):
+        load_model("smollm2-135m", backend="llamacpp", dtype="bfloat16")
+    with pytest.raises(InvalidRequest, match="unknown backend"):
+        load_model("smollm2-135m", backend="vllm")
+
+
+def test_generate_cli_on_llamacpp(capsys, llama_q41):
+    assert main(["generate", PROMPTS[0], "--backend", "llamacpp", "--max-new-tokens", "24", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(out["token_ids"]) == 24 or out["finish_reason"] == "stop"
+    plain = SpeculativeDecoder(llama_q41).generate(PROMPTS[0], max_new_tokens=24)
+    assert out["stats"]["drafter"] == "ngram" and out["stats"]["prompt_tokens"] == len(plain.prompt_token_ids)
+
+
+def test_bench_with_llama_cpp_peers(tmp_path, capsys, llama_f32):
+    code = main(["bench", "--categories", "summarization", "--limit", "1", "--max-new-tokens", "32",
+                 "--methods", "baseline:backend=llamacpp:weights=f32,ngram:backend=llamacpp:weights=f32:policy=fixed,"
+                 "llamacpp,llamacpp:lookup", "--out", str(tmp_path), "--no-plots"])
+    assert code == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    overall = result["overall"]
+    assert overall["ngram:backend=llamacpp:weights=f32:policy=fixed"]["identical"] == 1.0
+    assert overall["ngram:backend=llamacpp:weights=f32:policy=fixed"]["drafted"] > 0
+    assert overall["llamacpp"]["new_tokens"] > 0 and overall["llamacpp:lookup"]["new_tokens"] > 0
+    kernels = result["environment"]["method_kernels"]
+    assert "f32 weights" in kernels["baseline:backend=llamacpp:weights=f32"]
+    assert "Q4_1" in kernels["llamacpp"]

@@ -1,0 +1,68 @@
+"""The target-backend boundary: what the engine, the audit and the drafters need from a target model.
+
+A backend runs the target: one pass over new tokens after a sequence's cached ones, logits for every position
+fed, optionally the hidden states of some layers; its KV cache keeps the first n positions and drops the rest
+(rollback). Two backends implement it: transformers (``verispec.models.LoadedModel``, float32/bfloat16 PyTorch,
+token trees, hidden states for EAGLE heads) and llama.cpp (``verispec.llamacpp.LlamaCppModel``, GGUF files as
+CPU users run them). The engine, verification, sampling and the drafters import this module, never a backend.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Protocol, Sequence, runtime_checkable
+
+import torch
+
+BACKENDS = ("transformers", "llamacpp")
+
+
+class TargetPass(NamedTuple):
+    logits: torch.Tensor  # [rows, vocab] float32: a row per fed token (only the last one when last_only)
+    hidden: torch.Tensor | None = None  # [rows, layers, hidden] at the requested layers, or None
+
+
+@runtime_checkable
+class KVCache(Protocol):
+    """One sequence's cached keys/values. ``len`` is the number of cached positions."""
+
+    def __len__(self) -> int: ...
+
+    def truncate(self, length: int) -> None:
+        """Keep the first ``length`` positions, drop the rest (raises if ``length`` exceeds what is cached)."""
+
+
+@runtime_checkable
+class TargetModel(Protocol):
+    """A target causal LM behind one of the backends."""
+
+    name: str
+    backend: str  # one of BACKENDS
+    tokenizer: object  # a transformers tokenizer (same ids and chat template on every backend)
+    dtype: torch.dtype  # of the logits' computation as reported ("float32" for GGUF weights run by llama.cpp)
+    eos_token_ids: frozenset[int]
+    supports_trees: bool  # can verify a token tree in one pass (tree attention mask)
+    supports_features: bool  # can return hidden states of given layers (EAGLE heads)
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def context_length(self) -> int | None: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def kernel(self) -> str:
+        """What runs the linear layers, for reports."""
+
+    @property
+    def cost_key(self) -> object:
+        """A weak-referenceable object that identifies the weights (the controller keeps one cost curve per key)."""
+
+    def new_kv(self) -> KVCache: ...
+
+    def forward(self, kv: KVCache, tokens: Sequence[int], *, parents: Sequence[int] | None = None,
+                last_only: bool = False, feature_layers: Sequence[int] = ()) -> TargetPass:
+        """Run ``tokens`` after the ``len(kv)`` cached positions and cache them. With ``parents`` the last
+        ``len(parents)`` tokens are a tree (see ``verispec.tree``) and the others a causal prefix."""

@@ -1,0 +1,32 @@
+"""Command-line options that pick the target backend, shared by generate, audit, bench, analyze and serve."""
+
+from __future__ import annotations
+
+import argparse
+
+from .backend import BACKENDS
+
+WEIGHT_CHOICES = ("as-is", "auto", "f32", "f16", "q8_0", "q4_0", "q4_1")
+
+
+def add_backend_options(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--backend", default="transformers", choices=BACKENDS,
+                   help="what runs the target: transformers (default; PyTorch, every drafter, token trees) or "
+                        "llamacpp (llama.cpp on the GGUF file, as CPU users run it; drafters none, ngram, model; "
+                        "needs pip install \"verispec[llamacpp]\")")
+    g.add_argument("--weights", default="as-is", choices=WEIGHT_CHOICES,
+                   help="llamacpp backend: the GGUF's weight format; as-is (default) runs the file as shipped, f32/f16/"
+                        "q8_0/... convert it once (cached), auto times the candidates on this CPU once and picks the "
+                        "fastest for speculation")
+    g.add_argument("--threads", type=int, default=None,
+                   help="llamacpp backend: CPU threads (default: the cores this process may use)")
+
+
+def load_args_model(args, ref: str, **overrides):
+    """Load ``ref`` with the backend options in ``args`` (overrides win)."""
+    from .models import load_model
+
+    options = dict(dtype=args.dtype, backend=getattr(args, "backend", "transformers"),
+                   weights=getattr(args, "weights", "as-is"), threads=getattr(args, "threads", None))
+    options.update(overrides)
+    return load_model(ref, **options)

@@ -1,0 +1,327 @@
+"""The llama.cpp backend: a GGUF file run by llama.cpp (through llama-cpp-python's low-level API) as the target.
+
+What CPU users run today is llama.cpp on a GGUF file; this backend puts verispec's drafters, strict acceptance,
+controller, audit and server on top of it. One ``llama_decode`` per step feeds the pending token and the drafts
+with logits requested for every one of them; rollback removes the KV cells past the accepted position
+(``llama_memory_seq_rm``). Each KV cache is one llama.cpp sequence id of a shared context (a unified KV buffer),
+so a decoder, its reused prompt cache and an audit's teacher forcing can coexist; calls into the context are
+serialised by a lock.
+
+Weights: the GGUF file as it is, or converted once (cached) to another format with llama.cpp's own quantizer
+(``--weights f32|f16|q8_0|q4_0``): on CPUs whose quantized kernels are compute-bound a wide verify pass is far
+cheaper in F16/F32 (docs/llamacpp.md). The tokenizer is transformers' reading of the same GGUF file, so token
+ids and the chat template are the transformers backend's exactly (tests check llama.cpp's own tokenizer agrees).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .backend import TargetPass
+from .errors import InvalidRequest, ModelNotFound
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = 'pip install "verispec[llamacpp]"  (builds llama-cpp-python from source, ~5 min on 2 cores)'
+# weight formats: name -> llama.cpp file type (None: the file as it is)
+WEIGHT_FORMATS = {"as-is": None, "f32": 0, "f16": 1, "q8_0": 7, "q4_0": 2, "q4_1": 3}
+DEFAULT_CONTEXT = 8192  # positions of the shared KV buffer (all sequences together), capped by the model's own
+DEFAULT_SEQUENCES = 8  # KV sequences one context holds at once (decoders, reused prompts, audits)
+
+
+def import_llama_cpp():
+    """llama_cpp, with its C library's log lines kept off the user's output; a clear error when it is missing."""
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        raise InvalidRequest(f"the llamacpp backend needs llama-cpp-python: {INSTALL_HINT}") from exc
+    logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # its log callback prints below this level
+    return llama_cpp
+
+
+def default_threads() -> int:
+    """Threads = the cores this process may use."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def convert_weights(source: Path, fmt: str, folder: Path) -> Path:
+    """``source`` rewritten in weight format ``fmt`` by llama.cpp's quantizer, once (cached in ``folder``)."""
+    if fmt not in WEIGHT_FORMATS:
+        raise InvalidRequest(f"unknown weight format {fmt!r}; choose one of {', '.join(WEIGHT_FORMATS)} or auto")
+    if WEIGHT_FORMATS[fmt] is None:
+        return source
+    target = folder / f"{source.stem}.{fmt}.gguf"
+    if target.exists():
+        return target
+    llama_cpp = import_llama_cpp()
+    folder.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(".partial")
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = WEIGHT_FORMATS[fmt]
+    params.allow_requantize = True  # the source may be quantized already (the built-in file is Q4_1)
+    params.nthread = default_threads()
+    log.warning("converting %s to %s weights in %s (once) ...", source.name, fmt, target)
+    status = llama_cpp.llama_model_quantize(str(source).encode(), str(partial).encode(), ctypes.byref(params))
+    if status != 0 or not partial.exists():
+        partial.unlink(missing_ok=True)
+        raise ModelNotFound(f"llama.cpp could not convert {source} to {fmt} (status {status})")
+    partial.rename(target)
+    return target
+
+
+@dataclass
+class _Batch:
+    """A reusable llama_batch with room for ``size`` tokens of one sequence each."""
+
+    size: int
+    raw: object = None
+
+    def fill(self, llama_cpp, tokens, start: int, seq: int, logits_from: int) -> None:
+        b = self.raw
+        for i, token in enumerate(tokens):
+            b.token[i] = token
+            b.pos[i] = start + i
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = seq
+            b.logits[i] = i >= logits_from
+        b.n_tokens = len(tokens)
+
+
+class LlamaKV:
+    """One sequence of a llama.cpp context: the ``KVCache`` of this backend (freed when dropped)."""
+
+    def __init__(self, model: "LlamaCppModel", seq: int) -> None:
+        self.model, self.seq, self.length = model, seq, 0
+        self._finalizer = weakref.finalize(self, model._release, seq)
+
+    def __len__(self) -> int:
+        return self.length
+
+    def truncate(self, length: int) -> None:
+        if length > self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
+        if length < self.length:
+            self.model._remove(self.seq, length)
+            self.length = length
+
+
+class LlamaCppModel:
+    """A GGUF model run by llama.cpp: the llamacpp backend of ``verispec.backend.TargetModel``."""
+
+    backend = "llamacpp"
+    supports_trees = False
+    supports_features = False
+    dtype = torch.float32  # logits come as float32; the weights' format is ``weights``
+
+    def __init__(self, path: Path, tokenizer, name: str, *, weights: str = "as-is", threads: int | None = None,
+                 context: int | None = None, sequences: int = DEFAULT_SEQUENCES, batch: int = 512) -> None:
+        llama_cpp = import_llama_cpp()
+        self._llama = llama_cpp
+        self.path, self.tokenizer, self.name, self.weights = Path(path), tokenizer, name, weights
+        self.threads = threads or default_threads()
+        llama_cpp.llama_backend_init()
+        mparams = llama_cpp.llama_model_default_params()
+        self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mparams)
+        if not self._model:
+            raise ModelNotFound(f"llama.cpp could not load {self.path}")
+        self._vocab = llama_cpp.llama_model_get_vocab(self._model)
+        trained = int(llama_cpp.llama_model_n_ctx_train(self._model))
+        cparams = llama_cpp.llama_context_default_params()
+        cparams.n_ctx = min(context or DEFAULT_CONTEXT, trained) if trained > 0 else (context or DEFAULT_CONTEXT)
+        cparams.n_batch = cparams.n_ubatch = batch
+        cparams.n_seq_max = sequences
+        cparams.kv_unified = True  # every sequence may use the whole window
+        cparams.n_threads = cparams.n_threads_batch = self.threads
+        # Flash attention off (llama-cpp-python's default too) and, for F32 weights, an F32 KV cache: then a row's
+        # logits barely depend on how many tokens share its pass (measured max difference 3e-5 between a 9-token
+        # and nine 1-token passes), which is what keeps greedy speculation identical to plain decoding. Quantized
+        # kernels round differently at different widths whatever these settings are (docs/llamacpp.md).
+        cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        self.kv_type = "f16"
+        if self._file_type() == 0:  # LLAMA_FTYPE_ALL_F32
+            cparams.type_k = cparams.type_v = 0  # GGML_TYPE_F32
+            self.kv_type = "f32"
+        self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
+        if not self._ctx:
+            raise ModelNotFound(f"llama.cpp could not create a context for {self.path}")
+        self._memory = llama_cpp.llama_get_memory(self._ctx)
+        self._n_ctx = int(llama_cpp.llama_n_ctx(self._ctx))
+        self._n_vocab = int(llama_cpp.llama_vocab_n_tokens(self._vocab))
+        self._batch = _Batch(batch, llama_cpp.llama_batch_init(batch, 0, 1))
+        self._lock = threading.RLock()
+        self._free = list(range(sequences - 1, -1, -1))
+        eos = {int(t) for t in (llama_cpp.llama_vocab_eos(self._vocab), llama_cpp.llama_vocab_eot(self._vocab)) if t >= 0}
+        value = getattr(tokenizer, "eos_token_id", None)
+        eos |= {value} if isinstance(value, int) else set()
+        self.eos_token_ids = frozenset(eos)
+        weakref.finalize(self, _free_llama, llama_cpp, self._batch.raw, self._ctx, self._model)
+
+    def _file_type(self) -> int:
+        return int(self._llama.llama_model_ftype(self._model)) if hasattr(self._llama, "llama_model_ftype") else -1
+
+    # ------------------------------------------------------------ facts
+    @property
+    def vocab_size(self) -> int:
+        return self._n_vocab
+
+    @property
+    def context_length(self) -> int:
+        return self._n_ctx
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def kernel(self) -> str:
+        return f"llama.cpp ({self.weights} weights, {self.kv_type} KV cache, {self.threads} threads)"
+
+    @property
+    def cost_key(self) -> object:
+        return self
+
+    # ------------------------------------------------------------ KV sequences
+    def new_kv(self) -> LlamaKV:
+        with self._lock:
+            if not self._free:
+                raise InvalidRequest(f"all {self._batch_sequences()} llama.cpp sequences are in use; raise "
+                                     "sequences= when loading the model")
+            seq = self._free.pop()
+        return LlamaKV(self, seq)
+
+    def _batch_sequences(self) -> int:
+        return int(self._llama.llama_n_seq_max(self._ctx))
+
+    def _remove(self, seq: int, start: int) -> None:
+        with self._lock:
+            if not self._llama.llama_memory_seq_rm(self._memory, seq, start, -1):
+                raise RuntimeError(f"llama.cpp could not remove positions >= {start} of sequence {seq}")
+
+    def _release(self, seq: int) -> None:
+        with self._lock:
+            self._llama.llama_memory_seq_rm(self._memory, seq, -1, -1)
+            self._free.append(seq)
+
+    # ------------------------------------------------------------ the pass
+    def forward(self, kv: LlamaKV, tokens, *, parents=None, last_only: bool = False, feature_layers=()) -> TargetPass:
+        if parents is not None:
+            raise InvalidRequest("the llamacpp backend verifies chains only; token trees need --backend transformers")
+        if feature_layers:
+            raise InvalidRequest("the llamacpp backend does not return per-layer hidden states (EAGLE heads need "
+                                 "--backend transformers)")
+        tokens = list(tokens)
+        if not tokens:
+            raise ValueError("forward needs at least one token")
+        if kv.length + len(tokens) > self._n_ctx:
+            raise InvalidRequest(f"{kv.length + len(tokens)} positions exceed the llama.cpp context of {self._n_ctx}")
+        rows = []
+        llama_cpp, size = self._llama, self._batch.size
+        with self._lock:
+            for start in range(0, len(tokens), size):
+                chunk = tokens[start : start + size]
+                want = len(tokens) - 1 if last_only else 0  # first row (of all tokens) whose logits we keep
+                first = max(0, want - start)
+                if first >= len(chunk):
+                    first = len(chunk)  # no logits from this chunk
+                self._batch.fill(llama_cpp, chunk, kv.length, kv.seq, first)
+                status = llama_cpp.llama_decode(self._ctx, self._batch.raw)
+                if status != 0:
+                    raise RuntimeError(f"llama_decode failed with status {status} "
+                                       f"({len(chunk)} tokens after {kv.length} cached)")
+                kv.length += len(chunk)
+                n_out = len(chunk) - first
+                if n_out:
+                    ptr = llama_cpp.llama_get_logits(self._ctx)
+                    rows.append(torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(n_out, self._n_vocab)).copy()))
+        return TargetPass(torch.cat(rows) if len(rows) > 1 else rows[0])
+
+    # ------------------------------------------------------------ llama.cpp's own tokenizer (for checks)
+    def llama_tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        raw = text.encode()
+        buf = (self._llama.llama_token * (len(raw) + 8))()
+        n = self._llama.llama_tokenize(self._vocab, raw, len(raw), buf, len(buf), add_special, True)
+        if n < 0:
+            raise RuntimeError("llama.cpp tokenization overflowed its buffer")
+        return list(buf[:n])
+
+
+def _free_llama(llama_cpp, batch, ctx, model) -> None:
+    llama_cpp.llama_batch_free(batch)
+    llama_cpp.llama_free(ctx)
+    llama_cpp.llama_model_free(model)
+
+
+# ------------------------------------------------------------------ choosing the weight format
+AUTO_CANDIDATES = ("as-is", "f16", "f32")
+AUTO_ACCEPTANCE = 0.6  # per-token acceptance auto assumes for a drafter it has not seen (alpha, geometric model)
+AUTO_WIDTHS = (1, 2, 5, 9)
+AUTO_CONTEXT = 256  # cached positions when auto times the passes
+
+
+@dataclass
+class Weights:
+    name: str  # the format chosen ("as-is", "f16", ...)
+    path: Path
+    timings_ms: dict | None = None  # auto's measurements: format -> {width: ms}
+
+
+def choose_weights(source: Path, weights: str, folder: Path, threads: int | None = None) -> Weights:
+    """The weight file to run: ``source`` converted to ``weights``, or for ``auto`` the format whose measured
+    pass costs promise the most tokens/s for speculation on this CPU (cached per file, CPU and thread count)."""
+    if weights != "auto":
+        return Weights(weights, convert_weights(source, weights, folder))
+    import json
+
+    from .cpu import cpu_info
+
+    threads = threads or default_threads()
+    record = folder / "auto.json"
+    info = cpu_info()
+    key = f"{info['model']}|{','.join(info['flags'])}|{threads} threads"
+    known = json.loads(record.read_text()) if record.exists() else {}
+    if key not in known:
+        timings = {fmt: time_widths(convert_weights(source, fmt, folder), threads) for fmt in AUTO_CANDIDATES}
+        known[key] = {"timings_ms": timings, "choice": min(timings, key=lambda f: auto_score(timings[f]))}
+        folder.mkdir(parents=True, exist_ok=True)
+        record.write_text(json.dumps(known, indent=1))
+    choice = known[key]["choice"]
+    log.info("weights auto -> %s (%s)", choice, known[key]["timings_ms"])
+    return Weights(choice, convert_weights(source, choice, folder), known[key]["timings_ms"])
+
+
+def auto_score(ms: dict, alpha: float = AUTO_ACCEPTANCE) -> float:
+    """Estimated ms per token at the best measured width: a pass over n + 1 tokens (n drafts) commits
+    E(n) = (1 - alpha^(n+1)) / (1 - alpha) tokens on average when each draft is accepted with probability alpha."""
+    return min(t / ((1 - alpha ** int(w)) / (1 - alpha)) for w, t in ms.items())
+
+
+def time_widths(path: Path, threads: int, widths=AUTO_WIDTHS, repeats: int = 5) -> dict[str, float]:
+    """Median ms of a pass over each width after AUTO_CONTEXT cached positions (interleaved, first round dropped)."""
+    import statistics
+    import time
+
+    model = LlamaCppModel(path, None, path.name, threads=threads, context=AUTO_CONTEXT + 64, sequences=1)
+    kv = model.new_kv()
+    vocab = model.vocab_size
+    model.forward(kv, [(7 * i) % vocab for i in range(AUTO_CONTEXT)], last_only=True)
+    times: dict[int, list[float]] = {w: [] for w in widths}
+    for r in range(repeats + 1):
+        for w in widths:
+            t0 = time.perf_counter()
+            model.forward(kv, [(11 * i + r) % vocab for i in range(w)])
+            kv.truncate(AUTO_CONTEXT)
+            if r:
+                times[w].append(1000 * (time.perf_counter() - t0))
+    return {str(w): statistics.median(v) for w, v in times.items()}
