@@ -86,3 +86,18 @@ def test_any_accepted_parameters_give_a_valid_distribution(logits, temperature, 
     likelihood = probabilities(torch.tensor([logits]), SamplingParams(temperature=temperature))[0]
     assert probs[likelihood == likelihood.max()].sum() > 0
     assert 0 <= sample(probs, torch.Generator().manual_seed(0)) < len(logits)
+
+
+def test_sample_follows_the_distribution_and_never_draws_a_zero():
+    """Inverse-CDF sampling: frequencies match p (chi-square), ids of probability 0 never come, weights need not
+    sum to 1."""
+    from scipy.stats import chisquare
+
+    p = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.25, 0.05, 0.0])
+    g = torch.Generator().manual_seed(0)
+    draws = torch.tensor([sample(p * 3.0, g) for _ in range(20000)])
+    counts = torch.bincount(draws, minlength=len(p)).double()
+    assert counts[p == 0].sum() == 0
+    nonzero = p > 0
+    assert chisquare(counts[nonzero].numpy(), (p[nonzero].double() * 20000).numpy()).pvalue > 1e-3
+    assert sample(torch.tensor([0.0, 0.0, 1.0]), g) == 2 and sample(torch.tensor([1.0, 0.0]), g) == 0
