@@ -308,20 +308,26 @@ def auto_score(ms: dict, alpha: float = AUTO_ACCEPTANCE) -> float:
 
 
 def time_widths(path: Path, threads: int, widths=AUTO_WIDTHS, repeats: int = 5) -> dict[str, float]:
-    """Median ms of a pass over each width after AUTO_CONTEXT cached positions (interleaved, first round dropped)."""
+    """Median ms of a pass over each width after AUTO_CONTEXT cached positions, for the weights at ``path``."""
+    model = LlamaCppModel(path, None, path.name, threads=threads, context=AUTO_CONTEXT + 64, sequences=1)
+    return {str(w): ms for w, ms in time_passes(model, AUTO_CONTEXT, widths, repeats).items()}
+
+
+def time_passes(model, context: int, widths, repeats: int) -> dict[int, float]:
+    """Median ms of one pass over each width after ``context`` cached positions (any target backend); widths are
+    interleaved within each round, the first round warms up and is dropped."""
     import statistics
     import time
 
-    model = LlamaCppModel(path, None, path.name, threads=threads, context=AUTO_CONTEXT + 64, sequences=1)
     kv = model.new_kv()
     vocab = model.vocab_size
-    model.forward(kv, [(7 * i) % vocab for i in range(AUTO_CONTEXT)], last_only=True)
+    model.forward(kv, [(7 * i) % vocab for i in range(context)], last_only=True)
     times: dict[int, list[float]] = {w: [] for w in widths}
     for r in range(repeats + 1):
         for w in widths:
             t0 = time.perf_counter()
             model.forward(kv, [(11 * i + r) % vocab for i in range(w)])
-            kv.truncate(AUTO_CONTEXT)
+            kv.truncate(context)
             if r:
                 times[w].append(1000 * (time.perf_counter() - t0))
-    return {str(w): statistics.median(v) for w, v in times.items()}
+    return {w: statistics.median(v) for w, v in times.items()}
