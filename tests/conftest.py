@@ -62,8 +62,9 @@ def llama_q41():
 
 @pytest.fixture(scope="session")
 def llama_f32():
-    """The same file converted once to F32 weights (exactly the Q4_1 values), on the llamacpp backend."""
+    """The same file converted once to F32 weights (exactly the Q4_1 values), on the llamacpp backend, with hidden
+    states (EAGLE heads)."""
     require_llama_cpp()
     from verispec import load_model
 
-    return load_model("smollm2-135m", backend="llamacpp", weights="f32")
+    return load_model("smollm2-135m", backend="llamacpp", weights="f32", features=True)

@@ -1,6 +1,6 @@
 """The llamacpp backend on the real built-in GGUF file: tokenization equal to the transformers backend's, plain
-decoding equal to llama-cpp-python's own greedy generation, speculation identical to plain decoding on F32 weights,
-rollback, the audit, the CLI, bench peers and the server through the openai client. Marked e2e; run in CI (which
+decoding equal to llama-cpp-python's own greedy generation, speculation (n-gram, draft model, EAGLE head) identical
+to plain decoding on F32 weights, hidden states equal to transformers', rollback, the audit, the CLI, bench peers and the server through the openai client. Marked e2e; run in CI (which
 installs the llamacpp extra and sets VERISPEC_REQUIRE_LLAMACPP=1, so a missing llama-cpp-python fails there)."""
 
 import json
@@ -59,7 +59,7 @@ def test_plain_decoding_equals_llama_cpp_pythons_greedy_generate(llama_q41):
         assert ours == plain_llama_cpp_python(llama_q41, ids, 40), prompt
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "model"])
+@pytest.mark.parametrize("drafter", ["ngram", "model", "eagle"])
 def test_speculation_on_f32_weights_is_identical_to_plain_decoding(llama_f32, drafter):
     plain = SpeculativeDecoder(llama_f32)
     draft = make_drafter(drafter, target=llama_f32, draft_model=llama_f32 if drafter == "model" else None)
@@ -73,6 +73,21 @@ def test_speculation_on_f32_weights_is_identical_to_plain_decoding(llama_f32, dr
         if drafter == "model":  # the same model drafts for itself: every draft token is accepted
             assert b.stats.accepted == b.stats.drafted
     assert drafted > 0
+
+
+def test_hidden_states_equal_the_transformers_backends(llama_f32, default_model):
+    """The eval callback reads embd, l_out-{i-1} and result_norm: transformers' hidden_states[0], [i], [n_layer]."""
+    ids = default_model.tokenizer("The quick brown fox jumps over the lazy dog, then naps in the sun.")["input_ids"]
+    layers = (0, 2, 15, 28, 30)
+    ref = default_model.forward(default_model.new_kv(), ids, feature_layers=layers)
+    kv = llama_f32.new_kv()
+    head = llama_f32.forward(kv, ids[:5], last_only=True, feature_layers=layers)  # a prefill keeps every row
+    tail = llama_f32.forward(kv, ids[5:], feature_layers=layers)
+    hidden = torch.cat([head.hidden, tail.hidden])
+    assert hidden.shape == ref.hidden.shape and head.logits.shape[0] == 1
+    scale = ref.hidden.abs().amax(dim=(0, 2), keepdim=True)
+    assert float(((hidden - ref.hidden).abs() / scale).max()) < 1e-5
+    torch.testing.assert_close(tail.logits, ref.logits[5:], atol=1e-3, rtol=0)
 
 
 def test_rollback_leaves_the_cache_of_a_fresh_prefill(llama_f32):
@@ -112,8 +127,10 @@ def test_audit_passes_on_the_llamacpp_backend(llama_q41):
 def test_what_the_backend_cannot_do_is_a_clear_error(llama_q41, tiny_dir):
     with pytest.raises(InvalidRequest, match="transformers"):
         SpeculativeDecoder(llama_q41, make_drafter("ngram", branches=3))
-    with pytest.raises(InvalidRequest, match="transformers"):
+    with pytest.raises(InvalidRequest, match="features=True"):
         llama_q41.forward(llama_q41.new_kv(), [1, 2], feature_layers=(1,))
+    with pytest.raises(InvalidRequest, match="features=True"):
+        make_drafter("eagle", target=llama_q41)
     with pytest.raises(ModelNotFound, match="GGUF"):
         load_model(str(tiny_dir), backend="llamacpp")
     with pytest.raises(InvalidRequest, match="--weights"):

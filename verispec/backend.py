@@ -60,6 +60,10 @@ class TargetModel(Protocol):
     def cost_key(self) -> object:
         """A weak-referenceable object that identifies the weights (the controller keeps one cost curve per key)."""
 
+    @property
+    def embedding_model(self) -> torch.nn.Module:
+        """A transformers model with the target's input embedding, lm_head and config (EAGLE heads borrow them)."""
+
     def new_kv(self) -> KVCache: ...
 
     def forward(self, kv: KVCache, tokens: Sequence[int], *, parents: Sequence[int] | None = None,

@@ -12,7 +12,7 @@ WEIGHT_CHOICES = ("as-is", "auto", "f32", "f16", "q8_0", "q4_0", "q4_1")
 def add_backend_options(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--backend", default="transformers", choices=BACKENDS,
                    help="what runs the target: transformers (default; PyTorch, every drafter, token trees) or "
-                        "llamacpp (llama.cpp on the GGUF file, as CPU users run it; drafters none, ngram, model; "
+                        "llamacpp (llama.cpp on the GGUF file, as CPU users run it; every drafter, chains only; "
                         "needs pip install \"verispec[llamacpp]\")")
     g.add_argument("--weights", default="as-is", choices=WEIGHT_CHOICES,
                    help="llamacpp backend: the GGUF's weight format; as-is (default) runs the file as shipped, f32/f16/"
@@ -26,7 +26,10 @@ def load_args_model(args, ref: str, **overrides):
     """Load ``ref`` with the backend options in ``args`` (overrides win)."""
     from .models import load_model
 
-    options = dict(dtype=args.dtype, backend=getattr(args, "backend", "transformers"),
-                   weights=getattr(args, "weights", "as-is"), threads=getattr(args, "threads", None))
+    backend = getattr(args, "backend", "transformers")
+    # llama.cpp returns hidden states only when asked at load time (EAGLE heads need them)
+    eagle = getattr(args, "drafter", None) == "eagle" or bool(getattr(args, "eagle_head", None))
+    options = dict(dtype=args.dtype, backend=backend, weights=getattr(args, "weights", "as-is"),
+                   threads=getattr(args, "threads", None), features=backend == "llamacpp" and eagle)
     options.update(overrides)
     return load_model(ref, **options)

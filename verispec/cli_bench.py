@@ -103,14 +103,16 @@ def _setup(args):
         raise InvalidRequest(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     loaded = {}
 
-    def load(ref: str, pack: bool | None = None, backend: str | None = None, weights: str | None = None):
+    def load(ref: str, pack: bool | None = None, backend: str | None = None, weights: str | None = None,
+             features: bool = False):
         backend = backend or getattr(args, "backend", "transformers")
         weights = (weights or getattr(args, "weights", "as-is")) if backend == "llamacpp" else "as-is"
-        key = (ref, pack, backend, weights)
+        features = features and backend == "llamacpp"  # transformers always gives hidden states
+        key = (ref, pack, backend, weights, features)
         if key not in loaded:
             dtype = args.dtype if backend == "transformers" else "float32"
             loaded[key] = load_model(ref, dtype=dtype, pack=pack, backend=backend, weights=weights,
-                                     threads=args.threads)
+                                     threads=args.threads, features=features)
         return loaded[key]
 
     return load(args.target), load

@@ -65,11 +65,9 @@ def cmd_serve(args) -> int:
         draft = load_args_model(args, args.draft_model)
         ModelDrafter(draft, target)  # checks compatibility now, not on the first request
         drafters["model"] = lambda: ModelDrafter(draft, target)
-    if not target.supports_features:  # EAGLE heads read hidden states this backend does not give
-        if args.drafter == "eagle" or args.eagle_head:
-            raise InvalidRequest(f"the eagle drafter needs --backend transformers (the {target.backend} backend "
-                                 "does not return the target's hidden states)")
-    else:
+    # on llama.cpp the EAGLE head is offered when the server starts with --drafter eagle or --eagle-head (hidden
+    # states cost a callback on every pass there, so they are not collected otherwise)
+    if target.supports_features:
         try:  # the EAGLE head shipped for the target (or --eagle-head); its weights are shared by every slot
             head = EagleDrafter(target, args.eagle_head).head
             tree = dict(tree=args.eagle_tree, depth=args.eagle_depth, width=args.eagle_width, lookup=args.eagle_lookup)

@@ -81,6 +81,51 @@ def convert_weights(source: Path, fmt: str, folder: Path) -> Path:
     return target
 
 
+class _GgmlTensor(ctypes.Structure):
+    """The head of ggml's ``struct ggml_tensor`` (ggml.h: GGML_MAX_DIMS 4, GGML_MAX_OP_PARAMS 64, GGML_MAX_SRC 10,
+    GGML_MAX_NAME 64), enough to read a computed tensor's name, shape, type and host data in the eval callback."""
+
+    _fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4),
+                ("nb", ctypes.c_size_t * 4), ("op", ctypes.c_int), ("op_params", ctypes.c_int32 * 16),
+                ("flags", ctypes.c_int32), ("src", ctypes.c_void_p * 10), ("view_src", ctypes.c_void_p),
+                ("view_offs", ctypes.c_size_t), ("data", ctypes.c_void_p), ("name", ctypes.c_char * 64)]
+
+
+class _FeatureTap:
+    """The eval callback that copies named hidden states out of a ``llama_decode`` as it computes them.
+
+    transformers' ``hidden_states[i]`` is llama.cpp's ``embd`` (the looked-up embeddings) for i = 0, the output of
+    layer i - 1 (``l_out-{i-1}``) for 0 < i < n_layer, and the final norm's output (``result_norm``) for i = n_layer; the last
+    layer computes only the rows whose logits are asked for, so asking for hidden_states[n_layer] means asking for
+    logits of every row."""
+
+    def __init__(self, n_layer: int) -> None:
+        self.n_layer = n_layer
+        self.wanted: dict[bytes, list[torch.Tensor]] = {}
+        self.callback = None  # the ctypes function object, kept alive with the context
+
+    def name(self, layer: int) -> bytes:
+        if not 0 <= layer <= self.n_layer:
+            raise InvalidRequest(f"hidden-state layer {layer} is outside 0..{self.n_layer}")
+        return b"embd" if layer == 0 else b"result_norm" if layer == self.n_layer else b"l_out-%d" % (layer - 1)
+
+    def __call__(self, tensor_ptr, ask: bool, user_data) -> bool:
+        if not self.wanted:
+            return False if ask else True
+        t = ctypes.cast(tensor_ptr, ctypes.POINTER(_GgmlTensor)).contents
+        name = t.name
+        if name not in self.wanted:
+            return not ask
+        if ask:
+            return True
+        cols, rows = int(t.ne[0]), int(t.ne[1])
+        if t.type != 0 or t.nb[0] != 4 or t.nb[1] != 4 * cols or not t.data:  # GGML_TYPE_F32, contiguous, on host
+            raise RuntimeError(f"cannot read llama.cpp tensor {name!r}: not a contiguous float32 tensor in host memory")
+        values = np.ctypeslib.as_array((ctypes.c_float * (rows * cols)).from_address(t.data))
+        self.wanted[name].append(torch.from_numpy(values.reshape(rows, cols).copy()))
+        return True
+
+
 @dataclass
 class _Batch:
     """A reusable llama_batch with room for ``size`` tokens of one sequence each."""
@@ -126,7 +171,11 @@ class LlamaCppModel:
     dtype = torch.float32  # logits come as float32; the weights' format is ``weights``
 
     def __init__(self, path: Path, tokenizer, name: str, *, weights: str = "as-is", threads: int | None = None,
-                 context: int | None = None, sequences: int = DEFAULT_SEQUENCES, batch: int = 512) -> None:
+                 context: int | None = None, sequences: int = DEFAULT_SEQUENCES, batch: int = 512,
+                 features: bool = False, embedding_model=None) -> None:
+        """``features=True`` installs the eval callback that returns hidden states (EAGLE heads; it costs a Python
+        call per graph node, so it is off otherwise); ``embedding_model()`` loads a transformers model with the
+        same embeddings and lm_head, which EAGLE heads borrow."""
         llama_cpp = import_llama_cpp()
         self._llama = llama_cpp
         self.path, self.tokenizer, self.name, self.weights = Path(path), tokenizer, name, weights
@@ -144,6 +193,13 @@ class LlamaCppModel:
         cparams.n_seq_max = sequences
         cparams.kv_unified = True  # every sequence may use the whole window
         cparams.n_threads = cparams.n_threads_batch = self.threads
+        self._tap = None
+        if features:
+            self._tap = _FeatureTap(int(llama_cpp.llama_model_n_layer(self._model)))
+            self._tap.callback = llama_cpp.ggml_backend_sched_eval_callback(self._tap)
+            cparams.cb_eval = self._tap.callback
+        self.supports_features = features
+        self._embedding_model_loader, self._embedding_model = embedding_model, None
         # Flash attention off (llama-cpp-python's default too) and, for F32 weights, an F32 KV cache: then a row's
         # logits barely depend on how many tokens share its pass (measured max difference 3e-5 between a 9-token
         # and nine 1-token passes), which is what keeps greedy speculation identical to plain decoding. Quantized
@@ -192,6 +248,15 @@ class LlamaCppModel:
     def cost_key(self) -> object:
         return self
 
+    @property
+    def embedding_model(self):
+        """A transformers model of the same weights, for drafters that borrow its embeddings and lm_head."""
+        if self._embedding_model is None:
+            if self._embedding_model_loader is None:
+                raise InvalidRequest(f"no transformers copy of {self.name} is available for its embeddings")
+            self._embedding_model = self._embedding_model_loader()
+        return self._embedding_model
+
     # ------------------------------------------------------------ KV sequences
     def new_kv(self) -> LlamaKV:
         with self._lock:
@@ -218,34 +283,50 @@ class LlamaCppModel:
     def forward(self, kv: LlamaKV, tokens, *, parents=None, last_only: bool = False, feature_layers=()) -> TargetPass:
         if parents is not None:
             raise InvalidRequest("the llamacpp backend verifies chains only; token trees need --backend transformers")
-        if feature_layers:
-            raise InvalidRequest("the llamacpp backend does not return per-layer hidden states (EAGLE heads need "
-                                 "--backend transformers)")
+        if feature_layers and self._tap is None:
+            raise InvalidRequest("this llama.cpp model was loaded without hidden states; load it with "
+                                 "features=True (the CLI does that for --drafter eagle)")
         tokens = list(tokens)
         if not tokens:
             raise ValueError("forward needs at least one token")
         if kv.length + len(tokens) > self._n_ctx:
             raise InvalidRequest(f"{kv.length + len(tokens)} positions exceed the llama.cpp context of {self._n_ctx}")
-        rows = []
-        llama_cpp, size = self._llama, self._batch.size
+        rows: list[torch.Tensor] = []
+        names = [self._tap.name(i) for i in feature_layers] if feature_layers else []
+        # the last layer's rows exist only where logits are asked for
+        all_logits = not last_only or (self._tap is not None and self._tap.name(self._tap.n_layer) in names)
         with self._lock:
-            for start in range(0, len(tokens), size):
-                chunk = tokens[start : start + size]
-                want = len(tokens) - 1 if last_only else 0  # first row (of all tokens) whose logits we keep
-                first = max(0, want - start)
-                if first >= len(chunk):
-                    first = len(chunk)  # no logits from this chunk
-                self._batch.fill(llama_cpp, chunk, kv.length, kv.seq, first)
-                status = llama_cpp.llama_decode(self._ctx, self._batch.raw)
-                if status != 0:
-                    raise RuntimeError(f"llama_decode failed with status {status} "
-                                       f"({len(chunk)} tokens after {kv.length} cached)")
-                kv.length += len(chunk)
-                n_out = len(chunk) - first
-                if n_out:
-                    ptr = llama_cpp.llama_get_logits(self._ctx)
-                    rows.append(torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(n_out, self._n_vocab)).copy()))
-        return TargetPass(torch.cat(rows) if len(rows) > 1 else rows[0])
+            if names:
+                self._tap.wanted = {n: [] for n in names}
+            try:
+                self._decode(kv, tokens, all_logits, rows)
+                if names:
+                    hidden = torch.stack([torch.cat(self._tap.wanted[n]) for n in names], dim=1)  # [rows, L, H]
+            finally:
+                if names:
+                    self._tap.wanted = {}
+        logits = torch.cat(rows) if len(rows) > 1 else rows[0]
+        if last_only:
+            logits = logits[-1:]
+        return TargetPass(logits, hidden if names else None)
+
+    def _decode(self, kv: LlamaKV, tokens: list[int], all_logits: bool, rows: list) -> None:
+        """Feed ``tokens`` in chunks of the batch size; append logits (every row, or the last one) to ``rows``."""
+        llama_cpp, size = self._llama, self._batch.size
+        want = 0 if all_logits else len(tokens) - 1  # first row (of all tokens) whose logits we keep
+        for start in range(0, len(tokens), size):
+            chunk = tokens[start : start + size]
+            first = min(max(0, want - start), len(chunk))  # len(chunk): no logits from this chunk
+            self._batch.fill(llama_cpp, chunk, kv.length, kv.seq, first)
+            status = llama_cpp.llama_decode(self._ctx, self._batch.raw)
+            if status != 0:
+                raise RuntimeError(f"llama_decode failed with status {status} ({len(chunk)} tokens after "
+                                   f"{kv.length} cached)")
+            kv.length += len(chunk)
+            if len(chunk) - first:
+                ptr = llama_cpp.llama_get_logits(self._ctx)
+                shape = (len(chunk) - first, self._n_vocab)
+                rows.append(torch.from_numpy(np.ctypeslib.as_array(ptr, shape=shape).copy()))
 
     # ------------------------------------------------------------ llama.cpp's own tokenizer (for checks)
     def llama_tokenize(self, text: str, add_special: bool = True) -> list[int]:

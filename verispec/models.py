@@ -114,6 +114,10 @@ class LoadedModel:
     def kernel(self) -> str:
         return self.linear_kernel
 
+    @property
+    def embedding_model(self) -> torch.nn.Module:
+        return self.model
+
     def new_kv(self) -> TorchKV:
         return TorchKV()
 
@@ -171,7 +175,7 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", device: str | None = None,
                pack: bool | None = None, backend: str = "transformers", weights: str = "as-is",
-               threads: int | None = None):
+               threads: int | None = None, features: bool = False):
     """Load a model reference (built-in name, local directory, .gguf file or hub id) on a backend.
 
     ``backend="transformers"`` (default) returns a ``LoadedModel``. ``pack`` prepacks its linear layers' weights for
@@ -181,7 +185,8 @@ def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", d
 
     ``backend="llamacpp"`` returns a ``verispec.llamacpp.LlamaCppModel`` over the GGUF file (a built-in name or a
     .gguf path), its weights as they are or converted once to ``weights`` (f32, f16, q8_0, ...; ``auto`` measures
-    which is fastest here), run with ``threads`` threads (default: the cores this process may use)."""
+    which is fastest here), run with ``threads`` threads (default: the cores this process may use); ``features=True``
+    lets it return hidden states (for EAGLE heads; costs a little on every pass)."""
     if backend not in BACKENDS:
         raise InvalidRequest(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if not isinstance(ref, str) or not ref.strip():
@@ -191,7 +196,7 @@ def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", d
         if parse_dtype(dtype) != torch.float32:
             raise InvalidRequest("dtype applies to the transformers backend; on llama.cpp choose the weight format "
                                  "with --weights (f32, f16, q8_0, ...)")
-        return _load_llamacpp(ref, weights, threads)
+        return _load_llamacpp(ref, weights, threads, features)
     if weights != "as-is":
         raise InvalidRequest("--weights applies to the llamacpp backend; on transformers choose --dtype")
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -238,7 +243,7 @@ def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", d
     return loaded
 
 
-def _load_llamacpp(ref: str, weights: str, threads: int | None):
+def _load_llamacpp(ref: str, weights: str, threads: int | None, features: bool = False):
     from transformers import AutoTokenizer
 
     from .llamacpp import LlamaCppModel, choose_weights, import_llama_cpp
@@ -258,7 +263,9 @@ def _load_llamacpp(ref: str, weights: str, threads: int | None):
                             f"or a .gguf file, not {ref!r}")
     folder = cache_dir() / "gguf-weights" / f"{gguf.stem}-{_sha256(gguf)[:16]}"
     chosen = choose_weights(gguf, weights, folder, threads)
-    return LlamaCppModel(chosen.path, tokenizer, ref, weights=chosen.name, threads=threads)
+    # EAGLE heads borrow the embeddings and lm_head of a transformers copy (loaded only if a head asks)
+    return LlamaCppModel(chosen.path, tokenizer, ref, weights=chosen.name, threads=threads, features=features,
+                         embedding_model=lambda: load_model(ref, pack=False).model)
 
 
 def pack_from_environment() -> bool:

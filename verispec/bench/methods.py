@@ -111,8 +111,10 @@ def build_method(spec: str, target, load: Callable | None, default_k: int = 8, d
         model = load(target.name, backend="llamacpp", weights=weights or "as-is")
         opts = {key: _number(key, v) for key, v in raw_opts.items()}
         return build_llamacpp_peer(spec, head.partition(":")[2], opts, model.path, threads, target.eos_token_ids)
-    if backend or weights:
-        target = load(target.name, backend=backend, weights=weights)
+    if head == "eagle" and not target.supports_features:  # a llama.cpp run: load a copy that gives hidden states
+        target = load(target.name, backend=backend, weights=weights, features=True)
+    elif backend or weights:
+        target = load(target.name, backend=backend, weights=weights, features=head == "eagle")
     policy = raw_opts.pop("policy", default_policy)
     if policy not in K_POLICIES:
         raise InvalidRequest(f"{spec!r}: policy must be one of {', '.join(K_POLICIES)}, got {policy!r}")

@@ -50,8 +50,9 @@ class EagleDrafter:
                 raise InvalidRequest(f"eagle tree {name} must be a whole number >= 1, got {value!r}")
         self.tree, self.depth, self.width = bool(tree), depth, width
         if not target.supports_features:
-            raise InvalidRequest(f"the eagle drafter reads the target's hidden states, which the {target.backend} "
-                                 "backend does not give; use --backend transformers (docs/llamacpp.md says why)")
+            raise InvalidRequest(f"the eagle drafter reads the target's hidden states, which this {target.backend} "
+                                 "model was loaded without; load it with features=True (the CLI does for "
+                                 "--drafter eagle) or use --backend transformers")
         if lookup and not tree:
             raise InvalidRequest("the eagle drafter's lookup branch needs tree mode (tree=True / --eagle-tree)")
         # in a tree the extra nodes ride on a pass that is wide anyway, so the lookup branch always proposes
@@ -59,11 +60,11 @@ class EagleDrafter:
         self.name = "eagle+lookup" if lookup else "eagle"
         if not isinstance(head, EagleHead):
             head = EagleHead.load(resolve_head(target.name, head), dtype=target.dtype)
-        self.head = head.to(target.device).attach(target.model)
+        self.head = head.to(target.device).attach(target.embedding_model)
         self.feature_layers = tuple(head.config.feature_layers)
         self.vocab_size = target.vocab_size
         self.context_vocab = context_vocab
-        self._lm_head = target.model.get_output_embeddings().weight.detach()
+        self._lm_head = target.embedding_model.get_output_embeddings().weight.detach()
         self._base_ids = set(self.head.d2t.tolist())
         self._cache = KVCache()
         self._tokens: list[int] = []  # the cache holds the pairs of positions 0..len(cache)-1 of these tokens
