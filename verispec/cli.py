@@ -1,5 +1,5 @@
-"""Command line: ``verispec generate | audit | bench | analyze | serve | models``. Argument parsing and printing
-live in the cli*.py modules, never in the library."""
+"""Command line: ``verispec generate | audit | bench | analyze | bench-serve | serve | models``. Argument parsing and
+printing live in the cli*.py modules, never in the library."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import sys
 from . import __version__
 from .cli_backend import add_backend_options, load_args_model
 from .cli_bench import add_analyze_parser, add_parsers as add_bench_parsers
+from .cli_load import add_bench_serve_parser
 from .cli_serve import add_serve_parser
 from .cli_train import add_train_parser
 from .drafters import DRAFTERS
@@ -113,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parsers(sub)
     add_analyze_parser(sub)
+    add_bench_serve_parser(sub)
     add_serve_parser(sub, _model_options)
     add_train_parser(sub)
 
