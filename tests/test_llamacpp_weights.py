@@ -15,6 +15,11 @@ def test_auto_score_prefers_cheap_wide_passes_only_when_they_pay():
     # its best is 5 tokens for 23 ms, committing (1 - 0.6^5) / 0.4 = 2.31 tokens: 9.97 ms per token
     assert llamacpp.auto_score(memory_bound) == pytest.approx(23.0 / ((1 - 0.6 ** 5) / 0.4))
     assert llamacpp.auto_score(memory_bound) < llamacpp.auto_score(quantized)
+    # prefill counts with 1.5 prompt tokens per generated token: a slow prefill can decide
+    slow_prefill = {**quantized, "prefill": 4.3}
+    fast_prefill = {"1": 11.7, "2": 22.7, "5": 29.1, "9": 40.9, "prefill": 2.0}
+    assert llamacpp.auto_score(slow_prefill) == pytest.approx(10.0 + 1.5 * 4.3)
+    assert llamacpp.auto_score(fast_prefill) < llamacpp.auto_score(slow_prefill)
 
 
 def test_auto_times_each_candidate_once_per_cpu_and_remembers(tmp_path, monkeypatch):

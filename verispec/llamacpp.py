@@ -348,6 +348,10 @@ def _free_llama(llama_cpp, batch, ctx, model) -> None:
 AUTO_CANDIDATES = ("as-is", "f16", "f32")
 AUTO_ACCEPTANCE = 0.6  # per-token acceptance auto assumes for a drafter it has not seen (alpha, geometric model)
 AUTO_WIDTHS = (1, 2, 5, 9)
+# prompt tokens per generated token auto weighs prefill with (Spec-Bench's mean here: 291 prompt, 191 new tokens);
+# prefill cost differs a lot by format (512 tokens on the AVX-512 EPYC: Q4_1 2.2 s, F16 1.0 s)
+AUTO_PROMPT_PER_OUTPUT = 1.5
+AUTO_PREFILL = 256  # prompt tokens auto times a prefill with
 AUTO_CONTEXT = 256  # cached positions when auto times the passes
 
 
@@ -370,7 +374,7 @@ def choose_weights(source: Path, weights: str, folder: Path, threads: int | None
     threads = threads or default_threads()
     record = folder / "auto.json"
     info = cpu_info()
-    key = f"{info['model']}|{','.join(info['flags'])}|{threads} threads"
+    key = f"{info['model']}|{','.join(info['flags'])}|{threads} threads|v2"
     known = json.loads(record.read_text()) if record.exists() else {}
     if key not in known:
         timings = {fmt: time_widths(convert_weights(source, fmt, folder), threads) for fmt in AUTO_CANDIDATES}
@@ -382,16 +386,31 @@ def choose_weights(source: Path, weights: str, folder: Path, threads: int | None
     return Weights(choice, convert_weights(source, choice, folder), known[key]["timings_ms"])
 
 
-def auto_score(ms: dict, alpha: float = AUTO_ACCEPTANCE) -> float:
-    """Estimated ms per token at the best measured width: a pass over n + 1 tokens (n drafts) commits
-    E(n) = (1 - alpha^(n+1)) / (1 - alpha) tokens on average when each draft is accepted with probability alpha."""
-    return min(t / ((1 - alpha ** int(w)) / (1 - alpha)) for w, t in ms.items())
+def auto_score(ms: dict, alpha: float = AUTO_ACCEPTANCE, prompt_per_output: float = AUTO_PROMPT_PER_OUTPUT) -> float:
+    """Estimated ms per generated token: decoding at the best measured width (a pass over n + 1 tokens, n drafts,
+    commits E(n) = (1 - alpha^(n+1)) / (1 - alpha) tokens when each draft is accepted with probability alpha) plus
+    the prefill of ``prompt_per_output`` prompt tokens (``ms["prefill"]`` per prompt token, when measured)."""
+    decode = min(t / ((1 - alpha ** int(w)) / (1 - alpha)) for w, t in ms.items() if w.isdigit())
+    return decode + prompt_per_output * ms.get("prefill", 0.0)
 
 
 def time_widths(path: Path, threads: int, widths=AUTO_WIDTHS, repeats: int = 5) -> dict[str, float]:
-    """Median ms of a pass over each width after AUTO_CONTEXT cached positions, for the weights at ``path``."""
-    model = LlamaCppModel(path, None, path.name, threads=threads, context=AUTO_CONTEXT + 64, sequences=1)
-    return {str(w): ms for w, ms in time_passes(model, AUTO_CONTEXT, widths, repeats).items()}
+    """Median ms of a pass over each width after AUTO_CONTEXT cached positions, and ms per prompt token of an
+    AUTO_PREFILL-token prefill ("prefill"), for the weights at ``path``."""
+    import statistics
+    import time
+
+    model = LlamaCppModel(path, None, path.name, threads=threads, context=AUTO_CONTEXT + 64, sequences=2)
+    timings = {str(w): ms for w, ms in time_passes(model, AUTO_CONTEXT, widths, repeats).items()}
+    prefill = []
+    for _ in range(3):
+        kv = model.new_kv()
+        t0 = time.perf_counter()
+        model.forward(kv, [(13 * i) % model.vocab_size for i in range(AUTO_PREFILL)], last_only=True)
+        prefill.append(1000 * (time.perf_counter() - t0) / AUTO_PREFILL)
+        del kv
+    timings["prefill"] = statistics.median(prefill)
+    return timings
 
 
 def time_passes(model, context: int, widths, repeats: int) -> dict[int, float]:
