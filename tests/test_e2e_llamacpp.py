@@ -162,3 +162,17 @@ def test_bench_with_llama_cpp_peers(tmp_path, capsys, llama_f32):
     kernels = result["environment"]["method_kernels"]
     assert "f32 weights" in kernels["baseline:backend=llamacpp:weights=f32"]
     assert "Q4_1" in kernels["llamacpp"]
+
+
+def test_analyze_and_audit_cli_on_llamacpp(tmp_path, capsys, llama_q41):
+    assert main(["analyze", "--backend", "llamacpp", "--limit", "1", "--categories", "summarization",
+                 "--max-new-tokens", "24", "--out", str(tmp_path)]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["environment"]["backend"] == "llamacpp" and "llama.cpp" in result["environment"]["linear_kernel"]
+    costs = {int(j): ms for j, ms in result["verify_cost_ms"].items()}
+    assert costs[0] > 0 and costs[16] > costs[0]  # a 17-token llama.cpp pass costs more than a one-token one
+    assert 1 <= result["optimal_k"] <= 16
+    assert main(["audit", "--backend", "llamacpp", "--samples", "60", "--positions", "2", "--k-policy", "fixed",
+                 "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["passed"] and report["drafted"] > 0
