@@ -1,6 +1,7 @@
 """Benchmarks: prompt sets, methods (verispec and transformers' peers), the interleaved runner, summaries."""
 
-from .methods import Method, Run, build_method, parse_spec
+from .method import Method, Run
+from .methods import build_method, parse_spec
 from .prompts import GROUPS, Question, load_questions, select
 from .runner import run_benchmark
 from .summary import markdown, summarize

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 from ..errors import InvalidRequest
-from .methods import Method, Run
+from .method import Method, Run
 
 
 def build_llamacpp_peer(spec: str, kind: str, opts: dict, gguf_path, threads: int | None, eos_ids) -> Method:

@@ -25,7 +25,6 @@ not verispec's prepacked ones; ``hf:greedy:pack=1`` runs them on the packed weig
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -35,33 +34,7 @@ from ..controller import COST, K_POLICIES
 from ..drafters import make_drafter
 from ..engine import SpeculativeDecoder
 from ..errors import InvalidRequest
-
-
-@dataclass
-class Run:
-    """What one method did on one prompt; raw numbers only."""
-
-    token_ids: list[int]
-    wall_seconds: float
-    step_tokens: list[int]  # tokens committed by each target step (accepted drafts + 1)
-    step_seconds: list[float]  # wall time of each step; the first one includes the prefill
-    finish_reason: str = ""
-    lossy: bool = False
-    step_drafted: list[int] | None = None  # None: the method does not report its drafts
-    step_accepted: list[int] | None = None
-    drafted_per_position: list[int] = field(default_factory=list)
-    accepted_per_position: list[int] = field(default_factory=list)
-    draft_seconds: float | None = None  # time spent proposing, when the method reports it
-
-
-@dataclass
-class Method:
-    name: str
-    run: Callable[..., Run]  # run(prompt_ids, max_new_tokens, temperature, top_p, seed) -> Run
-    family: str  # "verispec" or "transformers"
-    drafter: str = "none"
-    k: int | None = None
-    kernel: str = ""  # what ran the target's layers, when known (backend, weights, kernel)
+from .method import Method, Run
 
 
 def parse_spec(spec: str) -> tuple[str, list[str], dict[str, str]]:

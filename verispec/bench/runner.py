@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Callable, Iterator, Sequence
 
 from ..engine import SpeculativeDecoder
-from .methods import Method, Run
+from .method import Method, Run
 from .prompts import Question
 
 
