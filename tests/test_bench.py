@@ -251,3 +251,24 @@ def test_analyze_command_with_the_target_as_its_own_draft(tiny_dir, tiny_prompts
 def test_analyze_rejects_a_k_in_the_drafter_spec(tiny_dir, tiny_prompts, capsys):
     assert main(["analyze", "--target", str(tiny_dir), "--prompts", str(tiny_prompts), "--drafter", "ngram:k=3"]) == 2
     assert "--k-max" in capsys.readouterr().err
+
+
+def test_per_method_target_options_load_their_own_target(tiny_target):
+    """baseline:dtype=bfloat16 and ngram:backend=...:weights=... ask the loader for their own target; options a
+    method cannot use are refused by name."""
+    calls = []
+
+    def load(ref, **options):
+        calls.append((ref, options))
+        return tiny_target
+
+    build_method("baseline:dtype=bfloat16", tiny_target, load)
+    assert calls[-1] == (tiny_target.name, dict(backend=None, weights=None, features=False, dtype="bfloat16"))
+    build_method("ngram:weights=f16:k=4", tiny_target, load)
+    assert calls[-1][1]["weights"] == "f16" and calls[-1][1]["dtype"] is None
+    with pytest.raises(InvalidRequest, match="weights="):
+        build_method("ngram:backend=llamacpp:dtype=bfloat16", tiny_target, load)
+    with pytest.raises(InvalidRequest, match="transformers backend"):
+        build_method("hf:greedy:backend=llamacpp", tiny_target, load)
+    with pytest.raises(InvalidRequest, match="policy"):
+        build_method("llamacpp:policy=fixed", tiny_target, load)

@@ -66,8 +66,9 @@ def add_parsers(sub) -> None:
                "  hf:assisted:REF     transformers assisted generation with a draft model\n"
                "  llamacpp[:weights=F]           llama-cpp-python's plain generation on the GGUF file\n"
                "  llamacpp:lookup[:k=10:ngram=2] llama-cpp-python's prompt-lookup decoding\n"
-               "  (verispec methods take :backend=transformers|llamacpp and :weights=as-is|f32|f16|q8_0|... for their\n"
-               "   own target, e.g. ngram:backend=llamacpp:weights=f32)\n\n"
+               "  (verispec methods take :backend=transformers|llamacpp, :weights=as-is|f32|f16|q8_0|... and\n"
+               "   :dtype=float32|bfloat16 for their own target, e.g. ngram:backend=llamacpp:weights=f32,\n"
+               "   baseline:dtype=bfloat16)\n\n"
                "example: verispec bench --categories summarization,rag --limit 5 --methods baseline,ngram,hf:pld")
     b.add_argument("--methods", default=DEFAULT_METHODS, help=f"methods to compare (default: {DEFAULT_METHODS})")
     b.add_argument("--k", type=int, default=8, help="default draft length for verispec methods (default: 8)")
@@ -104,13 +105,13 @@ def _setup(args):
     loaded = {}
 
     def load(ref: str, pack: bool | None = None, backend: str | None = None, weights: str | None = None,
-             features: bool = False):
+             features: bool = False, dtype: str | None = None):
         backend = backend or getattr(args, "backend", "transformers")
         weights = (weights or getattr(args, "weights", "as-is")) if backend == "llamacpp" else "as-is"
         features = features and backend == "llamacpp"  # transformers always gives hidden states
-        key = (ref, pack, backend, weights, features)
+        dtype = (dtype or args.dtype) if backend == "transformers" else "float32"
+        key = (ref, pack, backend, weights, features, dtype)
         if key not in loaded:
-            dtype = args.dtype if backend == "transformers" else "float32"
             loaded[key] = load_model(ref, dtype=dtype, pack=pack, backend=backend, weights=weights,
                                      threads=args.threads, features=features)
         return loaded[key]

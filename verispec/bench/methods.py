@@ -14,9 +14,10 @@ is a model reference:
     hf:assisted:REF              transformers assisted generation with draft model REF
     llamacpp  llamacpp:lookup     llama-cpp-python's plain generation / prompt lookup (``verispec.bench.llamacpp_peers``)
 
-verispec methods take per-method target options: ``backend=transformers|llamacpp`` and, on llama.cpp,
-``weights=as-is|f32|f16|q8_0|...`` (e.g. ``ngram:backend=llamacpp:weights=f16``), so backends and weight formats
-compare in one run; ``llamacpp`` peers take ``weights=`` too.
+verispec methods take per-method target options: ``backend=transformers|llamacpp``, on llama.cpp
+``weights=as-is|f32|f16|q8_0|...`` (e.g. ``ngram:backend=llamacpp:weights=f16``) and on transformers
+``dtype=float32|bfloat16`` (e.g. ``baseline:dtype=bfloat16``), so backends, weight formats and dtypes compare in one
+run; ``llamacpp`` peers take ``weights=`` too.
 
 transformers' methods run the target as transformers loads it, with plain weights (what a transformers user runs),
 not verispec's prepacked ones; ``hf:greedy:pack=1`` runs them on the packed weights instead.
@@ -72,9 +73,11 @@ def build_method(spec: str, target, load: Callable | None, default_k: int = 8, d
     head, refs, raw_opts = parse_spec(spec)
     if head.startswith(("hf:", "llamacpp")) and "policy" in raw_opts:
         raise InvalidRequest(f"{spec!r}: policy is an option of verispec methods, not of {head}")
-    backend, weights = raw_opts.pop("backend", None), raw_opts.pop("weights", None)
+    backend, weights, dtype = raw_opts.pop("backend", None), raw_opts.pop("weights", None), raw_opts.pop("dtype", None)
     if head.startswith("hf:") and (backend or weights):
         raise InvalidRequest(f"{spec!r}: transformers' methods run the transformers backend; drop backend=/weights=")
+    if dtype and (backend == "llamacpp" or (not backend and target.backend == "llamacpp")):
+        raise InvalidRequest(f"{spec!r}: dtype= applies to the transformers backend; on llama.cpp use weights=")
     if head == "llamacpp" or head.startswith("llamacpp:"):
         if backend or refs:
             raise InvalidRequest(f"{spec!r}: llama.cpp peers take k=, ngram= (lookup) and weights= only")
@@ -86,8 +89,8 @@ def build_method(spec: str, target, load: Callable | None, default_k: int = 8, d
         return build_llamacpp_peer(spec, head.partition(":")[2], opts, model.path, threads, target.eos_token_ids)
     if head == "eagle" and not target.supports_features:  # a llama.cpp run: load a copy that gives hidden states
         target = load(target.name, backend=backend, weights=weights, features=True)
-    elif backend or weights:
-        target = load(target.name, backend=backend, weights=weights, features=head == "eagle")
+    elif backend or weights or dtype:
+        target = load(target.name, backend=backend, weights=weights, features=head == "eagle", dtype=dtype)
     policy = raw_opts.pop("policy", default_policy)
     if policy not in K_POLICIES:
         raise InvalidRequest(f"{spec!r}: policy must be one of {', '.join(K_POLICIES)}, got {policy!r}")
