@@ -110,8 +110,8 @@ class _FeatureTap:
         return b"embd" if layer == 0 else b"result_norm" if layer == self.n_layer else b"l_out-%d" % (layer - 1)
 
     def __call__(self, tensor_ptr, ask: bool, user_data) -> bool:
-        if not self.wanted:
-            return False if ask else True
+        if not self.wanted:  # nothing asked for: let the graph run through
+            return not ask
         t = ctypes.cast(tensor_ptr, ctypes.POINTER(_GgmlTensor)).contents
         name = t.name
         if name not in self.wanted:
@@ -199,6 +199,7 @@ class LlamaCppModel:
             self._tap.callback = llama_cpp.ggml_backend_sched_eval_callback(self._tap)
             cparams.cb_eval = self._tap.callback
         self.supports_features = features
+        self.sequences = sequences
         self._embedding_model_loader, self._embedding_model = embedding_model, None
         # Flash attention off (llama-cpp-python's default too) and, for F32 weights, an F32 KV cache: then a row's
         # logits barely depend on how many tokens share its pass (measured max difference 3e-5 between a 9-token
@@ -206,7 +207,7 @@ class LlamaCppModel:
         # kernels round differently at different widths whatever these settings are (docs/llamacpp.md).
         cparams.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED
         self.kv_type = "f16"
-        if self._file_type() == 0:  # LLAMA_FTYPE_ALL_F32
+        if llama_cpp.llama_model_ftype(self._model) == 0:  # LLAMA_FTYPE_ALL_F32
             cparams.type_k = cparams.type_v = 0  # GGML_TYPE_F32
             self.kv_type = "f32"
         self._ctx = llama_cpp.llama_init_from_model(self._model, cparams)
@@ -223,9 +224,6 @@ class LlamaCppModel:
         eos |= {value} if isinstance(value, int) else set()
         self.eos_token_ids = frozenset(eos)
         weakref.finalize(self, _free_llama, llama_cpp, self._batch.raw, self._ctx, self._model)
-
-    def _file_type(self) -> int:
-        return int(self._llama.llama_model_ftype(self._model)) if hasattr(self._llama, "llama_model_ftype") else -1
 
     # ------------------------------------------------------------ facts
     @property
@@ -261,13 +259,10 @@ class LlamaCppModel:
     def new_kv(self) -> LlamaKV:
         with self._lock:
             if not self._free:
-                raise InvalidRequest(f"all {self._batch_sequences()} llama.cpp sequences are in use; raise "
+                raise InvalidRequest(f"all {self.sequences} llama.cpp sequences are in use; raise "
                                      "sequences= when loading the model")
             seq = self._free.pop()
         return LlamaKV(self, seq)
-
-    def _batch_sequences(self) -> int:
-        return int(self._llama.llama_n_seq_max(self._ctx))
 
     def _remove(self, seq: int, start: int) -> None:
         with self._lock:

@@ -251,17 +251,17 @@ def _load_llamacpp(ref: str, weights: str, threads: int | None, features: bool =
     import_llama_cpp()  # a clear error naming the install command before any download
     path = Path(ref).expanduser()
     if ref in BUILTINS:
-        gguf = builtin_gguf(BUILTINS[ref])
+        gguf, digest = builtin_gguf(BUILTINS[ref]), BUILTINS[ref].sha256  # checked when it was extracted
         with transformers_progress_bars(False):  # the transformers backend's tokenizer: identical ids and template
             tokenizer = AutoTokenizer.from_pretrained(str(ensure_builtin(BUILTINS[ref])))
     elif path.is_file() and path.suffix == ".gguf":
-        gguf = path
+        gguf, digest = path, _sha256(path)
         with transformers_progress_bars(False):
             tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     else:
         raise ModelNotFound(f"the llamacpp backend runs GGUF files: pass a built-in name ({', '.join(BUILTINS)}) "
                             f"or a .gguf file, not {ref!r}")
-    folder = cache_dir() / "gguf-weights" / f"{gguf.stem}-{_sha256(gguf)[:16]}"
+    folder = cache_dir() / "gguf-weights" / f"{gguf.stem}-{digest[:16]}"
     chosen = choose_weights(gguf, weights, folder, threads)
     # EAGLE heads borrow the embeddings and lm_head of a transformers copy (loaded only if a head asks)
     return LlamaCppModel(chosen.path, tokenizer, ref, weights=chosen.name, threads=threads, features=features,

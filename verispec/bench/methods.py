@@ -81,7 +81,6 @@ def build_method(spec: str, target, load: Callable | None, default_k: int = 8, d
     if head == "llamacpp" or head.startswith("llamacpp:"):
         if backend or refs:
             raise InvalidRequest(f"{spec!r}: llama.cpp peers take k=, ngram= (lookup) and weights= only")
-        from ..llamacpp import choose_weights  # noqa: F401  (a clear error when llama-cpp-python is missing)
         from .llamacpp_peers import build_llamacpp_peer
 
         model = load(target.name, backend="llamacpp", weights=weights or "as-is")
