@@ -134,7 +134,10 @@ def test_cli_help_documents_every_option():
 
 
 def test_cli_audit_on_tiny_model(tiny_dir, capsys):
-    code, out, _ = run_cli(["audit", "--target", str(tiny_dir), "--prompt", "w5 w9 w3 w5 w9",
+    # fixed k: with the cost policy the drafts, and so the samples, depend on timings, and the test's ~1% false-alarm
+    # rate (alpha 0.01) would come up at random; a clean-clone CI run hit it once (3000-sample audits of the same
+    # setup pass: p = 0.55, 0.65 with the n-gram drafter)
+    code, out, _ = run_cli(["audit", "--target", str(tiny_dir), "--prompt", "w5 w9 w3 w5 w9", "--k-policy", "fixed",
                             "--samples", "150", "--positions", "2", "--json"], capsys)
     report = json.loads(out)
     assert code == 0 and report["verdict"] == "PASS" and len(report["positions"]) == 2
