@@ -131,8 +131,11 @@ def run_audit(
     alpha: float = 0.01,
     min_expected: float = 5.0,
     progress: Callable[[int], None] | None = None,
+    sampler: Callable[[list[int], list[int], dict], list] | None = None,
 ) -> AuditReport:
-    """Sample ``samples`` continuations of ``positions`` tokens and test each position (see module doc)."""
+    """Sample ``samples`` continuations of ``positions`` tokens and test each position (see module doc).
+    ``sampler(prompt_ids, seeds, options)`` draws the samples (a list of Generations, one per seed) when they
+    should come from somewhere else than ``decoder.generate`` one by one, e.g. inside a busy batch."""
     if samples < 10:
         raise InvalidRequest(f"samples must be >= 10 for a meaningful test, got {samples}")
     if positions < 1:
@@ -147,9 +150,10 @@ def run_audit(
     eos = decoder.target.eos_token_ids
     forcer = TeacherForcer(decoder.target, prompt_ids, sampling)
     steps = draft_steps = drafted = accepted = 0
+    options = dict(max_new_tokens=positions, temperature=temperature, top_k=top_k, top_p=top_p)
+    drawn = sampler(list(prompt_ids), [seed + s for s in range(samples)], options) if sampler else None
     for s in range(samples):
-        g = decoder.generate(prompt_ids, max_new_tokens=positions, temperature=temperature, top_k=top_k,
-                             top_p=top_p, seed=seed + s)
+        g = drawn[s] if drawn is not None else decoder.generate(prompt_ids, seed=seed + s, **options)
         tokens = g.token_ids
         steps += g.stats.verify_steps
         draft_steps += g.stats.drafts

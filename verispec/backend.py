@@ -30,6 +30,19 @@ class KVCache(Protocol):
     def truncate(self, length: int) -> None:
         """Keep the first ``length`` positions, drop the rest (raises if ``length`` exceeds what is cached)."""
 
+    def close(self) -> None:
+        """Give the cache's memory back (it may not be used after)."""
+
+
+@runtime_checkable
+class KVGroup(Protocol):
+    """Caches of up to ``capacity`` sequences that can share one pass (``TargetModel.forward_batch``)."""
+
+    capacity: int
+
+    def new_kv(self) -> KVCache:
+        """A cache for one more sequence of the group (``close()`` it when the sequence leaves)."""
+
 
 @runtime_checkable
 class TargetModel(Protocol):
@@ -70,3 +83,14 @@ class TargetModel(Protocol):
                 last_only: bool = False, feature_layers: Sequence[int] = ()) -> TargetPass:
         """Run ``tokens`` after the ``len(kv)`` cached positions and cache them. With ``parents`` the last
         ``len(parents)`` tokens are a tree (see ``verispec.tree``) and the others a causal prefix."""
+
+    def new_kv_group(self, capacity: int) -> KVGroup: ...
+
+    def forward_batch(self, items: Sequence[tuple[KVCache, Sequence[int]]], *,
+                      feature_layers: Sequence[int] = ()) -> list[TargetPass]:
+        """One pass over several sequences of one group: each item's tokens after that sequence's cached
+        positions (ragged: any number >= 1 each), cached; logits for every fed token, per item, in order."""
+
+    def pass_width(self, widths: Sequence[int]) -> int:
+        """The tokens a batched pass over rows of these widths computes (padding included): what its cost
+        depends on."""

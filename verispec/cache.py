@@ -84,6 +84,9 @@ class TorchKV:
     def truncate(self, length: int) -> None:
         truncate(self.cache, length)
 
+    def close(self) -> None:
+        self.cache = new_cache()
+
 
 def truncate(cache: Cache, length: int) -> None:
     """Keep the first ``length`` positions of ``cache`` and drop the rest (rejected draft tokens)."""
@@ -92,3 +95,130 @@ def truncate(cache: Cache, length: int) -> None:
         raise ValueError(f"cannot truncate a cache of {current} positions to {length}")
     if length < current:
         cache.crop(length - current)  # a negative argument removes that many positions from the end
+
+
+class BatchKV:
+    """Caches of up to ``capacity`` sequences in one set of key/value buffers, so that one forward can serve many
+    sequences (``verispec.batching``): the transformers backend's ``KVGroup``.
+
+    Layout ``[capacity, kv_heads, positions, head_dim]`` per layer, right-padded and ragged: sequence r's cached
+    positions are columns [0, length_r) of its buffer row, at their own positions (RoPE is applied at the column
+    index). A pass feeds W tokens per row (rows with fewer are padded); each row writes at its own columns
+    [length_r, length_r + W), the attention mask lets a row's token at column c see columns <= c of its own row,
+    and the row's length then grows by its real tokens only, so padding is left past the length, never read, and
+    overwritten by the next pass. Rollback sets a length; nothing is copied. Rows of live sequences sit at buffer
+    rows 0..n-1: when one is released, the last moves into its place (one copy of that sequence)."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"a batch needs room for at least one sequence, got {capacity}")
+        self.capacity = capacity
+        self.rows: list[RowKV] = []  # live sequences, in buffer order
+        self.cache = Cache(layer_class_to_replicate=lambda: RaggedLayer(self))
+        self.pass_rows: slice | None = None  # buffer rows of the pass in progress
+        self.pass_starts: torch.Tensor | None = None  # [rows] first column each row writes
+        self.pass_end = 0  # columns the pass's attention reads
+
+    def new_kv(self) -> "RowKV":
+        if len(self.rows) >= self.capacity:
+            raise RuntimeError(f"all {self.capacity} rows of this batch cache are in use")
+        row = RowKV(self, len(self.rows))
+        self.rows.append(row)
+        return row
+
+    def release(self, row: "RowKV") -> None:
+        """Free a sequence's row (the last live row moves into it)."""
+        if row.batch is not self or row.index is None:
+            return
+        index, last = row.index, self.rows[-1]
+        if last is not row:
+            for layer in self.cache.layers:
+                layer.move(last.index, index, last.length)
+            last.index = index
+            self.rows[index] = last
+        self.rows.pop()
+        row.index = None
+
+    def begin_pass(self, rows: list["RowKV"], width: int) -> tuple[slice, torch.Tensor]:
+        """Set up a pass of ``width`` tokens per row over ``rows``; returns the buffer rows it covers (rows of the
+        range not in ``rows`` join as padding: they write past their length only) and their start columns."""
+        indices = [r.index for r in rows]
+        if any(i is None for i in indices):
+            raise ValueError("a released batch row cannot take part in a pass")
+        span = slice(min(indices), max(indices) + 1)
+        starts = torch.tensor([r.length for r in self.rows[span]], dtype=torch.long)
+        self.pass_rows, self.pass_starts = span, starts
+        self.pass_end = int(starts.max()) + width
+        return span, starts
+
+    def end_pass(self) -> None:
+        self.pass_rows = self.pass_starts = None
+        self.pass_end = 0
+
+
+class RowKV:
+    """One sequence's cache inside a ``BatchKV`` (its ``KVCache``)."""
+
+    def __init__(self, batch: BatchKV, index: int) -> None:
+        self.batch: BatchKV | None = batch
+        self.index: int | None = index
+        self.length = 0
+
+    def __len__(self) -> int:
+        return self.length
+
+    def truncate(self, length: int) -> None:
+        if length > self.length:
+            raise ValueError(f"cannot truncate a cache of {self.length} positions to {length}")
+        self.length = length
+
+    def close(self) -> None:
+        if self.batch is not None:
+            self.batch.release(self)
+            self.batch = None
+
+
+class RaggedLayer(DynamicLayer):
+    """One layer of a ``BatchKV``: writes each row's new keys/values at that row's own columns."""
+
+    def __init__(self, batch: BatchKV) -> None:
+        super().__init__()
+        self.batch = batch
+        self._keys: torch.Tensor | None = None
+        self._values: torch.Tensor | None = None
+
+    def _ensure(self, like: torch.Tensor, columns: int) -> None:
+        have = 0 if self._keys is None else self._keys.shape[-2]
+        if columns <= have:
+            return
+        capacity = max(columns, 2 * have, MIN_CAPACITY)
+        shape = (self.batch.capacity, like.shape[1], capacity, like.shape[-1])
+        keys, values = like.new_zeros(shape), like.new_zeros(shape)
+        if have:
+            keys[..., :have, :].copy_(self._keys)
+            values[..., :have, :].copy_(self._values)
+        self._keys, self._values = keys, values
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        batch = self.batch
+        span, starts, end = batch.pass_rows, batch.pass_starts, batch.pass_end
+        self._ensure(key_states, end)
+        rows, heads, width = key_states.shape[0], key_states.shape[1], key_states.shape[-2]
+        index = (torch.arange(span.start, span.stop)[:, None, None], torch.arange(heads)[None, :, None],
+                 (starts[:, None] + torch.arange(width))[:, None, :])
+        self._keys.index_put_(index, key_states)
+        self._values.index_put_(index, value_states)
+        self.keys = self._keys[span, :, :end]
+        self.values = self._values[span, :, :end]
+        return self.keys, self.values
+
+    def move(self, source: int, target: int, length: int) -> None:
+        if self._keys is not None:
+            self._keys[target, :, :length].copy_(self._keys[source, :, :length])
+            self._values[target, :, :length].copy_(self._values[source, :, :length])
+
+    def get_seq_length(self) -> int:
+        starts = self.batch.pass_starts
+        return 0 if starts is None else int(starts.max())

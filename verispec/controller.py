@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from typing import Callable
 
 from .errors import InvalidRequest
 
@@ -233,6 +234,10 @@ class Controller:
         self.request_weight = request_weight
         self.cheap_draft = cheap_draft
         self.history = Acceptance()  # across requests, for this drafter
+        # a pass shared with other sequences (verispec.batching): what a pass over w of this sequence's tokens
+        # computes in all, and the tokens the others commit with it (both 0 extra when the pass is ours alone)
+        self.width_of: Callable[[int], int] | None = None
+        self.other_tokens = 0.0
         self.draft_seconds_per_token = RunningMean(0.0, 0.0, 0.1)  # across requests
         self.state = self.start_request()
 
@@ -248,24 +253,35 @@ class Controller:
         return self.policy == COST and bool(self.costs)
 
     # ------------------------------------------------------------------ costs
+    def share_passes(self, width_of: Callable[[int], int] | None, other_tokens: float = 0.0) -> None:
+        """Decide as one sequence of a batch: a step over w of this sequence's tokens runs a pass over
+        ``width_of(w)`` tokens that also commits ``other_tokens`` for the other sequences. Then drafts pay only
+        if they raise the whole pass's tokens per second: under load, speculation shrinks or stops by itself.
+        ``None`` = a pass of its own."""
+        self.width_of, self.other_tokens = width_of, other_tokens if width_of is not None else 0.0
+
+    def pass_cost(self, width: int) -> float:
+        """Seconds of the pass that verifies ``width`` tokens of this sequence."""
+        return self.costs(self.width_of(width) if self.width_of is not None else width)
+
     def draft_cost(self, n: int) -> float:
         return self.draft_seconds_per_token.value * n if self.draft_seconds_per_token.count else 0.0
 
     def drafting_is_cheap(self, k: int, fed: int = 1) -> bool:
-        return self.draft_cost(k) < self.cheap_draft * self.costs(fed)
+        return self.draft_cost(k) < self.cheap_draft * self.pass_cost(fed)
 
     def _decision(self, accept: list[float], fed: int, nodes: int, draft_seconds: float) -> Decision:
-        return Decision(nodes, expected_tokens(accept), draft_seconds + self.costs(fed + nodes))
+        return Decision(nodes, self.other_tokens + expected_tokens(accept), draft_seconds + self.pass_cost(fed + nodes))
 
     def _best(self, accept: list[float], fed: int, draft_cost: bool) -> tuple[Decision, Decision]:
         """(best chain of 1..len(accept) tokens, plain step); E(n) accumulated as n grows."""
         plain = self._decision([], fed, 0, 0.0)
         best = plain
-        tokens = reach = 1.0
+        tokens, reach = self.other_tokens + 1.0, 1.0
         for n, a in enumerate(accept, 1):
             reach *= a
             tokens += reach
-            d = Decision(n, tokens, (self.draft_cost(n) if draft_cost else 0.0) + self.costs(fed + n))
+            d = Decision(n, tokens, (self.draft_cost(n) if draft_cost else 0.0) + self.pass_cost(fed + n))
             if best.k == 0 or d.rate > best.rate:
                 best = d
         return best, plain
@@ -288,7 +304,10 @@ class Controller:
         if best.k == 0:
             return plain
         gain = best.rate / plain.rate
-        st.speculating = gain > 1 - self.margin if st.speculating else gain > 1 + self.margin
+        # the margin is on this sequence's share of the pass's tokens: in a batch its choice moves the batch's
+        # rate by only that share, and each sequence must still pay its way
+        margin = self.margin / (1.0 + self.other_tokens)
+        st.speculating = gain > 1 - margin if st.speculating else gain > 1 + margin
         if st.speculating:
             st.plain_run = 0
             return best
@@ -326,7 +345,7 @@ class Controller:
             return Decision(length, 1.0, 0.0)
         st = self.state
         if st.probe_pending:  # draft_budget asked for this draft as a probe
-            return Decision(min(length, self.probe_length), 1.0, self.costs(fed + min(length, self.probe_length)),
+            return Decision(min(length, self.probe_length), 1.0, self.pass_cost(fed + min(length, self.probe_length)),
                             True)
         prior = self._estimate(length, None)
         estimate = prior if confidence is None else self._estimate(length, confidence)

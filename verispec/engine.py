@@ -20,7 +20,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .backend import KVCache, TargetModel
+from .backend import KVCache, TargetModel, TargetPass
 from .controller import COST, Controller, shared_cost_curve
 from .drafters.base import EMPTY_DRAFT, Draft, Drafter
 from .drafters.model import common_prefix_length
@@ -76,6 +76,32 @@ class SequenceState:
     @property
     def generated(self) -> list[int]:
         return self.tokens[self.prompt_len :]
+
+
+@dataclass
+class Request:
+    """A checked request: prompt ids and options (``SpeculativeDecoder.request``)."""
+
+    ids: list[int]
+    sampling: SamplingParams
+    max_new_tokens: int
+    seed: int
+    stops: list[str]
+    k: int
+    stats: GenerationStats
+
+
+@dataclass
+class StepPlan:
+    """A planned step: the tokens to feed the target (uncached committed tokens, then the draft)."""
+
+    draft: Draft
+    fed: list[int]  # committed tokens not cached yet (the pending token first of all)
+    t1: float  # when planning ended
+
+    @property
+    def feed(self) -> list[int]:
+        return [*self.fed, *self.draft.tokens]
 
 
 class GenerationStream:
@@ -193,7 +219,12 @@ class SpeculativeDecoder:
         assert stream.result is not None
         return stream.result
 
-    def stream(
+    def stream(self, prompt: Prompt, **options) -> GenerationStream:
+        """Like ``generate`` but returns a stream of text deltas (errors in the arguments raise here)."""
+        request = self.request(prompt, **options)
+        return GenerationStream(self._run(request), request.stats)
+
+    def request(
         self,
         prompt: Prompt,
         *,
@@ -205,8 +236,8 @@ class SpeculativeDecoder:
         stop: Sequence[str] | str | None = None,
         raw: bool = False,
         k: int | None = None,
-    ) -> GenerationStream:
-        """Like ``generate`` but returns a stream of text deltas (errors in the arguments raise here)."""
+    ) -> "Request":
+        """A checked request for this decoder (the options of ``generate``); raises InvalidRequest on bad ones."""
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InvalidRequest(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
@@ -230,43 +261,41 @@ class SpeculativeDecoder:
             k=k if self.drafter is not None else 0, prompt_tokens=len(ids),
             k_policy=self.controller.policy if self.drafter is not None else "",
         )
-        return GenerationStream(self._run(ids, sampling, max_new_tokens, seed, stops, k, stats), stats)
+        return Request(ids, sampling, max_new_tokens, seed, stops, k, stats)
 
     # ----------------------------------------------------------------- loop
-    @torch.inference_mode()
-    def _run(self, ids, sampling, max_new_tokens, seed, stops, k, stats: GenerationStats) -> Iterator[str]:
-        start = time.perf_counter()
+    def new_state(self, request: "Request") -> SequenceState:
+        """The loop state of a request (no cache yet)."""
         generator = torch.Generator(device=self.target.device)
-        generator.manual_seed(seed)
-        state = SequenceState(
-            tokens=list(ids), prompt_len=len(ids), max_new_tokens=max_new_tokens, sampling=sampling,
-            generator=generator, text=TextAssembler(self.target.tokenizer, stops), stats=stats,
-            cache=None,
+        generator.manual_seed(request.seed)
+        return SequenceState(
+            tokens=list(request.ids), prompt_len=len(request.ids), max_new_tokens=request.max_new_tokens,
+            sampling=request.sampling, generator=generator,
+            text=TextAssembler(self.target.tokenizer, request.stops), stats=request.stats, cache=None,
         )
-        self._prefill(state)
+
+    def begin(self, state: SequenceState, k: int, calibrate: bool = True) -> None:
+        """After prefill: start the drafter and the controller on this request."""
         if self.drafter is not None:
-            self.drafter.reset(sampling, generator)
+            self.drafter.reset(state.sampling, state.generator)
             self.controller.start_request()
-            self._calibrate(state, k)
-        try:
-            while not state.finish_reason:
-                t0 = time.perf_counter()
-                new_tokens, drafted, accepted = self._step(state, k)
-                before = len(state.tokens)
-                delta = self._commit(state, new_tokens)
-                # accepted draft tokens are verify's raw count; committed tokens are what EOS/limits kept
-                stats.record_step(drafted, accepted, len(state.tokens) - before, time.perf_counter() - t0)
-                if delta:
-                    yield delta
-            tail = state.text.finish()
-            if tail:
-                yield tail
-        finally:
-            if self.controller.costs:
-                stats.plain_step_seconds = self.controller.costs(1)
-            # keep the cache for the next request only if it is exactly what we think it holds
-            if self.reuse_prefix and state.cache is not None and len(state.cache) == len(state.cached_tokens):
-                self._cache, self._cached_tokens, self._features = state.cache, state.cached_tokens, state.features
+            if calibrate:
+                self._calibrate(state, k)
+
+    def advance(self, state: SequenceState, new_tokens: list[int], drafted: int, accepted: int,
+                seconds: float) -> str:
+        """Commit a step's tokens and count it; returns the text they release."""
+        before = len(state.tokens)
+        delta = self._commit(state, new_tokens)
+        # accepted draft tokens are verify's raw count; committed tokens are what EOS/limits kept
+        state.stats.record_step(drafted, accepted, len(state.tokens) - before, seconds)
+        return delta
+
+    def result(self, state: SequenceState, request: "Request", start: float) -> Generation:
+        """The Generation of a finished (or stopped) sequence."""
+        stats = state.stats
+        if self.controller.costs:
+            stats.plain_step_seconds = self.controller.costs(1)
         generated = state.generated
         if state.text.stop_token_count is not None:
             generated = generated[: state.text.stop_token_count]
@@ -274,9 +303,32 @@ class SpeculativeDecoder:
         stats.finish_reason = state.finish_reason
         stats.wall_seconds = time.perf_counter() - start
         return Generation(
-            text=state.text.emitted, token_ids=generated, prompt_token_ids=list(ids),
-            finish_reason=state.finish_reason, seed=seed, stats=stats,
+            text=state.text.emitted, token_ids=generated, prompt_token_ids=list(request.ids),
+            finish_reason=state.finish_reason, seed=request.seed, stats=stats,
         )
+
+    @torch.inference_mode()
+    def _run(self, request: "Request") -> Iterator[str]:
+        start = time.perf_counter()
+        state = self.new_state(request)
+        k = request.k
+        self._prefill(state)
+        self.begin(state, k)
+        try:
+            while not state.finish_reason:
+                t0 = time.perf_counter()
+                new_tokens, drafted, accepted = self._step(state, k)
+                delta = self.advance(state, new_tokens, drafted, accepted, time.perf_counter() - t0)
+                if delta:
+                    yield delta
+            tail = state.text.finish()
+            if tail:
+                yield tail
+        finally:
+            # keep the cache for the next request only if it is exactly what we think it holds
+            if self.reuse_prefix and state.cache is not None and len(state.cache) == len(state.cached_tokens):
+                self._cache, self._cached_tokens, self._features = state.cache, state.cached_tokens, state.features
+        return self.result(state, request, start)
 
     def _prefill(self, state: SequenceState) -> None:
         t0 = time.perf_counter()
@@ -325,6 +377,14 @@ class SpeculativeDecoder:
     def _step(self, state: SequenceState, k: int) -> tuple[list[int], int, int]:
         """One propose -> verify -> roll back -> observe step; returns (tokens to commit, draft depth,
         accepted draft tokens)."""
+        plan = self._plan(state, k)
+        out = self.target.forward(state.cache, plan.feed, parents=plan.draft.parents,
+                                  feature_layers=self.feature_layers)
+        return self._settle(state, plan, out)
+
+    def _plan(self, state: SequenceState, k: int) -> "StepPlan":
+        """The first half of a step: choose the budget, draft, choose how much of the draft to verify. The target
+        pass over ``plan.feed`` comes next (alone, or in a batch with other sequences' plans)."""
         t0 = time.perf_counter()
         remaining = state.max_new_tokens - len(state.generated)
         room = (self.target.context_length or 1 << 30) - len(state.tokens)
@@ -354,12 +414,20 @@ class SpeculativeDecoder:
             state.stats.predicted_tokens += ctrl.predicted_tokens(draft.depth, chain_confidence)
             state.stats.predicted_seconds += (t1 - t0) + ctrl.costs(fed_count + len(draft))
 
-        device = self.target.device
         # committed tokens not in the cache yet: the pending token, after a tree step also the accepted path
+        fed = state.tokens[len(state.cached_tokens):]
+        state.stats.draft_seconds += t1 - t0
+        return StepPlan(draft, fed, t1)
+
+    def _settle(self, state: SequenceState, plan: "StepPlan", out: TargetPass,
+                shared_pass_seconds: float | None = None) -> tuple[list[int], int, int]:
+        """The second half of a step, after the target pass: verify, roll back, observe. A pass shared with
+        other sequences (``verispec.batching``) gives its time in ``shared_pass_seconds``; the batch records
+        its cost, not this sequence."""
+        device = self.target.device
+        draft, fed, t1 = plan.draft, plan.fed, plan.t1
         past = len(state.cached_tokens)
-        fed = state.tokens[past:]
-        out = self.target.forward(state.cache, [*fed, *draft.tokens], parents=draft.parents,
-                                  feature_layers=self.feature_layers)
+        ctrl = self.controller
         logits = out.logits[len(fed) - 1 :]  # [k+1, vocab]: after the pending token, then after each draft
         p = probabilities(logits, state.sampling)  # [k+1, vocab]
         if draft.parents is not None:
@@ -393,12 +461,11 @@ class SpeculativeDecoder:
         if self.drafter is not None and len(draft):
             self.drafter.observe(n)
         t2 = time.perf_counter()
-        ctrl.observe_step(len(fed) + len(draft), t2 - t1)
+        if shared_pass_seconds is None:
+            ctrl.observe_step(len(fed) + len(draft), t2 - t1)
         if self.drafter is not None:
             ctrl.observe_verdict(draft.depth, n, draft.confidence)
-
-        state.stats.draft_seconds += t1 - t0
-        state.stats.verify_seconds += t2 - t1
+        state.stats.verify_seconds += t2 - t1 if shared_pass_seconds is None else shared_pass_seconds
         return [*accepted, next_token], draft.depth, n
 
     def _commit(self, state: SequenceState, new_tokens: list[int]) -> str:

@@ -143,6 +143,29 @@ class _Batch:
             b.logits[i] = i >= logits_from
         b.n_tokens = len(tokens)
 
+    def fill_many(self, llama_cpp, items) -> None:
+        """Tokens of several sequences, each after its cached positions, with logits for every one."""
+        b, i = self.raw, 0
+        for kv, tokens in items:
+            for j, token in enumerate(tokens):
+                b.token[i] = token
+                b.pos[i] = kv.length + j
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = kv.seq
+                b.logits[i] = True
+                i += 1
+        b.n_tokens = i
+
+
+class LlamaKVGroup:
+    """The llama.cpp backend's ``KVGroup``: sequences of one context (any of them can share a pass)."""
+
+    def __init__(self, model: "LlamaCppModel", capacity: int) -> None:
+        self.model, self.capacity = model, capacity
+
+    def new_kv(self) -> "LlamaKV":
+        return self.model.new_kv()
+
 
 class LlamaKV:
     """One sequence of a llama.cpp context: the ``KVCache`` of this backend (freed when dropped)."""
@@ -160,6 +183,9 @@ class LlamaKV:
         if length < self.length:
             self.model._remove(self.seq, length)
             self.length = length
+
+    def close(self) -> None:
+        self._finalizer()  # the sequence goes back to the context's free list (once)
 
 
 class LlamaCppModel:
@@ -304,6 +330,65 @@ class LlamaCppModel:
         if last_only:
             logits = logits[-1:]
         return TargetPass(logits, hidden if names else None)
+
+    def new_kv_group(self, capacity: int) -> LlamaKVGroup:
+        if capacity > self.sequences:
+            raise InvalidRequest(f"a batch of {capacity} sequences needs a context with at least that many; load "
+                                 f"the model with sequences={capacity} or more (this one has {self.sequences})")
+        return LlamaKVGroup(self, capacity)
+
+    def pass_width(self, widths) -> int:
+        """Tokens a batched pass computes: llama.cpp batches ragged rows without padding."""
+        return sum(widths)
+
+    def forward_batch(self, items, *, feature_layers=()) -> list[TargetPass]:
+        """Several sequences in one ``llama_decode`` (split only where the tokens exceed the batch size)."""
+        if feature_layers and self._tap is None:
+            raise InvalidRequest("this llama.cpp model was loaded without hidden states; load it with features=True")
+        items = [(kv, list(tokens)) for kv, tokens in items]
+        for kv, tokens in items:
+            if not tokens:
+                raise ValueError("every sequence of a batched pass needs at least one token")
+            if len(tokens) > self._batch.size:
+                raise ValueError(f"a batched pass takes at most {self._batch.size} tokens per sequence")
+            if kv.length + len(tokens) > self._n_ctx:
+                raise InvalidRequest(f"{kv.length + len(tokens)} positions exceed the llama.cpp context of "
+                                     f"{self._n_ctx}")
+        names = [self._tap.name(i) for i in feature_layers] if feature_layers else []
+        groups, group, size = [], [], 0
+        for item in items:  # consecutive items that fit one llama_batch
+            if group and size + len(item[1]) > self._batch.size:
+                groups.append(group)
+                group, size = [], 0
+            group.append(item)
+            size += len(item[1])
+        groups.append(group)
+        passes: list[TargetPass] = []
+        llama_cpp = self._llama
+        with self._lock:
+            for group in groups:
+                if names:
+                    self._tap.wanted = {n: [] for n in names}
+                try:
+                    self._batch.fill_many(llama_cpp, group)
+                    status = llama_cpp.llama_decode(self._ctx, self._batch.raw)
+                    if status != 0:
+                        raise RuntimeError(f"llama_decode failed with status {status} (a batch of {len(group)} "
+                                           "sequences)")
+                    total = sum(len(t) for _, t in group)
+                    ptr = llama_cpp.llama_get_logits(self._ctx)
+                    logits = torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(total, self._n_vocab)).copy())
+                    hidden = (torch.stack([torch.cat(self._tap.wanted[n]) for n in names], dim=1) if names else None)
+                finally:
+                    if names:
+                        self._tap.wanted = {}
+                start = 0
+                for kv, tokens in group:
+                    rows = slice(start, start + len(tokens))
+                    passes.append(TargetPass(logits[rows], hidden[rows] if hidden is not None else None))
+                    kv.length += len(tokens)
+                    start += len(tokens)
+        return passes
 
     def _decode(self, kv: LlamaKV, tokens: list[int], all_logits: bool, rows: list) -> None:
         """Feed ``tokens`` in chunks of the batch size; append logits (every row, or the last one) to ``rows``."""

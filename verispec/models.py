@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from .backend import BACKENDS, TargetPass
-from .cache import TorchKV
+from .cache import BatchKV, RowKV, TorchKV
 from .cpu import linear_kernel
 from .errors import InvalidRequest, ModelNotFound
 from .features import select_layers
@@ -121,10 +121,56 @@ class LoadedModel:
     def new_kv(self) -> TorchKV:
         return TorchKV()
 
+    def new_kv_group(self, capacity: int) -> BatchKV:
+        return BatchKV(capacity)
+
+    def pass_width(self, widths) -> int:
+        """Rows a batched pass computes: every row is padded to the widest."""
+        return len(widths) * max(widths, default=0)
+
+    def forward_batch(self, items, *, feature_layers=()) -> list[TargetPass]:
+        """One forward over several sequences of one ``BatchKV`` (``verispec.backend.TargetModel``)."""
+        kvs = [kv for kv, _ in items]
+        batch = kvs[0].batch if kvs and isinstance(kvs[0], RowKV) else None
+        if batch is None or any(not isinstance(kv, RowKV) or kv.batch is not batch for kv in kvs):
+            raise ValueError("forward_batch needs the caches of one group (new_kv_group().new_kv())")
+        if any(not tokens for _, tokens in items):
+            raise ValueError("every sequence of a batched pass needs at least one token")
+        width = max(len(tokens) for _, tokens in items)
+        span, starts = batch.begin_pass(kvs, width)
+        try:
+            fill = self.tokenizer.pad_token_id or 0
+            ids = torch.full((span.stop - span.start, width), fill, dtype=torch.long)
+            for kv, tokens in items:
+                ids[kv.index - span.start, : len(tokens)] = torch.tensor(list(tokens))
+            offsets = torch.arange(width)
+            positions = starts[:, None] + offsets  # [rows, width]: a row's tokens sit at its own positions
+            columns = torch.arange(batch.pass_end)
+            allowed = columns[None, None, :] <= positions[:, :, None]  # [rows, width, columns]
+            mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, torch.finfo(self.dtype).min)
+            out = self.model(input_ids=ids.to(self.device), past_key_values=batch.cache, use_cache=True,
+                             position_ids=positions.to(self.device), attention_mask=mask[:, None].to(self.device),
+                             output_hidden_states=bool(feature_layers))
+        finally:
+            batch.end_pass()
+        passes = []
+        for kv, tokens in items:
+            row, n = kv.index - span.start, len(tokens)
+            hidden = (torch.stack([out.hidden_states[i][row, :n] for i in feature_layers], dim=1)
+                      if feature_layers else None)
+            passes.append(TargetPass(out.logits[row, :n], hidden))
+            kv.length += n
+        return passes
+
     def forward(self, kv: TorchKV, tokens, *, parents=None, last_only: bool = False,
                 feature_layers=()) -> TargetPass:
         """One forward over ``tokens`` after the cached positions (see ``verispec.backend.TargetModel``); hidden
         states come for every fed token, logits for the last one only when ``last_only``."""
+        if isinstance(kv, RowKV):
+            if parents is not None:
+                raise InvalidRequest("token trees run one sequence per pass; verify them outside a batch")
+            out = self.forward_batch([(kv, tokens)], feature_layers=feature_layers)[0]
+            return TargetPass(out.logits[-1:], out.hidden) if last_only else out
         extra = {}
         if parents is not None:
             positions, mask = tree_inputs(len(kv), len(tokens) - len(parents), list(parents), self.dtype, self.device)

@@ -1,0 +1,231 @@
+"""Continuous batching: batched passes equal lone ones, and a request's output does not depend on what else is in
+the batch (greedy: token-identical to its batch-1 plain output; sampled: reproducible and lossless)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiny import EOS, loaded, make_model
+from verispec.audit import run_audit
+from verispec.batching import BatchEngine, generate_batch
+from verispec.controller import Controller, CostCurve
+from verispec.drafters import EagleDrafter, ModelDrafter, NgramDrafter
+from verispec.engine import SpeculativeDecoder
+from verispec.errors import InvalidRequest
+
+# prompts of mixed lengths; some repeat themselves so the n-gram drafter finds matches
+PROMPTS = [
+    [1, 5, 6, 7, 8, 5, 6, 7],
+    [1, 9],
+    [1, 3, 4, 10, 11, 12, 3, 4, 10, 11, 12, 3, 4, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24],
+    [1, 20, 21, 22, 20, 21],
+    [1, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3,
+     30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6],
+    [1, 17, 18, 17, 18, 17],
+]
+
+
+def drafter_for(i, target, draft, head):
+    return [None, NgramDrafter(), ModelDrafter(draft, target), EagleDrafter(target, head)][i % 4]
+
+
+@pytest.fixture(scope="module")
+def eagle_head(tiny_target):
+    from test_eagle import random_head
+
+    return random_head(tiny_target)
+
+
+def lone(target, prompt, **options):
+    return SpeculativeDecoder(target).generate(prompt, **options)
+
+
+def test_batched_pass_equals_lone_passes(tiny_target):
+    torch.manual_seed(0)
+    seqs = [torch.randint(3, 32, (n,)).tolist() for n in (5, 9, 3, 12)]
+    with torch.inference_mode():
+        ref = [tiny_target.forward(tiny_target.new_kv(), s).logits for s in seqs]
+        group = tiny_target.new_kv_group(4)
+        kvs = [group.new_kv() for _ in seqs]
+        for kv, s in zip(kvs, seqs):  # each prompt in two single-row passes
+            tiny_target.forward(kv, s[:2])
+            tiny_target.forward(kv, s[2:4])
+        rest = [(kv, s[4:]) for kv, s in zip(kvs, seqs) if len(s) > 4]  # one pass, ragged widths 1, 5, 8
+        outs = tiny_target.forward_batch(rest)
+        for out, (kv, s) in zip(outs, [(kv, s) for kv, s in zip(kvs, seqs) if len(s) > 4]):
+            torch.testing.assert_close(out.logits, ref[seqs.index(s)][4:], atol=1e-5, rtol=0)
+            assert len(kv) == len(s)
+        assert len(kvs[2]) == 3  # not in the pass: only padding was written past its length
+        # rollback of one row, refed in a pass with another row
+        kvs[1].truncate(6)
+        out = tiny_target.forward_batch([(kvs[1], seqs[1][6:]), (kvs[2], [7])])
+        torch.testing.assert_close(out[0].logits, ref[1][6:], atol=1e-5, rtol=0)
+        # a row leaves: the last row moves into its place and keeps its cache
+        kvs[0].close()
+        assert kvs[3].index == 0 and kvs[0].index is None
+        out = tiny_target.forward_batch([(kvs[3], [4, 5])])
+        full = tiny_target.forward(tiny_target.new_kv(), seqs[3] + [4, 5]).logits
+        torch.testing.assert_close(out[0].logits, full[-2:], atol=1e-5, rtol=0)
+        with pytest.raises(RuntimeError, match="in use"):
+            for _ in range(2):
+                group.new_kv()
+
+
+@pytest.mark.parametrize("max_batch,chunk", [(3, 4), (6, 128)])
+def test_greedy_output_does_not_depend_on_the_batch(tiny_target, tiny_noisy_draft, eagle_head, max_batch, chunk):
+    """Mixed prompt lengths, every drafter, more requests than rows (sequences join as others leave), prompts
+    prefilled in chunks while others decode, mixed max_new_tokens: each equals its lone plain greedy output."""
+    lengths = [30, 12, 25, 40, 7, 33]
+    ref = [lone(tiny_target, p, max_new_tokens=n).token_ids for p, n in zip(PROMPTS, lengths)]
+    engine = BatchEngine(tiny_target, max_batch=max_batch, prefill_chunk=chunk)
+    seqs = []
+    for i, (p, n) in enumerate(zip(PROMPTS, lengths)):
+        d = SpeculativeDecoder(tiny_target, drafter_for(i, tiny_target, tiny_noisy_draft, eagle_head), k=4,
+                               k_policy="fixed")
+        seqs.append(engine.submit(d, d.request(p, max_new_tokens=n)))
+        if i == 2:  # the rest join while the first ones are decoding
+            for _ in range(3):
+                engine.step()
+            assert engine.running
+    sizes = []
+    while engine.busy:
+        engine.step()
+        sizes.append(engine.size)
+    assert max(sizes) == max_batch
+    for seq, r in zip(seqs, ref):
+        assert seq.error is None and seq.result.token_ids == r
+    assert engine.counters.speculating > 0 and engine.counters.passes < sum(lengths)
+    assert sum(s.result.stats.accepted for s in seqs) > 0
+
+
+def test_stop_string_ends_one_sequence_while_others_continue(tiny_target):
+    full = lone(tiny_target, PROMPTS[0], max_new_tokens=20)
+    words = full.text.split()
+    stop = " ".join(words[4:6])
+    decoders = [SpeculativeDecoder(tiny_target, NgramDrafter(), k=3, k_policy="fixed") for _ in range(3)]
+    engine = BatchEngine(tiny_target, max_batch=3)
+    a = engine.submit(decoders[0], decoders[0].request(PROMPTS[0], max_new_tokens=20, stop=[stop]))
+    b = engine.submit(decoders[1], decoders[1].request(PROMPTS[2], max_new_tokens=30))
+    deltas = []
+    c = engine.submit(decoders[2], decoders[2].request(PROMPTS[3], max_new_tokens=30), on_delta=deltas.append)
+    finished_while_others_ran = False
+    while engine.busy:
+        engine.step()
+        if a.result is not None and b.result is None:
+            finished_while_others_ran = True
+    assert finished_while_others_ran
+    assert a.result.finish_reason == "stop" and a.result.text.rstrip() == " ".join(words[:4])
+    assert a.result.token_ids == full.token_ids[: len(a.result.token_ids)]
+    assert b.result.token_ids == lone(tiny_target, PROMPTS[2], max_new_tokens=30).token_ids
+    assert "".join(deltas) == c.result.text
+
+
+def test_eos_and_cancel_leave_the_batch(tiny_target):
+    target = loaded(tiny_target.model, tiny_target.tokenizer, eos=frozenset({EOS}))
+    engine = BatchEngine(target, max_batch=2)
+    decoders = [SpeculativeDecoder(target, NgramDrafter(), k=3) for _ in range(3)]
+    done = []
+    seqs = [engine.submit(d, d.request(p, max_new_tokens=60), on_done=done.append)
+            for d, p in zip(decoders, PROMPTS[3:])]
+    engine.step()
+    engine.step()
+    engine.cancel(seqs[0])
+    engine.run()
+    assert seqs[0] in done and seqs[0].result is None and seqs[0].cancelled
+    for seq, p in zip(seqs[1:], PROMPTS[4:]):
+        assert seq.result.token_ids == lone(target, p, max_new_tokens=60).token_ids
+    assert engine.group.rows == []  # every cache given back
+
+
+def test_sampled_output_is_reproducible_inside_a_batch(tiny_target, tiny_noisy_draft, eagle_head):
+    opts = dict(max_new_tokens=25, temperature=0.9, top_p=0.95)
+
+    def batch(order):
+        decoders = [SpeculativeDecoder(tiny_target, drafter_for(i, tiny_target, tiny_noisy_draft, eagle_head), k=3,
+                                       k_policy="fixed") for i in order]
+        return generate_batch(decoders, [PROMPTS[i] for i in order], max_batch=3, seed=11, **opts)
+
+    first = batch(range(6))
+    again = batch(range(6))
+    shuffled = batch([5, 3, 1, 0, 2, 4])
+    assert [g.token_ids for g in first] == [g.token_ids for g in again]
+    assert [first[i].token_ids for i in [5, 3, 1, 0, 2, 4]] == [g.token_ids for g in shuffled]
+    for i, g in enumerate(first):  # the same draws as alone
+        d = SpeculativeDecoder(tiny_target, drafter_for(i, tiny_target, tiny_noisy_draft, eagle_head), k=3,
+                               k_policy="fixed")
+        assert d.generate(PROMPTS[i], seed=11, **opts).token_ids == g.token_ids
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "model"])
+def test_audit_passes_inside_a_busy_batch(tiny_target, tiny_noisy_draft, drafter):
+    """Samples drawn 4 at a time with continuous batching, next to two long-running sequences on other prompts."""
+    prompt = [1, 5, 6, 7, 5, 6]
+
+    def make():
+        return (NgramDrafter() if drafter == "ngram" else ModelDrafter(tiny_noisy_draft, tiny_target))
+
+    def sampler(ids, seeds, options):
+        engine = BatchEngine(tiny_target, max_batch=6, prefill_chunk=4)
+        noise = [SpeculativeDecoder(tiny_target, make(), k=3, k_policy="fixed") for _ in range(2)]
+        for d, p in zip(noise, PROMPTS[2:4]):
+            engine.submit(d, d.request(p, max_new_tokens=200, temperature=0.8, seed=5))
+        decoders = [SpeculativeDecoder(tiny_target, make(), k=3, k_policy="fixed") for _ in range(4)]
+        seqs, free = [], list(decoders)
+        pending = list(seeds)
+        while pending or any(s.result is None for s in seqs):
+            while pending and free:
+                d = free.pop()
+                seq = engine.submit(d, d.request(ids, seed=pending.pop(0), **options),
+                                    on_done=lambda s: free.append(s.decoder))
+                seqs.append(seq)
+            engine.step()
+        return [s.result for s in seqs]
+
+    decoder = SpeculativeDecoder(tiny_target, make(), k=3, k_policy="fixed")
+    report = run_audit(decoder, prompt, temperature=1.0, samples=600, positions=3, seed=0, sampler=sampler)
+    assert report.passed, report.to_dict()
+
+
+def test_load_makes_speculation_shrink():
+    """With the pass's cost growing with its width, a sequence alone speculates; in a busy batch whose pass it
+    would widen for everyone, it does not."""
+    curve = CostCurve()
+    for width in range(1, 80):
+        curve.observe(width, 0.01 + 0.004 * width)  # 9 tokens cost 3.7x one (quantized weights on a CPU)
+    ctrl = Controller(curve)
+    assert 0.5 < ctrl.history.at(0) < 0.7  # the prior: a first draft token accepted 6 times in 10
+    busy = (lambda w: 15 + w, 15.0)  # 15 other sequences in plain steps
+    # drafting costs nothing next to a pass: the draft is made, verify_length decides
+    ctrl.start_request()
+    assert ctrl.verify_length(4, None, deterministic=True).k > 0
+    ctrl.start_request()
+    ctrl.share_passes(*busy)
+    assert ctrl.verify_length(4, None, deterministic=True).k == 0
+    ctrl.start_request()
+    ctrl.share_passes(lambda w: 1 + w, other_tokens=1.0)  # one other plain sequence: still worth it
+    assert ctrl.verify_length(4, None, deterministic=True).k > 0
+    # drafting that costs time: draft_budget itself says 0 under load
+    ctrl.draft_seconds_per_token.add(0.002)
+    ctrl.start_request()
+    ctrl.share_passes(None)
+    assert ctrl.draft_budget(4).k > 0
+    ctrl.start_request()
+    ctrl.share_passes(*busy)
+    assert ctrl.draft_budget(4).k == 0
+
+
+def test_batch_errors_are_clear(tiny_target, eagle_head):
+    with pytest.raises(InvalidRequest, match="max batch"):
+        BatchEngine(tiny_target, max_batch=0)
+    engine = BatchEngine(tiny_target, max_batch=2)
+    tree = SpeculativeDecoder(tiny_target, EagleDrafter(tiny_target, eagle_head, tree=True), k=4)
+    with pytest.raises(InvalidRequest, match="token trees"):
+        engine.submit(tree, tree.request(PROMPTS[0]))
+    other = loaded(make_model(seed=3))
+    d = SpeculativeDecoder(other)
+    with pytest.raises(InvalidRequest, match="another target"):
+        engine.submit(d, d.request(PROMPTS[0]))
+    with pytest.raises(InvalidRequest, match="its own decoder"):
+        shared = SpeculativeDecoder(tiny_target)
+        generate_batch([shared, shared], PROMPTS[:2])

@@ -1,0 +1,277 @@
+"""Continuous batching: many sequences share each target pass, each with its own drafter, sampling and seed.
+
+A step: every decoding sequence *plans* (its drafter proposes, its controller decides how much to verify, seeing
+the cost of the shared pass), one ``forward_batch`` feeds every sequence's pending token and draft (ragged: 0
+draft tokens included), and every sequence *settles* (strict acceptance with its own generator, rollback of its
+own cache only) and commits. Planning and settling are ``SpeculativeDecoder``'s own halves of a step, so a
+batched sequence runs exactly the code a lone one runs; only the pass is shared.
+
+Sequences join and leave between steps. A joining prompt is prefilled in chunks of ``prefill_chunk`` tokens, one
+chunk per step, while others are decoding (whole when nobody is waiting for it), so a long prompt delays running
+streams by one chunk's pass at a time. Speculation adapts to load: each sequence's controller sees the pass as
+the whole batch's (``Controller.share_passes``), so drafts are verified only where they raise the batch's tokens
+per second; with many sequences speculation shrinks or stops by itself, with one it runs as it would alone.
+
+Thread use: ``submit`` and ``cancel`` may be called from any thread; ``step`` (or ``run``) from one thread.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .backend import TargetModel, TargetPass
+from .controller import shared_cost_curve
+from .engine import Generation, Request, SequenceState, SpeculativeDecoder, StepPlan
+from .errors import InvalidRequest
+
+DEFAULT_MAX_BATCH = 8
+DEFAULT_PREFILL_CHUNK = 128
+
+
+@dataclass
+class BatchedSequence:
+    """One request inside the batch; ``result`` is set when it finishes, ``error`` if it failed."""
+
+    decoder: SpeculativeDecoder
+    request: Request
+    on_delta: Callable[[str], None] | None = None
+    on_done: Callable[["BatchedSequence"], None] | None = None
+    state: SequenceState | None = None
+    start: float = field(default_factory=time.perf_counter)
+    cancelled: bool = False
+    result: Generation | None = None
+    error: BaseException | None = None
+    width: int = 1  # tokens it fed to the last pass
+    committed: float = 1.0  # tokens it committed with the last pass
+
+    @property
+    def done(self) -> bool:
+        return self.result is not None or self.error is not None or self.cancelled
+
+
+@dataclass
+class BatchCounters:
+    """Raw counters of the batched passes (rates are derived by whoever reads them)."""
+
+    passes: int = 0
+    sequences: int = 0  # summed over passes: sequences decoding in them
+    tokens: int = 0  # summed over passes: tokens fed (pending + drafts)
+    computed: int = 0  # summed over passes: tokens computed, padding included
+    speculating: int = 0  # summed over passes: sequences that verified at least one draft token
+    prefill_passes: int = 0
+    prefill_tokens: int = 0
+    seconds: float = 0.0  # in decode passes
+
+
+class BatchEngine:
+    """Runs many ``SpeculativeDecoder`` requests together over one target (see the module docstring).
+
+    Each submitted sequence brings its own decoder (its drafter and controller carry per-sequence state), so a
+    decoder serves one sequence at a time; the target and its weights are shared."""
+
+    def __init__(self, target: TargetModel, max_batch: int = DEFAULT_MAX_BATCH,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise InvalidRequest(f"max batch must be a whole number >= 1, got {max_batch!r}")
+        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise InvalidRequest(f"prefill chunk must be a whole number >= 1, got {prefill_chunk!r}")
+        self.target = target
+        self.max_batch = max_batch
+        self.prefill_chunk = prefill_chunk
+        self.group = target.new_kv_group(max_batch)
+        self.costs = shared_cost_curve(target.cost_key)
+        self.counters = BatchCounters()
+        self._incoming: queue.SimpleQueue[BatchedSequence] = queue.SimpleQueue()
+        self.waiting: deque[BatchedSequence] = deque()  # submitted, no cache yet
+        self.prefilling: deque[BatchedSequence] = deque()  # cache taken, prompt being fed
+        self.running: list[BatchedSequence] = []  # decoding
+
+    # ------------------------------------------------------------ admission
+    def submit(self, decoder: SpeculativeDecoder, request: Request, on_delta: Callable[[str], None] | None = None,
+               on_done: Callable[[BatchedSequence], None] | None = None) -> BatchedSequence:
+        """Queue a request (from ``decoder.request(...)``); it joins at the next step with room. Thread-safe."""
+        if decoder.target is not self.target:
+            raise InvalidRequest("the decoder runs another target than this batch")
+        if getattr(decoder.drafter, "tree_depth", None):
+            raise InvalidRequest("token trees verify one sequence per pass; run them unbatched (max batch 1 in "
+                                 "the server) or drop the tree option")
+        seq = BatchedSequence(decoder, request, on_delta, on_done)
+        self._incoming.put(seq)
+        return seq
+
+    def cancel(self, seq: BatchedSequence) -> None:
+        """Stop a sequence (its client left); it leaves the batch at the next step. Thread-safe."""
+        seq.cancelled = True
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.prefilling or self.waiting or not self._incoming.empty())
+
+    @property
+    def size(self) -> int:
+        """Sequences holding a cache (decoding or prefilling)."""
+        return len(self.running) + len(self.prefilling)
+
+    # ------------------------------------------------------------ the loop
+    @torch.inference_mode()
+    def step(self) -> None:
+        """Admit, feed one prefill chunk, run one shared decode pass."""
+        while not self._incoming.empty():
+            self.waiting.append(self._incoming.get())
+        self._drop_cancelled()
+        while self.waiting and self.size < self.max_batch:
+            self._admit(self.waiting.popleft())
+        if self.prefilling:
+            self._prefill_chunk(self.prefilling[0])
+        if self.running:
+            self._decode()
+
+    def run(self) -> None:
+        """Step until every submitted sequence has finished."""
+        while self.busy:
+            self.step()
+
+    def _admit(self, seq: BatchedSequence) -> None:
+        try:
+            seq.state = seq.decoder.new_state(seq.request)
+            seq.state.cache = self.group.new_kv()
+            seq.start = time.perf_counter()
+        except Exception as exc:  # noqa: BLE001 - fail this request only
+            self._fail(seq, exc)
+            return
+        self.prefilling.append(seq)
+
+    def _prefill_chunk(self, seq: BatchedSequence) -> None:
+        state, decoder = seq.state, seq.decoder
+        todo = state.tokens[len(state.cached_tokens) : -1]  # the pending (last) token is fed by the first step
+        # whole when no stream waits on this pass, else one chunk
+        chunk = todo if not self.running else todo[: self.prefill_chunk]
+        try:
+            t0 = time.perf_counter()
+            if chunk:
+                out = self.target.forward(state.cache, chunk, last_only=True, feature_layers=decoder.feature_layers)
+                state.cached_tokens.extend(chunk)
+                if decoder.feature_layers:
+                    state.features.append(out.hidden)
+                self.counters.prefill_passes += 1
+                self.counters.prefill_tokens += len(chunk)
+            state.stats.prefill_seconds += time.perf_counter() - t0
+            if len(state.cached_tokens) == len(state.tokens) - 1:
+                decoder.begin(state, seq.request.k, calibrate=False)
+                self.prefilling.popleft()
+                self.running.append(seq)
+        except Exception as exc:  # noqa: BLE001
+            self.prefilling.popleft()
+            self._fail(seq, exc)
+
+    def _decode(self) -> None:
+        rows = list(self.running)
+        plans: list[StepPlan] = []
+        began = []
+        for i, seq in enumerate(rows):
+            began.append(time.perf_counter())
+            others = [r.width for j, r in enumerate(rows) if j != i]
+            ctrl = seq.decoder.controller
+            if len(rows) > 1:
+                ctrl.share_passes(lambda w, o=others: self.target.pass_width([*o, w]),
+                                  sum(r.committed for j, r in enumerate(rows) if j != i))
+            else:
+                ctrl.share_passes(None)
+            plans.append(seq.decoder._plan(seq.state, seq.request.k))
+        layers = sorted({layer for seq in rows for layer in seq.decoder.feature_layers})
+        widths = [len(plan.feed) for plan in plans]
+        t0 = time.perf_counter()
+        try:
+            outs = self.target.forward_batch([(seq.state.cache, plan.feed) for seq, plan in zip(rows, plans)],
+                                             feature_layers=layers)
+        except Exception as exc:  # noqa: BLE001 - the pass failed: every sequence in it fails, the engine goes on
+            for seq in rows:
+                self.running.remove(seq)
+                self._fail(seq, exc)
+            return
+        seconds = time.perf_counter() - t0
+        computed = self.target.pass_width(widths)
+        self.costs.observe(computed, seconds)
+        c = self.counters
+        c.passes += 1
+        c.sequences += len(rows)
+        c.tokens += sum(widths)
+        c.computed += computed
+        c.speculating += sum(1 for plan in plans if plan.draft.tokens)
+        c.seconds += seconds
+        for seq, plan, out, width, t_row in zip(rows, plans, outs, widths, began):
+            try:
+                if layers and seq.decoder.feature_layers:
+                    pick = [layers.index(layer) for layer in seq.decoder.feature_layers]
+                    out = TargetPass(out.logits, out.hidden[:, pick])
+                new_tokens, drafted, accepted = seq.decoder._settle(seq.state, plan, out, shared_pass_seconds=seconds)
+                delta = seq.decoder.advance(seq.state, new_tokens, drafted, accepted, time.perf_counter() - t_row)
+                seq.width, seq.committed = width, float(len(new_tokens))
+                if delta and seq.on_delta is not None:
+                    seq.on_delta(delta)
+                if seq.state.finish_reason:
+                    self._finish(seq)
+            except Exception as exc:  # noqa: BLE001
+                self.running.remove(seq)
+                self._fail(seq, exc)
+
+    # ------------------------------------------------------------ leaving
+    def _finish(self, seq: BatchedSequence) -> None:
+        tail = seq.state.text.finish()
+        if tail and seq.on_delta is not None:
+            seq.on_delta(tail)
+        self.running.remove(seq)
+        self._release(seq)
+        seq.result = seq.decoder.result(seq.state, seq.request, seq.start)
+        if seq.on_done is not None:
+            seq.on_done(seq)
+
+    def _fail(self, seq: BatchedSequence, exc: BaseException) -> None:
+        self._release(seq)
+        seq.error = exc
+        if seq.on_done is not None:
+            seq.on_done(seq)
+
+    def _release(self, seq: BatchedSequence) -> None:
+        seq.decoder.controller.share_passes(None)
+        if seq.state is not None and seq.state.cache is not None:
+            seq.state.cache.close()
+            seq.state.cache = None
+
+    def _drop_cancelled(self) -> None:
+        for pool in (self.waiting, self.prefilling):
+            for seq in [s for s in pool if s.cancelled]:
+                pool.remove(seq)
+                self._release(seq)
+                if seq.on_done is not None:
+                    seq.on_done(seq)
+        for seq in [s for s in self.running if s.cancelled]:
+            self.running.remove(seq)
+            self._release(seq)
+            if seq.on_done is not None:
+                seq.on_done(seq)
+
+
+def generate_batch(decoders: list[SpeculativeDecoder], prompts: list, max_batch: int = DEFAULT_MAX_BATCH,
+                   prefill_chunk: int = DEFAULT_PREFILL_CHUNK, **options) -> list[Generation]:
+    """Generate for every prompt with continuous batching; ``decoders[i]`` runs ``prompts[i]`` (give each its
+    own decoder: drafters keep per-sequence state). Options as ``SpeculativeDecoder.generate``."""
+    if len(decoders) != len(prompts):
+        raise InvalidRequest(f"{len(prompts)} prompts need as many decoders, got {len(decoders)}")
+    if not decoders:
+        return []
+    if len({id(d) for d in decoders}) != len(decoders):
+        raise InvalidRequest("give every prompt its own decoder (drafters keep per-sequence state)")
+    engine = BatchEngine(decoders[0].target, max_batch=max_batch, prefill_chunk=prefill_chunk)
+    seqs = [engine.submit(d, d.request(p, **options)) for d, p in zip(decoders, prompts)]
+    engine.run()
+    for seq in seqs:
+        if seq.error is not None:
+            raise seq.error
+    return [seq.result for seq in seqs]
