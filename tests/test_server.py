@@ -4,6 +4,7 @@ back-pressure, metrics and the off switch."""
 
 import json
 import threading
+import time
 
 import httpx
 import pytest
@@ -173,6 +174,43 @@ def test_eight_concurrent_clients(server, chat_dir):
         t.join()
     assert statuses == [200] * 40
     assert len(set(texts)) == 1  # greedy answers do not depend on who else was being served
+    # they were batched: passes carried several requests each
+    passes = server.metric("verispec_batch_passes_total")
+    assert passes > 0 and server.metric("verispec_batch_sequences_total") > 1.5 * passes
+    assert server.metric("verispec_batch_size") == 0
+
+
+def test_client_leaving_mid_stream_frees_its_batch_row(server, chat_dir):
+    before = server.metric("verispec_client_disconnects_total")
+    body = {"model": str(chat_dir), "prompt": PROMPT, "max_tokens": 200, "temperature": 0.8, "stream": True,
+            "verispec": {"speculation": False}}
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        for _ in range(3):
+            with http.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                next(r.iter_lines())
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (server.metric("verispec_batch_size") or
+                                           httpx.get(server.url + "/health").json()["running"]):
+        time.sleep(0.1)
+    assert server.metric("verispec_batch_size") == 0 and httpx.get(server.url + "/health").json()["running"] == 0
+    assert server.metric("verispec_client_disconnects_total") >= before + 3
+    r = httpx.post(server.url + "/v1/completions", json={"model": str(chat_dir), "prompt": PROMPT, "max_tokens": 8})
+    assert r.status_code == 200
+
+
+def test_unbatched_server_gives_the_same_answers(server, client, chat_dir):
+    s = Server("--target", str(chat_dir), "--max-batch", "1", "--max-concurrency", "2", "--k-policy", "fixed")
+    try:
+        for prompt in (PROMPT, "w7 w8 w9 w7 w8"):
+            a = client.completions.create(model=str(chat_dir), prompt=prompt, max_tokens=24, temperature=0)
+            b = s.client(timeout=60).completions.create(model=str(chat_dir), prompt=prompt, max_tokens=24,
+                                                        temperature=0)
+            assert a.choices[0].text == b.choices[0].text
+        assert httpx.get(s.url + "/health").json()["max_batch"] == 1
+        assert "verispec_batch_passes_total" not in httpx.get(s.url + "/metrics").text  # no batch engine there
+    finally:
+        s.stop()
 
 
 def test_metrics_move_and_admin_switch_stops_them(server, client, chat_dir):
@@ -239,5 +277,11 @@ def test_burst_past_the_limit_gets_429_and_server_recovers(chat_dir):
 def test_serve_rejects_bad_options(chat_dir, capsys):
     assert main(["serve", "--target", str(chat_dir), "--max-concurrency", "0"]) == 2
     assert "--max-concurrency must be >= 1" in capsys.readouterr().err
+    assert main(["serve", "--target", str(chat_dir), "--max-batch", "0"]) == 2
+    assert "--max-batch must be >= 1" in capsys.readouterr().err
+    assert main(["serve", "--target", str(chat_dir), "--max-concurrency", "2"]) == 2
+    assert "--max-batch 1" in capsys.readouterr().err
+    assert main(["serve", "--target", str(chat_dir), "--eagle-tree"]) == 2
+    assert "--max-batch 1" in capsys.readouterr().err
     assert main(["serve", "--target", str(chat_dir), "--acceptance", "typical"]) == 2
     assert "strict" in capsys.readouterr().err

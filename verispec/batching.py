@@ -17,7 +17,9 @@ Thread use: ``submit`` and ``cancel`` may be called from any thread; ``step`` (o
 
 from __future__ import annotations
 
+import logging
 import queue
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -29,6 +31,8 @@ from .backend import TargetModel, TargetPass
 from .controller import shared_cost_curve
 from .engine import Generation, Request, SequenceState, SpeculativeDecoder, StepPlan
 from .errors import InvalidRequest
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BATCH = 8
 DEFAULT_PREFILL_CHUNK = 128
@@ -221,6 +225,15 @@ class BatchEngine:
                 self.running.remove(seq)
                 self._fail(seq, exc)
 
+    def abort(self, exc: BaseException) -> None:
+        """Fail every sequence in the engine (after an unexpected error in a step)."""
+        while not self._incoming.empty():
+            self.waiting.append(self._incoming.get())
+        for pool in (self.waiting, self.prefilling, self.running):
+            while pool:
+                seq = pool.pop()
+                self._fail(seq, exc)
+
     # ------------------------------------------------------------ leaving
     def _finish(self, seq: BatchedSequence) -> None:
         tail = seq.state.text.finish()
@@ -275,3 +288,43 @@ def generate_batch(decoders: list[SpeculativeDecoder], prompts: list, max_batch:
         if seq.error is not None:
             raise seq.error
     return [seq.result for seq in seqs]
+
+
+class BatchWorker:
+    """A thread that steps a ``BatchEngine`` while it has work (the server's generation loop). ``submit`` and
+    ``cancel`` from any thread; callbacks run on the worker thread."""
+
+    def __init__(self, engine: BatchEngine, name: str = "verispec-batch") -> None:
+        self.engine = engine
+        self._wake = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, decoder: SpeculativeDecoder, request: Request, on_delta=None, on_done=None) -> BatchedSequence:
+        seq = self.engine.submit(decoder, request, on_delta, on_done)
+        with self._wake:
+            self._wake.notify()
+        return seq
+
+    def cancel(self, seq: BatchedSequence) -> None:
+        self.engine.cancel(seq)
+
+    def stop(self, timeout: float | None = 5.0) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+        self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopped and not self.engine.busy:
+                    self._wake.wait()
+                if self._stopped:
+                    return
+            try:
+                self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - a bug in a step fails its sequences, never the worker
+                log.exception("batch step failed")
+                self.engine.abort(exc)

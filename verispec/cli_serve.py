@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
+from .batching import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
 from .errors import InvalidRequest
 
 
@@ -19,9 +20,15 @@ def add_serve_parser(sub, model_options) -> None:
     g = s.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="interface to bind (default: 127.0.0.1; 0.0.0.0 for all)")
     g.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
+    g.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
+                   help="requests generating at once, decoded together in each target pass (continuous batching; "
+                        f"default: {DEFAULT_MAX_BATCH}); 1 = one request per pass, unbatched (needed for token trees)")
+    g.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, metavar="TOKENS",
+                   help="prompt tokens prefilled per pass while other requests are decoding, so a long prompt "
+                        f"never stalls their streams for long (default: {DEFAULT_PREFILL_CHUNK})")
     g.add_argument("--max-concurrency", type=int, default=1,
-                   help="generations running at once, each with its own KV cache (default: 1; on a CPU more "
-                        "only share the same cores)")
+                   help="with --max-batch 1 only: unbatched generation slots, each in its own thread (default: 1; "
+                        "on a CPU more only share the same cores)")
     g.add_argument("--max-queue", type=int, default=16,
                    help="requests that may wait for a slot; beyond concurrency + queue the server answers 429 "
                         "(default: 16)")
@@ -51,6 +58,7 @@ def cmd_serve(args) -> int:
     from .server import ServerConfig, create_app
 
     for name, value, low in (("--port", args.port, 0), ("--max-concurrency", args.max_concurrency, 1),
+                             ("--max-batch", args.max_batch, 1), ("--prefill-chunk", args.prefill_chunk, 1),
                              ("--max-queue", args.max_queue, 0), ("--default-max-tokens", args.default_max_tokens, 1),
                              ("--k", args.k, 1), ("--max-tokens-limit", args.max_tokens_limit or 1, 1)):
         if value < low:
@@ -59,10 +67,18 @@ def cmd_serve(args) -> int:
         raise InvalidRequest("the server runs strict (lossless) acceptance only; drop --acceptance")
     if args.drafter == "model" and not args.draft_model:
         raise InvalidRequest("--drafter model needs --draft-model REF")
-    target = load_args_model(args, args.target)
+    if args.max_batch > 1 and args.max_concurrency > 1:
+        raise InvalidRequest("--max-concurrency applies to unbatched serving (--max-batch 1); with batching, "
+                             "--max-batch is the number of requests generating at once")
+    if args.max_batch > 1 and args.eagle_tree:
+        raise InvalidRequest("--eagle-tree verifies one sequence per pass; add --max-batch 1 or drop --eagle-tree")
+    # llama.cpp: a KV sequence per batch row (unbatched, each slot's decoders keep theirs for prompt reuse)
+    seqs = ({"sequences": max(8, args.max_batch + 1, 4 * args.max_concurrency)} if args.backend == "llamacpp"
+            else {})
+    target = load_args_model(args, args.target, **seqs)
     drafters = {"ngram": lambda: NgramDrafter(min_n=args.ngram_min, max_n=args.ngram_max)}
     if args.draft_model:
-        draft = load_args_model(args, args.draft_model)
+        draft = load_args_model(args, args.draft_model, **seqs)
         ModelDrafter(draft, target)  # checks compatibility now, not on the first request
         drafters["model"] = lambda: ModelDrafter(draft, target)
     # on llama.cpp the EAGLE head is offered when the server starts with --drafter eagle or --eagle-head (hidden
@@ -77,14 +93,15 @@ def cmd_serve(args) -> int:
                 raise
     config = ServerConfig(
         target=target, drafters=drafters, default_drafter=args.drafter, k=args.k, k_policy=args.k_policy,
-        served_model_name=args.served_model_name, max_concurrency=args.max_concurrency, max_queue=args.max_queue,
+        served_model_name=args.served_model_name, max_batch=args.max_batch, max_concurrency=args.max_concurrency,
+        prefill_chunk=args.prefill_chunk, max_queue=args.max_queue,
         default_max_tokens=args.default_max_tokens, max_tokens_limit=args.max_tokens_limit, admin_token=args.admin_token,
         window_seconds=args.acceptance_window, speculation=not args.speculation_off,
     )
     app = create_app(config)
     print(f"verispec: serving {config.served_model_name or target.name} on http://{args.host}:{args.port} "
           f"(drafter {args.drafter}, k {args.k} ({args.k_policy}), {target.backend}: {target.kernel}, {args.dtype}, "
-          f"{args.max_concurrency} slot(s), queue "
-          f"{args.max_queue})", file=sys.stderr, flush=True)
+          + (f"batches of up to {args.max_batch}" if args.max_batch > 1 else f"{args.max_concurrency} unbatched slot(s)")
+          + f", queue {args.max_queue})", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0

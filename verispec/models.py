@@ -221,7 +221,7 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", device: str | None = None,
                pack: bool | None = None, backend: str = "transformers", weights: str = "as-is",
-               threads: int | None = None, features: bool = False):
+               threads: int | None = None, features: bool = False, sequences: int | None = None):
     """Load a model reference (built-in name, local directory, .gguf file or hub id) on a backend.
 
     ``backend="transformers"`` (default) returns a ``LoadedModel``. ``pack`` prepacks its linear layers' weights for
@@ -232,7 +232,8 @@ def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", d
     ``backend="llamacpp"`` returns a ``verispec.llamacpp.LlamaCppModel`` over the GGUF file (a built-in name or a
     .gguf path), its weights as they are or converted once to ``weights`` (f32, f16, q8_0, ...; ``auto`` measures
     which is fastest here), run with ``threads`` threads (default: the cores this process may use); ``features=True``
-    lets it return hidden states (for EAGLE heads; costs a little on every pass)."""
+    lets it return hidden states (for EAGLE heads; costs a little on every pass); ``sequences`` is how many KV caches
+    its context holds at once (default 8; a batch of N requests needs N)."""
     if backend not in BACKENDS:
         raise InvalidRequest(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if not isinstance(ref, str) or not ref.strip():
@@ -242,7 +243,7 @@ def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", d
         if parse_dtype(dtype) != torch.float32:
             raise InvalidRequest("dtype applies to the transformers backend; on llama.cpp choose the weight format "
                                  "with --weights (f32, f16, q8_0, ...)")
-        return _load_llamacpp(ref, weights, threads, features)
+        return _load_llamacpp(ref, weights, threads, features, sequences)
     if weights != "as-is":
         raise InvalidRequest("--weights applies to the llamacpp backend; on transformers choose --dtype")
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -289,7 +290,8 @@ def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", d
     return loaded
 
 
-def _load_llamacpp(ref: str, weights: str, threads: int | None, features: bool = False):
+def _load_llamacpp(ref: str, weights: str, threads: int | None, features: bool = False,
+                   sequences: int | None = None):
     from transformers import AutoTokenizer
 
     from .llamacpp import LlamaCppModel, choose_weights, import_llama_cpp
@@ -310,8 +312,9 @@ def _load_llamacpp(ref: str, weights: str, threads: int | None, features: bool =
     folder = cache_dir() / "gguf-weights" / f"{gguf.stem}-{digest[:16]}"
     chosen = choose_weights(gguf, weights, folder, threads)
     # EAGLE heads borrow the embeddings and lm_head of a transformers copy (loaded only if a head asks)
+    more = {} if sequences is None else {"sequences": sequences}
     return LlamaCppModel(chosen.path, tokenizer, ref, weights=chosen.name, threads=threads, features=features,
-                         embedding_model=lambda: load_model(ref, pack=False).model)
+                         **more, embedding_model=lambda: load_model(ref, pack=False).model)
 
 
 def pack_from_environment() -> bool:

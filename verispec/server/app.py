@@ -26,6 +26,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from .. import __version__
+from ..batching import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK, BatchEngine, BatchWorker
 from ..drafters import Drafter
 from ..engine import SpeculativeDecoder
 from ..errors import InvalidRequest
@@ -48,7 +49,9 @@ class ServerConfig:
     k: int = 8
     k_policy: str = "cost"
     served_model_name: str | None = None
-    max_concurrency: int = 1
+    max_batch: int = DEFAULT_MAX_BATCH  # requests decoded together, sharing each target pass (1: unbatched)
+    max_concurrency: int = 1  # unbatched only (max_batch 1): slots each generating in its own thread
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens per pass while other requests decode
     max_queue: int = 16
     default_max_tokens: int = 256
     max_tokens_limit: int | None = None  # the most tokens one request may ask for (None: the context window)
@@ -130,6 +133,79 @@ class _Job:
     stream: Any = None
 
 
+class _ThreadedRun:
+    """An unbatched generation: the decoder's own stream, stepped in a worker thread."""
+
+    def __init__(self, slot: dict[str, SpeculativeDecoder], pool: SlotPool) -> None:
+        self.slot, self.pool = slot, pool
+        self.stream = None
+        self.stats = None
+
+    @property
+    def result(self):
+        return self.stream.result if self.stream is not None else None
+
+    async def start(self, job: "_Job") -> None:
+        self.stream = self.slot[job.decoder_name].stream(job.prompt_ids, **job.options)
+        self.stats = self.stream.stats
+        self._steps = iter(self.stream)
+
+    async def next(self):
+        return await anyio.to_thread.run_sync(next, self._steps, _DONE)
+
+    def close(self) -> None:
+        if self.stream is not None and self.stream.result is None:
+            self.stream.close()  # not executing: the worker thread has returned
+        self.pool.release(self.slot)
+
+
+class _BatchedRun:
+    """A generation inside the batch engine: deltas arrive from the worker thread through an asyncio queue."""
+
+    def __init__(self, worker: BatchWorker, slot: dict[str, SpeculativeDecoder], pool: SlotPool) -> None:
+        self.worker, self.slot, self.pool = worker, slot, pool
+        self.seq = None
+        self.stats = None
+        self._released = False
+
+    @property
+    def result(self):
+        return self.seq.result if self.seq is not None else None
+
+    async def start(self, job: "_Job") -> None:
+        decoder = self.slot[job.decoder_name]
+        request = decoder.request(job.prompt_ids, **job.options)  # InvalidRequest: a 400, before joining
+        self.stats = request.stats
+        loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue = asyncio.Queue()
+
+        def put(item) -> None:
+            loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+        def done(seq) -> None:
+            put(_DONE)
+            loop.call_soon_threadsafe(self._release)
+
+        self.seq = self.worker.submit(decoder, request, on_delta=put, on_done=done)
+
+    async def next(self):
+        item = await self._queue.get()
+        if item is _DONE and self.seq.error is not None:
+            raise self.seq.error
+        return item
+
+    def _release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.pool.release(self.slot)
+
+    def close(self) -> None:
+        if self.seq is None:
+            self._release()
+        elif not (self.seq.result is not None or self.seq.error is not None):
+            self.worker.cancel(self.seq)  # the slot comes back when the engine has dropped the sequence
+
+
 def create_app(config: ServerConfig) -> FastAPI:
     target = config.target
     served = config.served_model_name or target.name
@@ -146,7 +222,20 @@ def create_app(config: ServerConfig) -> FastAPI:
             slot[name] = SpeculativeDecoder(target, factory(), k=config.k, k_policy=config.k_policy)
         return slot
 
-    pool = SlotPool(make_slot, config.max_concurrency, config.max_queue)
+    batched = config.max_batch > 1
+    worker = None
+    if batched:
+        if config.max_concurrency != 1:
+            raise ValueError("max concurrency (threads of unbatched slots) applies with max batch 1 only; with "
+                             "batching, max batch is the number of requests generating at once")
+        for name, factory in config.drafters.items():
+            if getattr(factory(), "tree_depth", None):
+                raise ValueError(f"the {name} drafter verifies token trees, one sequence per pass; serve it with "
+                                 "max batch 1 (--max-batch 1) or drop the tree option")
+        engine = BatchEngine(target, max_batch=config.max_batch, prefill_chunk=config.prefill_chunk)
+        worker = BatchWorker(engine)
+        metrics.watch_batch(engine)
+    pool = SlotPool(make_slot, config.max_batch if batched else config.max_concurrency, config.max_queue)
     encoder = SpeculativeDecoder(target)  # tokenization and validation only; never generates
     metrics.queue_depth.set_function(lambda: pool.waiting)
 
@@ -238,21 +327,21 @@ def create_app(config: ServerConfig) -> FastAPI:
                            code="rate_limit_exceeded")
 
     async def deltas(job: _Job, request: Request) -> AsyncIterator[str]:
-        """Text deltas of one admitted job, run step by step in a worker thread; stops when the client
-        leaves. Metrics move after every step."""
+        """Text deltas of one admitted job, stepped by the batch worker (or, unbatched, in a worker thread of its
+        own); stops when the client leaves. Metrics move with every delta."""
         arrived = time.perf_counter()
         slot = await pool.acquire()
-        stream = None
         gone = False
         metrics.running.inc()
+        run = _BatchedRun(worker, slot, pool) if batched else _ThreadedRun(slot, pool)
         try:
-            stream = slot[job.decoder_name].stream(job.prompt_ids, **job.options)
-            job.stream = stream
+            job.stream = run
+            await run.start(job)
             metrics.prompt_tokens.inc(len(job.prompt_ids))
-            steps, seen, first = iter(stream), 0, True
+            seen, first = 0, True
             while True:
-                delta = await anyio.to_thread.run_sync(next, steps, _DONE)
-                seen = metrics.observe_steps(stream.stats, seen)
+                delta = await run.next()
+                seen = metrics.observe_steps(run.stats, seen)
                 if delta is _DONE:
                     break
                 if first:
@@ -269,10 +358,8 @@ def create_app(config: ServerConfig) -> FastAPI:
         finally:
             if gone:
                 metrics.disconnects.inc()
-            if stream is not None and stream.result is None:
-                stream.close()  # not executing: the worker thread has returned
             metrics.running.dec()
-            pool.release(slot)
+            run.close()  # gives the slot back once the engine no longer uses its decoders
 
     def meta(job: _Job) -> dict:
         result = job.stream.result
@@ -389,7 +476,7 @@ def create_app(config: ServerConfig) -> FastAPI:
         return {"status": "ok", "model": served, "speculation": state["speculation"],
                 "default_drafter": config.default_drafter, "drafters": ["none", *config.drafters], "k": config.k,
                 "k_policy": config.k_policy, "running": pool.busy, "queued": pool.waiting,
-                "admitted": pool.admitted, "capacity": pool.capacity}
+                "admitted": pool.admitted, "capacity": pool.capacity, "max_batch": config.max_batch}
 
     @app.get("/metrics", summary="Prometheus metrics", response_class=Response,
              responses={200: {"content": {CONTENT_TYPE_LATEST.split(";")[0]: {"schema": {"type": "string"}}},

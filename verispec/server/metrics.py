@@ -13,6 +13,7 @@ import time
 from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 from ..stats import GenerationStats
 
@@ -61,6 +62,14 @@ class Metrics:
         self._window: deque[tuple[float, int, int]] = deque()
         self._lock = threading.Lock()
 
+    def watch_batch(self, engine) -> None:
+        """Export a batch engine's raw counters (batch size = sequences / passes, tokens per pass = tokens /
+        passes, speculation share = speculating / sequences: derive them with rate() in PromQL) and its
+        current size."""
+        self.registry.register(_BatchCollector(engine))
+        Gauge("verispec_batch_size", "Requests holding a KV cache in the batch now (decoding or prefilling)",
+              registry=self.registry).set_function(lambda: engine.size)
+
     def recent_acceptance(self) -> float:
         now = time.monotonic()
         with self._lock:
@@ -93,3 +102,32 @@ class Metrics:
                 for _ in range(committed):
                     self.token_latency.observe(seconds / committed)
         return end
+
+
+class _BatchCollector:
+    """The batch engine's counters, read when Prometheus scrapes."""
+
+    FIELDS = (
+        ("passes", "Batched decode passes of the target"),
+        ("sequences", "Sequences decoding, summed over passes (divide by passes: mean batch size)"),
+        ("tokens", "Tokens fed (pending + draft), summed over passes (divide by passes: tokens per pass)"),
+        ("computed", "Tokens computed including padding, summed over passes"),
+        ("speculating", "Sequences that verified at least one draft token, summed over passes (divide by "
+                        "sequences: speculation share)"),
+        ("prefill_passes", "Prefill passes (whole prompts or chunks)"),
+        ("prefill_tokens", "Prompt tokens prefilled"),
+        ("seconds", "Seconds spent in batched decode passes"),
+    )
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def collect(self):
+        counters = self.engine.counters
+        for name, doc in self.FIELDS:
+            family = CounterMetricFamily(f"verispec_batch_{name}", doc)
+            family.add_metric([], getattr(counters, name))
+            yield family
+
+    def describe(self):
+        return []

@@ -288,6 +288,7 @@ class Health(BaseModel):
     queued: int
     admitted: int
     capacity: int
+    max_batch: int
 
 
 class SpeculationState(BaseModel):
