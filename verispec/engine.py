@@ -28,7 +28,7 @@ from .errors import InvalidRequest
 from .features import FeatureBuffer
 from .sampling import SamplingParams, probabilities
 from .stats import GenerationStats
-from .text import TextAssembler
+from .text import TextAssembler, has_text
 from .verify import (ACCEPTANCE_MODES, LOSSY_MODES, STRICT, TorchCoins, verify, verify_tree, verify_tree_greedy,
                      verify_typical)
 
@@ -185,7 +185,7 @@ class SpeculativeDecoder:
         messages, or token ids as they are."""
         tok = self.target.tokenizer
         if isinstance(prompt, str):
-            if not prompt.strip():
+            if not has_text(prompt):
                 raise InvalidRequest("prompt is empty; pass some text to continue or answer")
             if raw or not getattr(tok, "chat_template", None):
                 ids = tok(prompt, add_special_tokens=True)["input_ids"]

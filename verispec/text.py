@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from typing import Sequence
 
 
@@ -85,3 +87,14 @@ class TextAssembler:
             if len(self.decode(self.ids[:n])) > len(kept_text):
                 return n
         return len(self.ids)
+
+
+# whitespace as JSON Schema's (ECMA-262) \s counts it: the API's schema and its validation must agree, and
+# Python's str.isspace() also counts \x1c-\x1f and \x85
+NOT_SPACE = "[^\t\n\v\f\r \u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000\ufeff]"
+_NOT_SPACE = re.compile(NOT_SPACE)
+
+
+def has_text(value: str) -> bool:
+    """Whether ``value`` has a character that is not whitespace (in JSON Schema's sense)."""
+    return _NOT_SPACE.search(value) is not None

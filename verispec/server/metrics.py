@@ -12,7 +12,7 @@ import threading
 import time
 from collections import deque
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily
 
 from ..stats import GenerationStats
@@ -26,6 +26,7 @@ class Metrics:
     def __init__(self, window_seconds: float = 600.0) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, open files (Linux)
         self.requests = Counter("verispec_requests", "Requests by endpoint and HTTP status",
                                 ["endpoint", "status"], registry=r)
         self.disconnects = Counter("verispec_client_disconnects", "Generations stopped because the client left",

@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictBool,
                       WithJsonSchema, field_validator, model_validator)
 
+from ..text import NOT_SPACE, has_text
+
 
 def _no_text_or_bool(value):
     # pydantic's lax mode would turn "0.5" or true into a number; OpenAI's API does not
@@ -34,13 +36,13 @@ def _integral(value):
 
 
 def _has_text(value: str) -> str:
-    if not value.strip():
+    if not has_text(value):
         raise ValueError("must contain some text, not only whitespace")
     return value
 
 
 # a string with at least one non-space character (the schema says so with a pattern)
-Text = Annotated[str, AfterValidator(_has_text), WithJsonSchema({"type": "string", "pattern": r"\S"})]
+Text = Annotated[str, AfterValidator(_has_text), WithJsonSchema({"type": "string", "pattern": NOT_SPACE})]
 Stop = Annotated[str, Field(min_length=1)]
 
 # name -> the values at which the parameter changes nothing (then it is accepted and ignored)

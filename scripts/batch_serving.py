@@ -1,0 +1,109 @@
+"""Serving throughput with continuous batching: bench-serve against several server configurations, interleaved.
+
+    python scripts/batch_serving.py --out docs/raw/DATE-batching [--levels 1,2,4,8,16] [--requests 16]
+
+Starts one ``verispec serve`` per configuration (all on the built-in model, float32, loopback), waits for them,
+then for every concurrency level runs ``verispec bench-serve`` against each configuration in turn (so a slow
+spell of a shared machine hits every configuration of a level alike). Configurations:
+
+- ``one-slot``: ``--max-batch 1`` (one request per pass, as the server ran before batching), levels 1 and 8 only
+- ``off``: ``--max-batch 8 --speculation-off``
+- ``fixed``: ``--max-batch 8 --k-policy fixed`` (every draft token the n-gram drafter offers, up to k)
+- ``adaptive``: ``--max-batch 8`` (the default: the cost-aware controller, seeing the batch's pass)
+
+Writes each run's bench-serve folder, ``table.md`` (output tokens/s per level and configuration, adaptive's ratio
+to the better of off and fixed, TTFT/TPOT P50) and ``table.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from serving import Server  # noqa: E402
+
+CONFIGS = {
+    "one-slot": ["--max-batch", "1"],
+    "off": ["--max-batch", "8", "--speculation-off"],
+    "fixed": ["--max-batch", "8", "--k-policy", "fixed"],
+    "adaptive": ["--max-batch", "8"],
+}
+ONE_SLOT_LEVELS = {1, 8}
+
+
+def bench(url: str, level: int, requests: int, max_tokens: int, out: Path) -> dict:
+    cmd = [sys.executable, "-m", "verispec", "bench-serve", url, "--concurrency", str(level), "--requests",
+           str(requests), "--max-tokens", str(max_tokens), "--out", str(out), "--no-plots"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if not done.stdout.strip():
+        raise RuntimeError(f"bench-serve failed: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])["levels"][0]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--levels", default="1,2,4,8,16")
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--target", default="smollm2-135m")
+    args = ap.parse_args()
+    levels = [int(x) for x in args.levels.split(",")]
+    names = args.configs.split(",")
+    args.out.mkdir(parents=True, exist_ok=True)
+    servers = {}
+    try:
+        for name in names:
+            servers[name] = Server("--target", args.target, "--max-queue", "64", *CONFIGS[name], timeout=600)
+            print(f"{name}: {servers[name].url}", file=sys.stderr, flush=True)
+        rows: dict[int, dict[str, dict]] = {}
+        for level in levels:
+            for name in names:
+                if name == "one-slot" and level not in ONE_SLOT_LEVELS:
+                    continue
+                t0 = time.perf_counter()
+                summary = bench(servers[name].url, level, args.requests, args.max_tokens,
+                                args.out / f"{name}-c{level}")
+                summary["batch_passes"] = servers[name].metric("verispec_batch_passes_total")
+                summary["batch_sequences"] = servers[name].metric("verispec_batch_sequences_total")
+                summary["batch_speculating"] = servers[name].metric("verispec_batch_speculating_total")
+                rows.setdefault(level, {})[name] = summary
+                print(f"c={level} {name}: {json.dumps(summary)} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr,
+                      flush=True)
+                (args.out / "table.json").write_text(json.dumps(rows, indent=2))
+    finally:
+        for s in servers.values():
+            s.stop()
+    write_table(rows, names, args)
+    return 0
+
+
+def _tps(summary: dict | None):
+    return summary.get("output_tokens_per_second") if summary else None
+
+
+def write_table(rows: dict, names: list[str], args) -> None:
+    head = "| clients | " + " | ".join(f"{n} tok/s" for n in names) + " | adaptive / best(off, fixed) | errors |"
+    lines = [head, "|" + "---|" * (len(names) + 3)]
+    for level, by in sorted(rows.items()):
+        cells = [f"{_tps(by.get(n)):.1f}" if _tps(by.get(n)) else "" for n in names]
+        best = max([_tps(by.get(n)) or 0 for n in ("off", "fixed")])
+        ratio = f"{_tps(by['adaptive']) / best:.2f}" if "adaptive" in by and best else ""
+        errors = sum(s.get("errors", 0) for s in by.values())
+        lines.append(f"| {level} | " + " | ".join(cells) + f" | {ratio} | {errors} |")
+    text = "\n".join(lines) + "\n"
+    (args.out / "table.md").write_text(f"`python scripts/batch_serving.py --out {args.out} --levels {args.levels} "
+                                       f"--requests {args.requests} --max-tokens {args.max_tokens}`\n\n" + text)
+    print(text)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.exit(main())
