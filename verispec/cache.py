@@ -118,6 +118,7 @@ class BatchKV:
         self.pass_rows: slice | None = None  # buffer rows of the pass in progress
         self.pass_starts: torch.Tensor | None = None  # [rows] first column each row writes
         self.pass_end = 0  # columns the pass's attention reads
+        self._index = None  # (key, where rows write) for the pass in progress
 
     def new_kv(self) -> "RowKV":
         if len(self.rows) >= self.capacity:
@@ -151,9 +152,23 @@ class BatchKV:
         self.pass_end = int(starts.max()) + width
         return span, starts
 
+    def write_index(self, heads: int, width: int):
+        """Where the pass's rows write: one start column shared by all rows, or an index for ``index_put_``
+        (built once per pass, not per layer)."""
+        if self._index is None or self._index[0] != (heads, width):
+            starts, span = self.pass_starts, self.pass_rows
+            if bool((starts == starts[0]).all()):
+                index = int(starts[0])
+            else:
+                index = (torch.arange(span.start, span.stop)[:, None, None], torch.arange(heads)[None, :, None],
+                         (starts[:, None] + torch.arange(width))[:, None, :])
+            self._index = ((heads, width), index)
+        return self._index[1]
+
     def end_pass(self) -> None:
         self.pass_rows = self.pass_starts = None
         self.pass_end = 0
+        self._index = None
 
 
 class RowKV:
@@ -205,11 +220,13 @@ class RaggedLayer(DynamicLayer):
         batch = self.batch
         span, starts, end = batch.pass_rows, batch.pass_starts, batch.pass_end
         self._ensure(key_states, end)
-        rows, heads, width = key_states.shape[0], key_states.shape[1], key_states.shape[-2]
-        index = (torch.arange(span.start, span.stop)[:, None, None], torch.arange(heads)[None, :, None],
-                 (starts[:, None] + torch.arange(width))[:, None, :])
-        self._keys.index_put_(index, key_states)
-        self._values.index_put_(index, value_states)
+        index = batch.write_index(key_states.shape[1], key_states.shape[-2])
+        if isinstance(index, int):  # every row starts at the same column: a plain slice copy
+            self._keys[span, :, index : index + key_states.shape[-2]].copy_(key_states)
+            self._values[span, :, index : index + key_states.shape[-2]].copy_(value_states)
+        else:
+            self._keys.index_put_(index, key_states)
+            self._values.index_put_(index, value_states)
         self.keys = self._keys[span, :, :end]
         self.values = self._values[span, :, :end]
         return self.keys, self.values

@@ -143,13 +143,15 @@ class LoadedModel:
             ids = torch.full((span.stop - span.start, width), fill, dtype=torch.long)
             for kv, tokens in items:
                 ids[kv.index - span.start, : len(tokens)] = torch.tensor(list(tokens))
-            offsets = torch.arange(width)
-            positions = starts[:, None] + offsets  # [rows, width]: a row's tokens sit at its own positions
-            columns = torch.arange(batch.pass_end)
-            allowed = columns[None, None, :] <= positions[:, :, None]  # [rows, width, columns]
-            mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, torch.finfo(self.dtype).min)
+            positions = starts[:, None] + torch.arange(width)  # [rows, width]: each row at its own positions
+            mask = None  # one row: the plain causal case, which transformers builds (and SDPA runs) as usual
+            if len(starts) > 1:
+                columns = torch.arange(batch.pass_end)
+                allowed = columns[None, None, :] <= positions[:, :, None]  # [rows, width, columns]
+                mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, torch.finfo(self.dtype).min)
+                mask = mask[:, None].to(self.device)
             out = self.model(input_ids=ids.to(self.device), past_key_values=batch.cache, use_cache=True,
-                             position_ids=positions.to(self.device), attention_mask=mask[:, None].to(self.device),
+                             position_ids=positions.to(self.device), attention_mask=mask,
                              output_hidden_states=bool(feature_layers))
         finally:
             batch.end_pass()
