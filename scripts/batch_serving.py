@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -54,6 +55,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--server-args", default="", help="more options for every server, e.g. \"--backend llamacpp "
+                                                      "--weights f32\"")
     args = ap.parse_args()
     levels = [int(x) for x in args.levels.split(",")]
     names = args.configs.split(",")
@@ -61,7 +64,8 @@ def main() -> int:
     servers = {}
     try:
         for name in names:
-            servers[name] = Server("--target", args.target, "--max-queue", "64", *CONFIGS[name], timeout=600)
+            servers[name] = Server("--target", args.target, "--max-queue", "64", *CONFIGS[name],
+                                   *shlex.split(args.server_args), timeout=600)
             print(f"{name}: {servers[name].url}", file=sys.stderr, flush=True)
         rows: dict[int, dict[str, dict]] = {}
         for level in levels:
@@ -99,8 +103,10 @@ def write_table(rows: dict, names: list[str], args) -> None:
         errors = sum(s.get("errors", 0) for s in by.values())
         lines.append(f"| {level} | " + " | ".join(cells) + f" | {ratio} | {errors} |")
     text = "\n".join(lines) + "\n"
+    extra = f" --server-args {shlex.quote(args.server_args)}" if args.server_args else ""
     (args.out / "table.md").write_text(f"`python scripts/batch_serving.py --out {args.out} --levels {args.levels} "
-                                       f"--requests {args.requests} --max-tokens {args.max_tokens}`\n\n" + text)
+                                       f"--requests {args.requests} --max-tokens {args.max_tokens} --configs "
+                                       f"{args.configs}{extra}`\n\n" + text)
     print(text)
 
 

@@ -229,3 +229,37 @@ def test_batch_errors_are_clear(tiny_target, eagle_head):
     with pytest.raises(InvalidRequest, match="its own decoder"):
         shared = SpeculativeDecoder(tiny_target)
         generate_batch([shared, shared], PROMPTS[:2])
+
+
+def steep_and_flat(curve, slope):
+    curve._means.clear()
+    for width in range(1, 80):
+        curve.observe(width, 0.1 + slope * width)
+
+
+def test_padded_batch_shares_one_draft_cap(tiny_target):
+    """On a backend that pads rows to the widest, the batch picks one draft cap for its cost-policy rows from their
+    acceptance and the pass's cost: none when wide passes cost much more than drafts bring, the full k when they
+    are nearly free. A fixed-policy row is never capped (and the others may then use its width for free)."""
+    engine = BatchEngine(tiny_target, max_batch=4)
+    decoders = [SpeculativeDecoder(tiny_target, NgramDrafter(), k=6) for _ in range(3)]
+    seqs = [engine.submit(d, d.request(p, max_new_tokens=40)) for d, p in zip(decoders, PROMPTS)]
+    while len(engine.running) < 3:
+        engine.step()
+    steep_and_flat(engine.costs, 0.05)  # a pass costs 0.1 s plus 0.05 s per computed token
+    assert engine._draft_cap(engine.running) == 0
+    steep_and_flat(engine.costs, 0.0001)  # nearly flat
+    assert engine._draft_cap(engine.running) == 6
+    engine.run()
+    assert all(s.result is not None for s in seqs)
+
+    engine = BatchEngine(tiny_target, max_batch=2)
+    fixed = SpeculativeDecoder(tiny_target, NgramDrafter(), k=6, k_policy="fixed")
+    cost = SpeculativeDecoder(tiny_target, NgramDrafter(), k=6)
+    a = engine.submit(fixed, fixed.request(PROMPTS[2], max_new_tokens=40))
+    b = engine.submit(cost, cost.request(PROMPTS[3], max_new_tokens=40))
+    while len(engine.running) < 2:
+        engine.step()
+    steep_and_flat(engine.costs, 0.05)
+    engine.run()
+    assert max(a.result.stats.step_budget) == 6 and b.result is not None

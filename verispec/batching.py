@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 
 from .backend import TargetModel, TargetPass
-from .controller import shared_cost_curve
+from .controller import COST, shared_cost_curve
 from .engine import Generation, Request, SequenceState, SpeculativeDecoder, StepPlan
 from .errors import InvalidRequest
 
@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BATCH = 8
 DEFAULT_PREFILL_CHUNK = 128
+CAP_MARGIN = 0.03  # a padded batch changes its shared draft cap only for a predicted gain of more than this
 
 
 @dataclass
@@ -95,6 +96,7 @@ class BatchEngine:
         self.waiting: deque[BatchedSequence] = deque()  # submitted, no cache yet
         self.prefilling: deque[BatchedSequence] = deque()  # cache taken, prompt being fed
         self.running: list[BatchedSequence] = []  # decoding
+        self._cap: int | None = None  # the last shared draft cap (padded backends)
 
     # ------------------------------------------------------------ admission
     def submit(self, decoder: SpeculativeDecoder, request: Request, on_delta: Callable[[str], None] | None = None,
@@ -174,20 +176,52 @@ class BatchEngine:
             self.prefilling.popleft()
             self._fail(seq, exc)
 
+    def _draft_cap(self, rows: list[BatchedSequence]) -> int | None:
+        """When the backend pads every row to the widest (transformers), one row's draft widens the pass for all,
+        so per-row choices would lock each other in: once one row drafts k, more drafts look free to every other.
+        Then the batch picks the draft length cap shared by its cost-policy rows for the most expected tokens per
+        second of the whole pass (each row's acceptance estimate, the measured pass cost, drafting costs), keeping
+        the last cap unless another is ``CAP_MARGIN`` better. ``None``: no cap (unpadded backend, one row, or no
+        costs measured yet)."""
+        capped = [r for r in rows if r.decoder.drafter is not None and r.decoder.controller.policy == COST]
+        if len(rows) < 2 or not capped or not self.costs or self.target.pass_width([1, 2]) <= 3:
+            return None
+        best, rates = None, {}
+        for cap in range(0, max(r.request.k for r in capped) + 1):
+            tokens, drafting, widths = 0.0, 0.0, []
+            for r in rows:
+                ctrl = r.decoder.controller
+                n = min(cap, r.request.k) if r in capped else r.width - 1
+                tokens += ctrl.predicted_tokens(n, None) if r in capped else r.committed
+                drafting += ctrl.draft_cost(n) if r in capped else 0.0
+                widths.append(1 + n)
+            rates[cap] = tokens / (self.costs(self.target.pass_width(widths)) + drafting)
+            if best is None or rates[cap] > rates[best]:
+                best = cap
+        if self._cap is not None and self._cap in rates and rates[best] < rates[self._cap] * (1 + CAP_MARGIN):
+            best = self._cap
+        self._cap = best
+        return best
+
     def _decode(self) -> None:
         rows = list(self.running)
+        cap = self._draft_cap(rows)
         plans: list[StepPlan] = []
         began = []
         for i, seq in enumerate(rows):
             began.append(time.perf_counter())
-            others = [r.width for j, r in enumerate(rows) if j != i]
             ctrl = seq.decoder.controller
+            k = seq.request.k
+            if cap is not None and seq.decoder.drafter is not None and ctrl.policy == COST:
+                k = min(k, cap)
+            others = [(1 + min(cap, r.request.k)) if cap is not None else r.width for j, r in enumerate(rows)
+                      if j != i]
             if len(rows) > 1:
                 ctrl.share_passes(lambda w, o=others: self.target.pass_width([*o, w]),
                                   sum(r.committed for j, r in enumerate(rows) if j != i))
             else:
                 ctrl.share_passes(None)
-            plans.append(seq.decoder._plan(seq.state, seq.request.k))
+            plans.append(seq.decoder._plan(seq.state, k))
         layers = sorted({layer for seq in rows for layer in seq.decoder.feature_layers})
         widths = [len(plan.feed) for plan in plans]
         t0 = time.perf_counter()
