@@ -11,7 +11,8 @@ from verispec.audit import run_audit
 from verispec.batching import BatchEngine, generate_batch
 from verispec.controller import Controller, CostCurve
 from verispec.drafters import EagleDrafter, ModelDrafter, NgramDrafter
-from verispec.engine import SpeculativeDecoder
+from verispec.drafters.base import Draft
+from verispec.engine import SpeculativeDecoder, StepPlan
 from verispec.errors import InvalidRequest
 
 # prompts of mixed lengths; some repeat themselves so the n-gram drafter finds matches
@@ -231,35 +232,60 @@ def test_batch_errors_are_clear(tiny_target, eagle_head):
         generate_batch([shared, shared], PROMPTS[:2])
 
 
-def steep_and_flat(curve, slope):
-    curve._means.clear()
-    for width in range(1, 80):
-        curve.observe(width, 0.1 + slope * width)
+class LinearCost:
+    """A stand-in for the measured cost curve: a pass costs 0.1 s plus ``slope`` s per computed token."""
+
+    def __init__(self, slope: float) -> None:
+        self.slope = slope
+
+    def __bool__(self) -> bool:
+        return True
+
+    def __call__(self, width: int) -> float:
+        return 0.1 + self.slope * width
+
+    def observe(self, width: int, seconds: float) -> None:
+        pass
 
 
-def test_padded_batch_shares_one_draft_cap(tiny_target):
-    """On a backend that pads rows to the widest, the batch picks one draft cap for its cost-policy rows from their
-    acceptance and the pass's cost: none when wide passes cost much more than drafts bring, the full k when they
-    are nearly free. A fixed-policy row is never capped (and the others may then use its width for free)."""
+@pytest.mark.parametrize("accepted,slope", [(0, 0.01), (6, 0.0001)])
+def test_padded_batch_cuts_drafts_to_one_shared_length(tiny_target, accepted, slope):
+    """On a backend that pads rows to the widest, the batch cuts its cost-policy rows' drafts to one length chosen
+    for the whole pass: to nothing when they are rarely accepted and a wide pass costs more, not at all when they
+    are always accepted and width is nearly free. A fixed-policy row's draft is never cut. The cut is by length,
+    never by token."""
     engine = BatchEngine(tiny_target, max_batch=4)
+    engine.costs = LinearCost(slope)
     decoders = [SpeculativeDecoder(tiny_target, NgramDrafter(), k=6) for _ in range(3)]
+    decoders.append(SpeculativeDecoder(tiny_target, NgramDrafter(), k=6, k_policy="fixed"))
     seqs = [engine.submit(d, d.request(p, max_new_tokens=40)) for d, p in zip(decoders, PROMPTS)]
-    while len(engine.running) < 3:
+    while len(engine.running) < 4:
         engine.step()
-    steep_and_flat(engine.costs, 0.05)  # a pass costs 0.1 s plus 0.05 s per computed token
-    assert engine._draft_cap(engine.running) == 0
-    steep_and_flat(engine.costs, 0.0001)  # nearly flat
-    assert engine._draft_cap(engine.running) == 6
+    for seq in engine.running:
+        for _ in range(50):
+            seq.decoder.controller.state.acceptance.observe(6, accepted)
+    drafts = [[7, 8, 9, 10, 11, 12], [7, 8, 9], [], [7, 8]]
+    plans = [StepPlan(Draft(list(d)), [seq.state.tokens[-1]], 0.0) for seq, d in zip(engine.running, drafts)]
+    fixed_row = [seq.decoder.controller.policy for seq in engine.running].index("fixed")
+    cap = engine._cap_drafts(engine.running, plans)
+    lengths = [len(p.draft) for p in plans]
+    expected = [len(d) if i == fixed_row else min(len(d), cap) for i, d in enumerate(drafts)]
+    assert lengths == expected
+    # rarely accepted: cut to what the fixed row's draft already makes the pass (free), no further
+    assert cap == (len(drafts[fixed_row]) if accepted == 0 else 6)
+    assert all(p.draft.tokens == d[: len(p.draft)] for p, d in zip(plans, drafts))
     engine.run()
     assert all(s.result is not None for s in seqs)
 
+
+def test_fixed_policy_rows_are_never_cut(tiny_target):
     engine = BatchEngine(tiny_target, max_batch=2)
+    engine.costs = LinearCost(0.05)
     fixed = SpeculativeDecoder(tiny_target, NgramDrafter(), k=6, k_policy="fixed")
     cost = SpeculativeDecoder(tiny_target, NgramDrafter(), k=6)
     a = engine.submit(fixed, fixed.request(PROMPTS[2], max_new_tokens=40))
-    b = engine.submit(cost, cost.request(PROMPTS[3], max_new_tokens=40))
-    while len(engine.running) < 2:
-        engine.step()
-    steep_and_flat(engine.costs, 0.05)
+    engine.submit(cost, cost.request(PROMPTS[3], max_new_tokens=40))
     engine.run()
-    assert max(a.result.stats.step_budget) == 6 and b.result is not None
+    alone = SpeculativeDecoder(tiny_target, NgramDrafter(), k=6, k_policy="fixed").generate(PROMPTS[2],
+                                                                                          max_new_tokens=40)
+    assert a.result.stats.drafted == alone.stats.drafted > 0

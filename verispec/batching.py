@@ -176,52 +176,51 @@ class BatchEngine:
             self.prefilling.popleft()
             self._fail(seq, exc)
 
-    def _draft_cap(self, rows: list[BatchedSequence]) -> int | None:
+    def _cap_drafts(self, rows: list[BatchedSequence], plans: list[StepPlan]) -> int | None:
         """When the backend pads every row to the widest (transformers), one row's draft widens the pass for all,
-        so per-row choices would lock each other in: once one row drafts k, more drafts look free to every other.
-        Then the batch picks the draft length cap shared by its cost-policy rows for the most expected tokens per
-        second of the whole pass (each row's acceptance estimate, the measured pass cost, drafting costs), keeping
-        the last cap unless another is ``CAP_MARGIN`` better. ``None``: no cap (unpadded backend, one row, or no
-        costs measured yet)."""
-        capped = [r for r in rows if r.decoder.drafter is not None and r.decoder.controller.policy == COST]
-        if len(rows) < 2 or not capped or not self.costs or self.target.pass_width([1, 2]) <= 3:
+        so per-row choices lock each other in: once one row verifies k tokens, more look free to every other. So
+        after drafting, the batch cuts the drafts of its cost-policy rows to one shared length, the one with the
+        most expected tokens per second for the whole pass (each row's acceptance estimate for the draft it made,
+        the measured cost of the padded pass), keeping the last cap unless another is ``CAP_MARGIN`` better.
+        Cutting a draft by its length only (never by its tokens) keeps verification lossless. Returns the cap, or
+        ``None`` when there is nothing to cut (unpadded backend, one row, no costs measured yet)."""
+        capped = [i for i, r in enumerate(rows) if r.decoder.drafter is not None and r.decoder.controller.policy == COST]
+        longest = max((len(plans[i].draft) for i in capped), default=0)
+        if len(rows) < 2 or not longest or not self.costs or self.target.pass_width([1, 2]) <= 3:
             return None
-        best, rates = None, {}
-        for cap in range(0, max(r.request.k for r in capped) + 1):
-            tokens, drafting, widths = 0.0, 0.0, []
-            for r in rows:
-                ctrl = r.decoder.controller
-                n = min(cap, r.request.k) if r in capped else r.width - 1
-                tokens += ctrl.predicted_tokens(n, None) if r in capped else r.committed
-                drafting += ctrl.draft_cost(n) if r in capped else 0.0
-                widths.append(1 + n)
-            rates[cap] = tokens / (self.costs(self.target.pass_width(widths)) + drafting)
-            if best is None or rates[cap] > rates[best]:
-                best = cap
-        if self._cap is not None and self._cap in rates and rates[best] < rates[self._cap] * (1 + CAP_MARGIN):
-            best = self._cap
+        rates = {}
+        for cap in range(longest + 1):
+            tokens, widths = 0.0, []
+            for i, (r, plan) in enumerate(zip(rows, plans)):
+                n = min(cap, len(plan.draft)) if i in capped else len(plan.draft)
+                tokens += r.decoder.controller.predicted_tokens(n, plan.draft.confidence) if n else 1.0
+                widths.append(len(plan.fed) + n)
+            rates[cap] = tokens / self.costs(self.target.pass_width(widths))
+        best = max(rates, key=rates.get)
+        last = min(self._cap, longest) if self._cap is not None else None
+        if last is not None and rates[best] < rates[last] * (1 + CAP_MARGIN):
+            best = last
         self._cap = best
+        for i in capped:
+            if len(plans[i].draft) > best:
+                plans[i].draft = plans[i].draft.truncated(best)
         return best
 
     def _decode(self) -> None:
         rows = list(self.running)
-        cap = self._draft_cap(rows)
         plans: list[StepPlan] = []
         began = []
         for i, seq in enumerate(rows):
             began.append(time.perf_counter())
             ctrl = seq.decoder.controller
-            k = seq.request.k
-            if cap is not None and seq.decoder.drafter is not None and ctrl.policy == COST:
-                k = min(k, cap)
-            others = [(1 + min(cap, r.request.k)) if cap is not None else r.width for j, r in enumerate(rows)
-                      if j != i]
+            others = [r.width for j, r in enumerate(rows) if j != i]
             if len(rows) > 1:
                 ctrl.share_passes(lambda w, o=others: self.target.pass_width([*o, w]),
                                   sum(r.committed for j, r in enumerate(rows) if j != i))
             else:
                 ctrl.share_passes(None)
-            plans.append(seq.decoder._plan(seq.state, k))
+            plans.append(seq.decoder._plan(seq.state, seq.request.k))
+        self._cap_drafts(rows, plans)
         layers = sorted({layer for seq in rows for layer in seq.decoder.feature_layers})
         widths = [len(plan.feed) for plan in plans]
         t0 = time.perf_counter()
