@@ -195,10 +195,11 @@ class BatchEngine:
                 n = min(cap, len(plan.draft)) if i in capped else len(plan.draft)
                 tokens += r.decoder.controller.predicted_tokens(n, plan.draft.confidence) if n else 1.0
                 widths.append(len(plan.fed) + n)
-            rates[cap] = tokens / self.costs(self.target.pass_width(widths))
+            width = self.target.pass_width(widths)
+            rates[cap] = tokens / (self.costs.at(width) if hasattr(self.costs, "at") else self.costs(width))
         best = max(rates, key=rates.get)
-        last = min(self._cap, longest) if self._cap is not None else None
-        if last is not None and rates[best] < rates[last] * (1 + CAP_MARGIN):
+        last = min(self._cap, longest) if self._cap is not None else 0
+        if rates[best] < rates[last] * (1 + CAP_MARGIN):  # change only for a clear gain (from plain, at first)
             best = last
         self._cap = best
         for i in capped:

@@ -95,6 +95,12 @@ class CostCurve:
             return base
         return max(base, anchor_seconds + slope * (width - anchor_width))
 
+    def at(self, width: int, min_count: float = 5.0) -> float:
+        """The mean measured at ``width`` once it has ``min_count`` observations (a padded batch pass is not on
+        the line the narrow passes draw), else the line."""
+        mean = self._means.get(width)
+        return mean.value if mean is not None and mean.count >= min_count else self(width)
+
     def _fit(self) -> tuple[float, float, float, float]:
         """(one-token time, a point of the line for wider passes, its slope); refitted only after an observation,
         since the engine reads the curve many times per step."""
