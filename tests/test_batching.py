@@ -244,6 +244,8 @@ class LinearCost:
     def __call__(self, width: int) -> float:
         return 0.1 + self.slope * width
 
+    at = __call__
+
     def observe(self, width: int, seconds: float) -> None:
         pass
 

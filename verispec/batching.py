@@ -55,10 +55,6 @@ class BatchedSequence:
     width: int = 1  # tokens it fed to the last pass
     committed: float = 1.0  # tokens it committed with the last pass
 
-    @property
-    def done(self) -> bool:
-        return self.result is not None or self.error is not None or self.cancelled
-
 
 @dataclass
 class BatchCounters:
@@ -196,7 +192,7 @@ class BatchEngine:
                 tokens += r.decoder.controller.predicted_tokens(n, plan.draft.confidence) if n else 1.0
                 widths.append(len(plan.fed) + n)
             width = self.target.pass_width(widths)
-            rates[cap] = tokens / (self.costs.at(width) if hasattr(self.costs, "at") else self.costs(width))
+            rates[cap] = tokens / self.costs.at(width)
         best = max(rates, key=rates.get)
         last = min(self._cap, longest) if self._cap is not None else 0
         if rates[best] < rates[last] * (1 + CAP_MARGIN):  # change only for a clear gain (from plain, at first)
@@ -211,13 +207,13 @@ class BatchEngine:
         rows = list(self.running)
         plans: list[StepPlan] = []
         began = []
+        committed = sum(r.committed for r in rows)
         for i, seq in enumerate(rows):
             began.append(time.perf_counter())
             ctrl = seq.decoder.controller
-            others = [r.width for j, r in enumerate(rows) if j != i]
             if len(rows) > 1:
-                ctrl.share_passes(lambda w, o=others: self.target.pass_width([*o, w]),
-                                  sum(r.committed for j, r in enumerate(rows) if j != i))
+                others = [r.width for j, r in enumerate(rows) if j != i]
+                ctrl.share_passes(lambda w, o=others: self.target.pass_width([*o, w]), committed - seq.committed)
             else:
                 ctrl.share_passes(None)
             plans.append(seq.decoder._plan(seq.state, seq.request.k))
@@ -292,17 +288,12 @@ class BatchEngine:
             seq.state.cache = None
 
     def _drop_cancelled(self) -> None:
-        for pool in (self.waiting, self.prefilling):
+        for pool in (self.waiting, self.prefilling, self.running):
             for seq in [s for s in pool if s.cancelled]:
                 pool.remove(seq)
                 self._release(seq)
                 if seq.on_done is not None:
                     seq.on_done(seq)
-        for seq in [s for s in self.running if s.cancelled]:
-            self.running.remove(seq)
-            self._release(seq)
-            if seq.on_done is not None:
-                seq.on_done(seq)
 
 
 def generate_batch(decoders: list[SpeculativeDecoder], prompts: list, max_batch: int = DEFAULT_MAX_BATCH,
