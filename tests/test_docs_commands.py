@@ -25,6 +25,7 @@ def invocations(text: str) -> list[list[str]]:
             if not line or line.startswith("#"):
                 continue
             for part in re.split(r"\s(?:&&|\||;)\s", line):
+                part = re.split(r"\s\d?>\s", part)[0]  # output redirected to a file
                 try:
                     words = shlex.split(part)
                 except ValueError:

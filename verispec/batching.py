@@ -335,6 +335,11 @@ class BatchWorker:
     def cancel(self, seq: BatchedSequence) -> None:
         self.engine.cancel(seq)
 
+    @property
+    def alive(self) -> bool:
+        """The stepping thread is running (a replica's health check asks)."""
+        return self._thread.is_alive()
+
     def stop(self, timeout: float | None = 5.0) -> None:
         with self._wake:
             self._stopped = True

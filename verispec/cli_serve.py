@@ -46,17 +46,27 @@ def add_serve_parser(sub, model_options) -> None:
     g.add_argument("--speculation-off", action="store_true",
                    help="start with speculation turned off (turn it on with POST /admin/speculation)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    r = s.add_argument_group("scale-out on Ray Serve (pip install \"verispec[ray]\")")
+    r.add_argument("--ray", action="store_true",
+                   help="serve the same API as a Ray Serve application: one batched engine per replica, requests "
+                        "spread over the replicas by Ray's proxy on --host/--port")
+    n = r.add_mutually_exclusive_group()
+    n.add_argument("--replicas", type=int, default=1, metavar="N", help="with --ray: replicas (default: 1)")
+    n.add_argument("--autoscale", metavar="MIN:MAX",
+                   help="with --ray: let Ray scale between MIN and MAX replicas on ongoing requests (target: "
+                        "--max-batch per replica)")
+    r.add_argument("--replica-cpus", type=float, default=1.0, metavar="CPUS",
+                   help="with --ray: CPUs each replica reserves, and the threads its engine uses (default: 1)")
+    r.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="with --ray: the Ray cluster to deploy on (e.g. auto, or ray://HEAD:10001; default: "
+                        "$RAY_ADDRESS, else a local Ray instance started for this command and stopped with it)")
+    r.add_argument("--print-config", action="store_true",
+                   help="print a Ray Serve config file (YAML) for `serve deploy` with these options, and exit")
     s.set_defaults(func=cmd_serve)
 
 
-def cmd_serve(args) -> int:
-    import uvicorn
-
-    from .drafters import EagleDrafter, ModelDrafter, NgramDrafter
-    from .errors import ModelNotFound
-    from .cli_backend import load_args_model
-    from .server import ServerConfig, create_app
-
+def check_serve_args(args) -> None:
+    """Refuse inconsistent server options with a message that names the fix (before any model loads)."""
     for name, value, low in (("--port", args.port, 0), ("--max-concurrency", args.max_concurrency, 1),
                              ("--max-batch", args.max_batch, 1), ("--prefill-chunk", args.prefill_chunk, 1),
                              ("--max-queue", args.max_queue, 0), ("--default-max-tokens", args.default_max_tokens, 1),
@@ -72,6 +82,16 @@ def cmd_serve(args) -> int:
                              "--max-batch is the number of requests generating at once")
     if args.max_batch > 1 and args.eagle_tree:
         raise InvalidRequest("--eagle-tree verifies one sequence per pass; add --max-batch 1 or drop --eagle-tree")
+
+
+def build_server_config(args):
+    """Load the target and drafters the options name, and return the server's configuration (one per process:
+    the plain server, or each Ray Serve replica)."""
+    from .drafters import EagleDrafter, ModelDrafter, NgramDrafter
+    from .errors import ModelNotFound
+    from .cli_backend import load_args_model
+    from .server import ServerConfig
+
     # llama.cpp: a KV sequence per batch row (unbatched, each slot's decoders keep theirs for prompt reuse)
     seqs = ({"sequences": max(8, args.max_batch + 1, 4 * args.max_concurrency)} if args.backend == "llamacpp"
             else {})
@@ -91,17 +111,35 @@ def cmd_serve(args) -> int:
         except ModelNotFound:
             if args.drafter == "eagle" or args.eagle_head:
                 raise
-    config = ServerConfig(
+    return ServerConfig(
         target=target, drafters=drafters, default_drafter=args.drafter, k=args.k, k_policy=args.k_policy,
         served_model_name=args.served_model_name, max_batch=args.max_batch, max_concurrency=args.max_concurrency,
         prefill_chunk=args.prefill_chunk, max_queue=args.max_queue,
         default_max_tokens=args.default_max_tokens, max_tokens_limit=args.max_tokens_limit, admin_token=args.admin_token,
         window_seconds=args.acceptance_window, speculation=not args.speculation_off,
     )
+
+
+def describe(args, config) -> str:
+    target = config.target
+    return (f"{config.served_model_name or target.name} (drafter {args.drafter}, k {args.k} ({args.k_policy}), "
+            f"{target.backend}: {target.kernel}, {args.dtype}, "
+            + (f"batches of up to {args.max_batch}" if args.max_batch > 1 else f"{args.max_concurrency} unbatched slot(s)")
+            + f", queue {args.max_queue})")
+
+
+def cmd_serve(args) -> int:
+    check_serve_args(args)
+    if args.ray or args.print_config:
+        from .cli_ray import cmd_serve_ray
+
+        return cmd_serve_ray(args)
+    import uvicorn
+
+    from .server import create_app
+
+    config = build_server_config(args)
     app = create_app(config)
-    print(f"verispec: serving {config.served_model_name or target.name} on http://{args.host}:{args.port} "
-          f"(drafter {args.drafter}, k {args.k} ({args.k_policy}), {target.backend}: {target.kernel}, {args.dtype}, "
-          + (f"batches of up to {args.max_batch}" if args.max_batch > 1 else f"{args.max_concurrency} unbatched slot(s)")
-          + f", queue {args.max_queue})", file=sys.stderr, flush=True)
+    print(f"verispec: serving {describe(args, config)} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     return 0

@@ -1,5 +1,5 @@
 """OpenAI-compatible HTTP server over the engine (FastAPI + uvicorn)."""
 
-from .app import ServerConfig, create_app
+from .app import ServerConfig, LocalSwitch, create_app
 
-__all__ = ["ServerConfig", "create_app"]
+__all__ = ["ServerConfig", "LocalSwitch", "create_app"]

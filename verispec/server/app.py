@@ -59,6 +59,23 @@ class ServerConfig:
     window_seconds: float = 600.0
     speculation: bool = True
     extra_model_names: list[str] = field(default_factory=list)
+    # where the server-wide off switch lives: in this process (None) or shared by many replicas (verispec.ray)
+    switch: "LocalSwitch | None" = None
+
+
+class LocalSwitch:
+    """The server-wide speculation switch, in this process. A scale-out deployment passes one whose state is
+    shared by every replica (``verispec.ray``), so turning speculation off on one reaches all."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+
+    async def get(self) -> bool:
+        return self.enabled
+
+    async def set(self, enabled: bool) -> bool:
+        self.enabled = enabled
+        return enabled
 
 
 class APIError(Exception):
@@ -211,8 +228,13 @@ def create_app(config: ServerConfig) -> FastAPI:
     served = config.served_model_name or target.name
     model_names = {served, *config.extra_model_names}
     metrics = Metrics(config.window_seconds)
-    state = {"speculation": config.speculation}
+    switch = config.switch or LocalSwitch(config.speculation)
     metrics.speculation.set(1 if config.speculation else 0)
+
+    async def speculation_on() -> bool:
+        enabled = await switch.get()
+        metrics.speculation.set(1 if enabled else 0)
+        return enabled
     if config.default_drafter not in ("none", *config.drafters):
         raise ValueError(f"default drafter {config.default_drafter!r} is not among {list(config.drafters)}")
 
@@ -242,7 +264,7 @@ def create_app(config: ServerConfig) -> FastAPI:
     app = FastAPI(title="verispec", version=__version__,
                   description="OpenAI-compatible API with lossless speculative decoding")
     app.add_middleware(_CountRequests, metrics=metrics)
-    app.state.config, app.state.metrics, app.state.pool = config, metrics, pool
+    app.state.config, app.state.metrics, app.state.pool, app.state.worker = config, metrics, pool, worker
 
     # ------------------------------------------------------------- errors
     @app.exception_handler(APIError)
@@ -286,7 +308,7 @@ def create_app(config: ServerConfig) -> FastAPI:
             raise APIError(400, message, param=param) from None
 
     # ------------------------------------------------------------- generation
-    def prepare(req, prompt, raw: bool, endpoint: str) -> _Job:
+    def prepare(req, prompt, raw: bool, endpoint: str, speculation: bool) -> _Job:
         if req.model not in model_names:
             raise APIError(404, f"model '{req.model}' does not exist; this server serves {', '.join(sorted(model_names))}"
                            " (see GET /v1/models)", "not_found_error", "model", "model_not_found")
@@ -295,7 +317,7 @@ def create_app(config: ServerConfig) -> FastAPI:
             raise APIError(400, f"drafter '{opts.drafter}' is not available; this server has: "
                                 f"{', '.join(['none', *config.drafters])}", param="verispec.drafter")
         disabled_by = None
-        if not state["speculation"]:
+        if not speculation:
             name, disabled_by = "none", "server"
         elif not opts.speculation:
             name, disabled_by = "none", "request"
@@ -438,7 +460,7 @@ def create_app(config: ServerConfig) -> FastAPI:
             yield "data: [DONE]\n\n"
 
     async def respond(req, prompt, raw: bool, endpoint: str, request: Request):
-        job = prepare(req, prompt, raw, endpoint)
+        job = prepare(req, prompt, raw, endpoint, await speculation_on())
         if not req.stream:
             return await complete(job, request)
         admit()
@@ -473,7 +495,7 @@ def create_app(config: ServerConfig) -> FastAPI:
 
     @app.get("/health", response_model=Health, summary="Liveness, configuration and load")
     async def health():
-        return {"status": "ok", "model": served, "speculation": state["speculation"],
+        return {"status": "ok", "model": served, "speculation": await speculation_on(),
                 "default_drafter": config.default_drafter, "drafters": ["none", *config.drafters], "k": config.k,
                 "k_policy": config.k_policy, "running": pool.busy, "queued": pool.waiting,
                 "admitted": pool.admitted, "capacity": pool.capacity, "max_batch": config.max_batch}
@@ -496,17 +518,17 @@ def create_app(config: ServerConfig) -> FastAPI:
              summary="Whether speculation is on server-wide")
     async def get_speculation(request: Request):
         authorize(request)
-        return {"enabled": state["speculation"]}
+        return {"enabled": await speculation_on()}
 
     @app.post("/admin/speculation", response_model=SpeculationState, responses=admin_errors,
               summary="Turn speculation on or off server-wide (the off switch)")
     async def set_speculation(request: Request):
         authorize(request)
         body = await parse(request, SpeculationSwitch)
-        state["speculation"] = body.enabled
-        metrics.speculation.set(1 if body.enabled else 0)
-        log.warning("speculation turned %s server-wide", "on" if body.enabled else "off")
-        return {"enabled": state["speculation"]}
+        enabled = await switch.set(body.enabled)
+        metrics.speculation.set(1 if enabled else 0)
+        log.warning("speculation turned %s server-wide", "on" if enabled else "off")
+        return {"enabled": enabled}
 
     app.openapi = lambda: _openapi(app, sorted(model_names), ["none", *config.drafters], token_cap,
                                    target.vocab_size)
