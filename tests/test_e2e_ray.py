@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 
 import httpx
 import pytest
 
-from serving import Server
+from serving import Server, free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -69,8 +71,22 @@ def total(scraped: list[dict[str, float]], key: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def ray_server(default_model):  # default_model: fetched and cached before the replicas start
-    server = Server("--ray", "--replicas", "2", "--max-batch", "4", "--max-queue", "2", timeout=400)
+def ray_tmpdir():
+    """Ray's temp folder for these tests, holding a stale ``ray_current_cluster`` (as a stopped ``ray start`` leaves
+    behind): ``verispec serve --ray`` must start its own instance, not join the dead cluster the file names (a
+    clean-clone CI run once hung on exactly that). A short path: Ray's sockets live under it."""
+    path = tempfile.mkdtemp(prefix="vsray")
+    os.makedirs(os.path.join(path, "ray"))
+    with open(os.path.join(path, "ray", "ray_current_cluster"), "w") as f:
+        f.write(f"127.0.0.1:{free_port()}")  # nothing listens there
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def ray_server(default_model, ray_tmpdir):  # default_model: fetched and cached before the replicas start
+    env = {"RAY_TMPDIR": ray_tmpdir, "RAY_ADDRESS": None}  # None: unset, whatever this shell has
+    server = Server("--ray", "--replicas", "2", "--max-batch", "4", "--max-queue", "2", timeout=400, env=env)
     # both replicas up (the proxy answers /health as soon as one is)
     deadline = time.monotonic() + 300
     while len(httpx.get(server.url + "/metrics/targets", timeout=30).json()) < 2:

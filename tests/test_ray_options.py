@@ -132,3 +132,21 @@ def test_switch_reads_the_shared_state_and_keeps_the_last_value_when_it_is_away(
     assert asyncio.run(b.get()) is False  # another replica sees it
     away = RaySwitch(_Handle(fail=True), enabled=False)
     assert asyncio.run(away.get()) is False
+
+
+@pytest.mark.parametrize("flag, env, expected", [
+    (None, None, "local"),           # never None: Ray would join whatever cluster its temp folder last recorded
+    (None, "", "local"),
+    (None, "10.0.0.5:6379", "10.0.0.5:6379"),
+    ("auto", "10.0.0.5:6379", "auto"),  # the flag wins over the environment
+])
+def test_ray_address_is_the_flag_then_the_environment_then_a_new_local_instance(flag, env, expected, monkeypatch):
+    from verispec.cli import build_parser
+    from verispec.cli_ray import ray_address
+
+    if env is None:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    else:
+        monkeypatch.setenv("RAY_ADDRESS", env)
+    args = build_parser().parse_args(["serve", "--ray", *(["--ray-address", flag] if flag else [])])
+    assert ray_address(args) == expected

@@ -45,8 +45,9 @@ def cmd_serve_ray(args: argparse.Namespace) -> int:
     ray, serve = require_ray()
     app = build_app(replicas=args.replicas, autoscale=args.autoscale, replica_cpus=args.replica_cpus,
                     log_level=args.log_level, **replica_options(args))
-    address = args.ray_address or os.environ.get("RAY_ADDRESS")
-    if address is None:
+    address = ray_address(args)
+    local = address == "local"
+    if local:
         _prefetch(args)  # one download or conversion here, not one per replica at once
     ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
     # after ray.init, which installs its own: a terminate signal unwinds like Ctrl-C, so the application and a
@@ -54,7 +55,7 @@ def cmd_serve_ray(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         serve.start(http_options={"host": args.host, "port": args.port})
-        where = "a local Ray instance" if address is None else f"the Ray cluster at {address}"
+        where = "a local Ray instance" if local else f"the Ray cluster at {address}"
         print(f"verispec: deploying on {where}: " + (f"autoscaling {args.autoscale} replicas" if args.autoscale
               else f"{args.replicas} replica(s)") + f" of {args.replica_cpus:g} CPU each", file=sys.stderr, flush=True)
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
@@ -68,11 +69,20 @@ def cmd_serve_ray(args: argparse.Namespace) -> int:
         print("verispec: stopping the Ray Serve application", file=sys.stderr, flush=True)
         try:
             serve.delete(APP_NAME)
-            if address is None:
+            if local:
                 serve.shutdown()
         finally:
             ray.shutdown()
     return 0
+
+
+def ray_address(args: argparse.Namespace) -> str:
+    """What ``ray.init`` is given: ``--ray-address``, else ``$RAY_ADDRESS``, else ``"local"`` (a new local instance).
+
+    Never None: given None, Ray joins whatever cluster its temp folder's ``ray_current_cluster`` file names, the
+    last one ``ray start`` started on this machine, even if it has since stopped. Ray then retries that dead
+    address forever and the server never comes up. Joining this machine's cluster is ``--ray-address auto``."""
+    return args.ray_address or os.environ.get("RAY_ADDRESS") or "local"
 
 
 def _interrupt(signum, frame) -> None:

@@ -58,8 +58,9 @@ def add_serve_parser(sub, model_options) -> None:
     r.add_argument("--replica-cpus", type=float, default=1.0, metavar="CPUS",
                    help="with --ray: CPUs each replica reserves, and the threads its engine uses (default: 1)")
     r.add_argument("--ray-address", default=None, metavar="ADDR",
-                   help="with --ray: the Ray cluster to deploy on (e.g. auto, or ray://HEAD:10001; default: "
-                        "$RAY_ADDRESS, else a local Ray instance started for this command and stopped with it)")
+                   help="with --ray: the Ray cluster to deploy on: auto (the one `ray start` started on this "
+                        "node), HEAD:6379 or ray://HEAD:10001 (default: $RAY_ADDRESS, else a new local Ray instance "
+                        "started for this command and stopped with it; never a cluster found on its own)")
     r.add_argument("--print-config", action="store_true",
                    help="print a Ray Serve config file (YAML) for `serve deploy` with these options, and exit")
     s.set_defaults(func=cmd_serve)
