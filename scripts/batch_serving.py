@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -53,6 +54,8 @@ def main() -> int:
     ap.add_argument("--levels", default="1,2,4,8,16")
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=1, help="repeat every level this often, rotating the order of "
+                                                           "the configurations each round; the table gives medians")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--server-args", default="", help="more options for every server, e.g. \"--backend llamacpp "
@@ -62,26 +65,28 @@ def main() -> int:
     names = args.configs.split(",")
     args.out.mkdir(parents=True, exist_ok=True)
     servers = {}
+    rows: dict[int, dict[str, list[dict]]] = {}
     try:
         for name in names:
             servers[name] = Server("--target", args.target, "--max-queue", "64", *CONFIGS[name],
                                    *shlex.split(args.server_args), timeout=600)
             print(f"{name}: {servers[name].url}", file=sys.stderr, flush=True)
-        rows: dict[int, dict[str, dict]] = {}
-        for level in levels:
-            for name in names:
-                if name == "one-slot" and level not in ONE_SLOT_LEVELS:
-                    continue
-                t0 = time.perf_counter()
-                summary = bench(servers[name].url, level, args.requests, args.max_tokens,
-                                args.out / f"{name}-c{level}")
-                summary["batch_passes"] = servers[name].metric("verispec_batch_passes_total")
-                summary["batch_sequences"] = servers[name].metric("verispec_batch_sequences_total")
-                summary["batch_speculating"] = servers[name].metric("verispec_batch_speculating_total")
-                rows.setdefault(level, {})[name] = summary
-                print(f"c={level} {name}: {json.dumps(summary)} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr,
-                      flush=True)
-                (args.out / "table.json").write_text(json.dumps(rows, indent=2))
+        for r in range(args.rounds):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for level in levels:
+                for name in order:
+                    if name == "one-slot" and level not in ONE_SLOT_LEVELS:
+                        continue
+                    t0 = time.perf_counter()
+                    folder = f"{name}-c{level}" + (f"-r{r}" if args.rounds > 1 else "")
+                    summary = bench(servers[name].url, level, args.requests, args.max_tokens, args.out / folder)
+                    summary["round"] = r
+                    for key in ("passes", "sequences", "speculating"):  # cumulative over the server's life
+                        summary[f"batch_{key}"] = servers[name].metric(f"verispec_batch_{key}_total")
+                    rows.setdefault(level, {}).setdefault(name, []).append(summary)
+                    print(f"round {r} c={level} {name}: {json.dumps(summary)} ({time.perf_counter() - t0:.0f} s)",
+                          file=sys.stderr, flush=True)
+                    (args.out / "table.json").write_text(json.dumps(rows, indent=2))
     finally:
         for s in servers.values():
             s.stop()
@@ -93,20 +98,38 @@ def _tps(summary: dict | None):
     return summary.get("output_tokens_per_second") if summary else None
 
 
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
 def write_table(rows: dict, names: list[str], args) -> None:
-    head = "| clients | " + " | ".join(f"{n} tok/s" for n in names) + " | adaptive / best(off, fixed) | errors |"
-    lines = [head, "|" + "---|" * (len(names) + 3)]
+    """Median output tokens/s per level and configuration over the rounds; adaptive's ratio to the better of off
+    and fixed, per round (both from the same round) and its median; TPOT P50 medians."""
+    head = ("| clients | " + " | ".join(f"{n} tok/s" for n in names) + " | adaptive / best(off, fixed) per round | "
+            "median | " + " | ".join(f"{n} TPOT P50 ms" for n in names) + " | errors |")
+    lines = [head, "|" + "---|" * (2 * len(names) + 4)]
     for level, by in sorted(rows.items()):
-        cells = [f"{_tps(by.get(n)):.1f}" if _tps(by.get(n)) else "" for n in names]
-        best = max([_tps(by.get(n)) or 0 for n in ("off", "fixed")])
-        ratio = f"{_tps(by['adaptive']) / best:.2f}" if "adaptive" in by and best else ""
-        errors = sum(s.get("errors", 0) for s in by.values())
-        lines.append(f"| {level} | " + " | ".join(cells) + f" | {ratio} | {errors} |")
+        cells = [f"{m:.1f}" if (m := _median([_tps(x) for x in by.get(n, [])])) else "" for n in names]
+        ratios = []
+        for r in range(args.rounds):
+            this = {n: next((x for x in by.get(n, []) if x["round"] == r), None) for n in ("off", "fixed", "adaptive")}
+            best = max([_tps(this[n]) or 0 for n in ("off", "fixed")])
+            if this["adaptive"] and best:
+                ratios.append(_tps(this["adaptive"]) / best)
+        tpot = [f"{m:.1f}" if (m := _median([x.get("tpot_p50_ms") for x in by.get(n, [])])) else "" for n in names]
+        errors = sum(x.get("errors", 0) for runs in by.values() for x in runs)
+        lines.append(f"| {level} | " + " | ".join(cells) + f" | {', '.join(f'{x:.2f}' for x in ratios)} | "
+                     f"{f'{statistics.median(ratios):.2f}' if ratios else ''} | " + " | ".join(tpot) + f" | {errors} |")
     text = "\n".join(lines) + "\n"
     extra = f" --server-args {shlex.quote(args.server_args)}" if args.server_args else ""
-    (args.out / "table.md").write_text(f"`python scripts/batch_serving.py --out {args.out} --levels {args.levels} "
-                                       f"--requests {args.requests} --max-tokens {args.max_tokens} --configs "
-                                       f"{args.configs}{extra}`\n\n" + text)
+    from verispec.cpu import cpu_info
+
+    cpu = cpu_info()
+    (args.out / "table.md").write_text(
+        f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores of {cpu['model']} ({', '.join(cpu['flags'])})\n\n"
+        f"`python scripts/batch_serving.py --out {args.out} --levels {args.levels} --requests {args.requests} "
+        f"--max-tokens {args.max_tokens} --rounds {args.rounds} --configs {args.configs}{extra}`\n\n" + text)
     print(text)
 
 
