@@ -73,6 +73,25 @@ def test_batched_pass_equals_lone_passes(tiny_target):
                 group.new_kv()
 
 
+def test_last_only_gives_each_row_its_own_last_logits(tiny_target):
+    """A prefill on a batch row asks for the last token's logits only; with ragged rows each gets its own last."""
+    torch.manual_seed(1)
+    seqs = [torch.randint(3, 32, (n,)).tolist() for n in (7, 2, 5, 5)]
+    with torch.inference_mode():
+        ref = [tiny_target.forward(tiny_target.new_kv(), s).logits for s in seqs]
+        group = tiny_target.new_kv_group(4)
+        kvs = [group.new_kv() for _ in seqs]
+        outs = tiny_target.forward_batch(list(zip(kvs, seqs)), last_only=True)
+        for out, kv, s, r in zip(outs, kvs, seqs, ref):
+            assert out.logits.shape == (1, r.shape[-1]) and len(kv) == len(s)
+            torch.testing.assert_close(out.logits, r[-1:], atol=1e-5, rtol=0)
+        # one row through forward(), as the batch engine prefills
+        kv = tiny_target.new_kv_group(1).new_kv()
+        out = tiny_target.forward(kv, seqs[0], last_only=True)
+        assert out.logits.shape == (1, ref[0].shape[-1])
+        torch.testing.assert_close(out.logits, ref[0][-1:], atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("max_batch,chunk", [(3, 4), (6, 128)])
 def test_greedy_output_does_not_depend_on_the_batch(tiny_target, tiny_noisy_draft, eagle_head, max_batch, chunk):
     """Mixed prompt lengths, every drafter, more requests than rows (sequences join as others leave), prompts

@@ -128,8 +128,10 @@ class LoadedModel:
         """Rows a batched pass computes: every row is padded to the widest."""
         return len(widths) * max(widths, default=0)
 
-    def forward_batch(self, items, *, feature_layers=()) -> list[TargetPass]:
-        """One forward over several sequences of one ``BatchKV`` (``verispec.backend.TargetModel``)."""
+    def forward_batch(self, items, *, feature_layers=(), last_only: bool = False) -> list[TargetPass]:
+        """One forward over several sequences of one ``BatchKV`` (``verispec.backend.TargetModel``). With
+        ``last_only`` each sequence gets the logits of its last token only, and the lm_head runs on those columns
+        only (a prompt's prefill would otherwise spend most of its time on logits it throws away)."""
         kvs = [kv for kv, _ in items]
         batch = kvs[0].batch if kvs and isinstance(kvs[0], RowKV) else None
         if batch is None or any(not isinstance(kv, RowKV) or kv.batch is not batch for kv in kvs):
@@ -150,9 +152,11 @@ class LoadedModel:
                 allowed = columns[None, None, :] <= positions[:, :, None]  # [rows, width, columns]
                 mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, torch.finfo(self.dtype).min)
                 mask = mask[:, None].to(self.device)
+            keep = sorted({len(tokens) - 1 for _, tokens in items}) if last_only else None
             out = self.model(input_ids=ids.to(self.device), past_key_values=batch.cache, use_cache=True,
                              position_ids=positions.to(self.device), attention_mask=mask,
-                             output_hidden_states=bool(feature_layers))
+                             output_hidden_states=bool(feature_layers),
+                             logits_to_keep=torch.tensor(keep, device=self.device) if keep else 0)
         finally:
             batch.end_pass()
         passes = []
@@ -160,7 +164,8 @@ class LoadedModel:
             row, n = kv.index - span.start, len(tokens)
             hidden = (torch.stack([out.hidden_states[i][row, :n] for i in feature_layers], dim=1)
                       if feature_layers else None)
-            passes.append(TargetPass(out.logits[row, :n], hidden))
+            logits = out.logits[row, keep.index(n - 1)][None] if keep else out.logits[row, :n]
+            passes.append(TargetPass(logits, hidden))
             kv.length += n
         return passes
 
@@ -171,8 +176,7 @@ class LoadedModel:
         if isinstance(kv, RowKV):
             if parents is not None:
                 raise InvalidRequest("token trees run one sequence per pass; verify them outside a batch")
-            out = self.forward_batch([(kv, tokens)], feature_layers=feature_layers)[0]
-            return TargetPass(out.logits[-1:], out.hidden) if last_only else out
+            return self.forward_batch([(kv, tokens)], feature_layers=feature_layers, last_only=last_only)[0]
         extra = {}
         if parents is not None:
             positions, mask = tree_inputs(len(kv), len(tokens) - len(parents), list(parents), self.dtype, self.device)
