@@ -103,6 +103,14 @@ def _median(values: list) -> float | None:
     return statistics.median(values) if values else None
 
 
+def machine_line() -> str:
+    """Today's date and the CPU a serving measurement ran on, for the head of its table."""
+    from verispec.cpu import cpu_info
+
+    cpu = cpu_info()
+    return f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores of {cpu['model']} ({', '.join(cpu['flags'])})"
+
+
 def write_table(rows: dict, names: list[str], args) -> None:
     """Median output tokens/s per level and configuration over the rounds; adaptive's ratio to the better of off
     and fixed, per round (both from the same round) and its median; TPOT P50 medians."""
@@ -123,11 +131,8 @@ def write_table(rows: dict, names: list[str], args) -> None:
                      f"{f'{statistics.median(ratios):.2f}' if ratios else ''} | " + " | ".join(tpot) + f" | {errors} |")
     text = "\n".join(lines) + "\n"
     extra = f" --server-args {shlex.quote(args.server_args)}" if args.server_args else ""
-    from verispec.cpu import cpu_info
-
-    cpu = cpu_info()
     (args.out / "table.md").write_text(
-        f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores of {cpu['model']} ({', '.join(cpu['flags'])})\n\n"
+        f"{machine_line()}\n\n"
         f"`python scripts/batch_serving.py --out {args.out} --levels {args.levels} --requests {args.requests} "
         f"--max-tokens {args.max_tokens} --rounds {args.rounds} --configs {args.configs}{extra}`\n\n" + text)
     print(text)

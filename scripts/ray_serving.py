@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from batch_serving import bench  # noqa: E402
+from batch_serving import bench, machine_line  # noqa: E402
 from serving import Server  # noqa: E402
 
 
@@ -98,11 +98,8 @@ def write_table(runs: list[dict], levels: list[int], args) -> None:
             medians.append(f"{level} clients: median ray / plain {statistics.median(ratios):.2f} "
                            f"({', '.join(f'{x:.2f}' for x in ratios)})")
     text = "\n".join(lines) + "\n\n" + "\n".join(medians) + "\n"
-    from verispec.cpu import cpu_info
-
-    cpu = cpu_info()
     (args.out / "table.md").write_text(
-        f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores of {cpu['model']} ({', '.join(cpu['flags'])})\n\n"
+        f"{machine_line()}\n\n"
         f"`python scripts/ray_serving.py --out {args.out} --levels {args.levels} --rounds {args.rounds} --requests "
         f"{args.requests} --max-tokens {args.max_tokens} --replicas {args.replicas} --replica-cpus "
         f"{args.replica_cpus} --server-args {shlex.quote(args.server_args)}`\n\n" + text)
