@@ -176,3 +176,24 @@ def test_analyze_and_audit_cli_on_llamacpp(tmp_path, capsys, llama_q41):
                  "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["passed"] and report["drafted"] > 0
+
+
+def test_bf16_weights_stay_within_bf16_rounding_of_the_shipped_values(llama_f32):
+    """--weights bf16 (cheaper wide passes where the CPU has bf16 dot products; any CPU runs it): the converted
+    file is llama.cpp's BF16 type, and its logits follow the F32 file's (exactly the Q4_1 values) to bf16 rounding."""
+    llama_cpp = require_llama_cpp()
+    bf16 = load_model("smollm2-135m", backend="llamacpp", weights="bf16")
+    assert llama_cpp.llama_model_ftype(bf16._model) == llama_cpp.LLAMA_FTYPE_MOSTLY_BF16
+    assert "bf16 weights" in bf16.kernel and bf16.path.name.endswith(".bf16.gguf")
+    ids = bf16.tokenizer(PROMPTS[1])["input_ids"]
+    narrow = bf16.forward(bf16.new_kv(), ids, last_only=True).logits[-1]
+    reference = llama_f32.forward(llama_f32.new_kv(), ids, last_only=True).logits[-1]
+    assert int(narrow.argmax()) == int(reference.argmax())
+    assert float((narrow - reference).abs().max()) < 0.05 * float(reference.abs().max())  # measured ~0.01
+    # a verify pass over several tokens and one-token steps agree on the argmax on this prompt
+    kv = bf16.new_kv()
+    bf16.forward(kv, ids[:-4], last_only=True)
+    wide = bf16.forward(kv, ids[-4:]).logits
+    kv.truncate(len(ids) - 4)
+    steps = torch.stack([bf16.forward(kv, [t]).logits[-1] for t in ids[-4:]])
+    assert torch.equal(wide.argmax(-1), steps.argmax(-1))

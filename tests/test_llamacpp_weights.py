@@ -62,3 +62,10 @@ def test_missing_llama_cpp_python_names_the_install_command(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", no_llama)
     with pytest.raises(InvalidRequest, match=r'pip install "verispec\[llamacpp\]"'):
         llamacpp.import_llama_cpp()
+
+
+def test_every_weight_format_is_offered_on_the_command_line():
+    from verispec.cli_backend import WEIGHT_CHOICES
+
+    assert set(WEIGHT_CHOICES) == set(llamacpp.WEIGHT_FORMATS) | {"auto"}
+    assert llamacpp.WEIGHT_FORMATS["bf16"] == 32  # LLAMA_FTYPE_MOSTLY_BF16 (llama.h)

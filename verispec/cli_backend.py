@@ -6,7 +6,7 @@ import argparse
 
 from .backend import BACKENDS
 
-WEIGHT_CHOICES = ("as-is", "auto", "f32", "f16", "q8_0", "q4_0", "q4_1")
+WEIGHT_CHOICES = ("as-is", "auto", "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")
 
 
 def add_backend_options(g: argparse._ArgumentGroup) -> None:

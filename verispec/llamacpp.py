@@ -8,7 +8,7 @@ so a decoder, its reused prompt cache and an audit's teacher forcing can coexist
 serialised by a lock.
 
 Weights: the GGUF file as it is, or converted once (cached) to another format with llama.cpp's own quantizer
-(``--weights f32|f16|q8_0|q4_0``): on CPUs whose quantized kernels are compute-bound a wide verify pass is far
+(``--weights f32|f16|bf16|q8_0|q4_0``): on CPUs whose quantized kernels are compute-bound a wide verify pass is far
 cheaper in F16/F32 (docs/llamacpp.md). The tokenizer is transformers' reading of the same GGUF file, so token
 ids and the chat template are the transformers backend's exactly (tests check llama.cpp's own tokenizer agrees).
 """
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 INSTALL_HINT = 'pip install "verispec[llamacpp]"  (builds llama-cpp-python from source, ~5 min on 2 cores)'
 # weight formats: name -> llama.cpp file type (None: the file as it is)
-WEIGHT_FORMATS = {"as-is": None, "f32": 0, "f16": 1, "q8_0": 7, "q4_0": 2, "q4_1": 3}
+WEIGHT_FORMATS = {"as-is": None, "f32": 0, "f16": 1, "bf16": 32, "q8_0": 7, "q4_0": 2, "q4_1": 3}
 DEFAULT_CONTEXT = 8192  # positions of the shared KV buffer (all sequences together), capped by the model's own
 DEFAULT_SEQUENCES = 8  # KV sequences one context holds at once (decoders, reused prompts, audits)
 
