@@ -155,7 +155,10 @@ def test_eos_and_cancel_leave_the_batch(tiny_target):
     assert seqs[0] in done and seqs[0].result is None and seqs[0].cancelled
     for seq, p in zip(seqs[1:], PROMPTS[4:]):
         assert seq.result.token_ids == lone(target, p, max_new_tokens=60).token_ids
-    assert engine.group.rows == []  # every cache given back
+    # every cache given back but the last finished one's, parked for the next prompt until dropped
+    assert engine.group.rows == [engine.parked.cache]
+    engine.drop_parked()
+    assert engine.group.rows == [] and engine.parked is None
 
 
 def test_sampled_output_is_reproducible_inside_a_batch(tiny_target, tiny_noisy_draft, eagle_head):
@@ -309,3 +312,76 @@ def test_fixed_policy_rows_are_never_cut(tiny_target):
     alone = SpeculativeDecoder(tiny_target, NgramDrafter(), k=6, k_policy="fixed").generate(PROMPTS[2],
                                                                                           max_new_tokens=40)
     assert a.result.stats.drafted == alone.stats.drafted > 0
+
+
+SHARED = [1, 3, 4, 10, 11, 12, 3, 4, 10, 11, 12, 13, 14, 15, 16]  # a "system prompt" several requests start with
+
+
+def test_a_prompt_after_a_finished_one_adopts_its_cache(tiny_target):
+    """At one client the last finished sequence's cache is parked; the next prompt takes it over (no copy) and
+    prefills only what differs. Output equals the lone decoder's."""
+    engine = BatchEngine(tiny_target, max_batch=2)
+    first, second = [*SHARED, 20, 21], [*SHARED, 30, 31, 2]
+    d = SpeculativeDecoder(tiny_target, NgramDrafter(), k=3)
+    a = engine.submit(d, d.request(first, max_new_tokens=10))
+    engine.run()
+    parked = engine.parked.cache
+    assert a.result.stats.reused_prompt_tokens == 0 and engine.group.rows == [parked]
+    d2 = SpeculativeDecoder(tiny_target, NgramDrafter(), k=3)
+    b = engine.submit(d2, d2.request(second, max_new_tokens=10))
+    engine.step()
+    assert b.state.cache is parked and engine.parked is None
+    engine.run()
+    assert b.result.stats.reused_prompt_tokens == len(SHARED)
+    assert engine.counters.prefill_tokens == (len(first) - 1) + (len(second) - 1 - len(SHARED))
+    assert b.result.token_ids == lone(tiny_target, second, max_new_tokens=10).token_ids
+
+
+def test_a_joining_prompt_copies_a_live_sequences_prefix_with_its_hidden_states(tiny_target, eagle_head):
+    """A prompt joining while another decodes copies the shared prefix's keys, values and (EAGLE) hidden states
+    from that row; a drafter that reads other hidden states, or a decoder with reuse off, copies nothing."""
+    engine = BatchEngine(tiny_target, max_batch=4)
+    eagle = lambda: SpeculativeDecoder(tiny_target, EagleDrafter(tiny_target, eagle_head), k=3)  # noqa: E731
+    d = eagle()
+    a = engine.submit(d, d.request([*SHARED, 28, 29], max_new_tokens=30))
+    for _ in range(3):
+        engine.step()
+    assert a in engine.running
+    d2, d3 = eagle(), SpeculativeDecoder(tiny_target, NgramDrafter(), k=3, reuse_prefix=False)
+    prompt = [*SHARED, 25]
+    b = engine.submit(d2, d2.request(prompt, max_new_tokens=12))
+    c = engine.submit(d3, d3.request(prompt, max_new_tokens=12))
+    engine.step()  # b's prefill starts: it copies SHARED from a's row
+    assert b.state.stats.reused_prompt_tokens == len(SHARED) and b.state.cache is not a.state.cache
+    assert torch.equal(b.state.features.view()[: len(SHARED)], a.state.features.view()[: len(SHARED)])
+    engine.run()
+    assert c.result.stats.reused_prompt_tokens == 0
+    want = lone(tiny_target, prompt, max_new_tokens=12).token_ids
+    assert b.result.token_ids == want and c.result.token_ids == want
+
+
+def test_the_parked_cache_gives_its_row_to_a_prompt_that_needs_it(tiny_target):
+    """With one row, a prompt sharing nothing with the parked cache gets the row (the parked cache is dropped)."""
+    engine = BatchEngine(tiny_target, max_batch=1)
+    for prompt in ([*SHARED, 20], [2, 7, 8, 9], [*SHARED, 21]):
+        d = SpeculativeDecoder(tiny_target)
+        seq = engine.submit(d, d.request(prompt, max_new_tokens=6))
+        engine.run()
+        assert seq.error is None and seq.result.token_ids == lone(tiny_target, prompt, max_new_tokens=6).token_ids
+        assert len(engine.group.rows) == 1
+    assert seq.result.stats.reused_prompt_tokens == 0  # [2, 7, 8, 9] came between and shares only nothing
+
+
+def test_copy_prefix_checks_its_rows(tiny_target):
+    group = tiny_target.new_kv_group(3)
+    a, b = group.new_kv(), group.new_kv()
+    tiny_target.forward_batch([(a, [1, 2, 3, 4])])
+    with pytest.raises(ValueError, match="cannot copy 5"):
+        group.copy_prefix(a, b, 5)
+    group.copy_prefix(a, b, 3)
+    assert len(b) == 3
+    with pytest.raises(ValueError, match="already holds 3"):
+        group.copy_prefix(a, b, 2)
+    ref = tiny_target.forward_batch([(a, [9])])[0].logits
+    a.truncate(3)
+    assert torch.allclose(tiny_target.forward_batch([(b, [4, 9])])[0].logits[-1], ref[-1], atol=1e-5)

@@ -34,6 +34,11 @@ def check_batch(target, drafters, max_batch):
         assert seq.result.token_ids == r, prompt
     assert engine.counters.speculating > 0
     assert engine.counters.sequences > engine.counters.passes  # passes were shared
+    # the chat template's system prompt is shared: later prompts copied it from a cached sequence (an EAGLE
+    # drafter's only from one that kept the same hidden states; the first EAGLE request has none to copy from)
+    sharing = [s for s in seqs[1:] if not s.decoder.feature_layers]
+    assert sharing and all(s.result.stats.reused_prompt_tokens >= 20 for s in sharing)
+    assert engine.counters.reused_prompt_tokens == sum(s.result.stats.reused_prompt_tokens for s in seqs)
     return engine
 
 

@@ -178,6 +178,9 @@ def test_eight_concurrent_clients(server, chat_dir):
     passes = server.metric("verispec_batch_passes_total")
     assert passes > 0 and server.metric("verispec_batch_sequences_total") > 1.5 * passes
     assert server.metric("verispec_batch_size") == 0
+    # 40 requests of one prompt: all but the first took most of it from a cached sequence
+    assert server.metric("verispec_batch_reused_prompt_tokens_total") > 0.5 * server.metric(
+        "verispec_batch_prefill_tokens_total")
 
 
 def test_client_leaving_mid_stream_frees_its_batch_row(server, chat_dir):

@@ -43,6 +43,10 @@ class KVGroup(Protocol):
     def new_kv(self) -> KVCache:
         """A cache for one more sequence of the group (``close()`` it when the sequence leaves)."""
 
+    def copy_prefix(self, source: KVCache, target: KVCache, length: int) -> None:
+        """Give the empty cache ``target`` the first ``length`` positions of ``source`` (both of this group): a
+        request that shares a prompt prefix with another skips its prefill."""
+
 
 @runtime_checkable
 class TargetModel(Protocol):

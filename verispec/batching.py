@@ -8,7 +8,10 @@ batched sequence runs exactly the code a lone one runs; only the pass is shared.
 
 Sequences join and leave between steps. A joining prompt is prefilled in chunks of ``prefill_chunk`` tokens, one
 chunk per step, while others are decoding (whole when nobody is waiting for it), so a long prompt delays running
-streams by one chunk's pass at a time. Speculation adapts to load: each sequence's controller sees the pass as
+streams by one chunk's pass at a time. A joining prompt that starts like a cached sequence (a live one, or the
+last one to finish, whose cache is kept until its row is needed) takes that prefix's keys and values instead of
+computing them (``KVGroup.copy_prefix``; the lone decoder's prompt-prefix reuse, across sequences), so a shared
+system prompt is prefilled once. Speculation adapts to load: each sequence's controller sees the pass as
 the whole batch's (``Controller.share_passes``), so drafts are verified only where they raise the batch's tokens
 per second; with many sequences speculation shrinks or stops by itself, with one it runs as it would alone.
 
@@ -27,10 +30,12 @@ from typing import Callable
 
 import torch
 
-from .backend import TargetModel, TargetPass
+from .backend import KVCache, TargetModel, TargetPass
 from .controller import COST, shared_cost_curve
+from .drafters.model import common_prefix_length
 from .engine import Generation, Request, SequenceState, SpeculativeDecoder, StepPlan
 from .errors import InvalidRequest
+from .features import FeatureBuffer
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +62,17 @@ class BatchedSequence:
 
 
 @dataclass
+class _Cached:
+    """A cache a joining prompt may copy its prefix from: exactly ``tokens`` are cached, with their hidden states
+    at ``layers`` in ``features`` when a drafter asked for them."""
+
+    tokens: list[int]
+    cache: KVCache
+    features: FeatureBuffer
+    layers: tuple[int, ...]
+
+
+@dataclass
 class BatchCounters:
     """Raw counters of the batched passes (rates are derived by whoever reads them)."""
 
@@ -67,6 +83,7 @@ class BatchCounters:
     speculating: int = 0  # summed over passes: sequences that verified at least one draft token
     prefill_passes: int = 0
     prefill_tokens: int = 0
+    reused_prompt_tokens: int = 0  # prompt tokens taken from another sequence's cache instead of prefilled
     seconds: float = 0.0  # in decode passes
 
 
@@ -77,7 +94,9 @@ class BatchEngine:
     decoder serves one sequence at a time; the target and its weights are shared."""
 
     def __init__(self, target: TargetModel, max_batch: int = DEFAULT_MAX_BATCH,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK) -> None:
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, reuse_prefix: bool = True) -> None:
+        """``reuse_prefix``: a joining prompt copies the longest prefix it shares with a cached sequence (live, or
+        the last to finish) instead of prefilling it; a decoder built with ``reuse_prefix=False`` never does."""
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise InvalidRequest(f"max batch must be a whole number >= 1, got {max_batch!r}")
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
@@ -85,6 +104,8 @@ class BatchEngine:
         self.target = target
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
+        self.reuse_prefix = reuse_prefix
+        self.parked: _Cached | None = None  # the last finished sequence's cache, kept while its row is not needed
         self.group = target.new_kv_group(max_batch)
         self.costs = shared_cost_curve(target.cost_key)
         self.counters = BatchCounters()
@@ -141,16 +162,73 @@ class BatchEngine:
 
     def _admit(self, seq: BatchedSequence) -> None:
         try:
-            seq.state = seq.decoder.new_state(seq.request)
-            seq.state.cache = self.group.new_kv()
+            seq.state = seq.decoder.new_state(seq.request)  # its cache comes when its prefill starts
             seq.start = time.perf_counter()
         except Exception as exc:  # noqa: BLE001 - fail this request only
             self._fail(seq, exc)
             return
         self.prefilling.append(seq)
 
+    def _take_cache(self, seq: BatchedSequence) -> None:
+        """Give a sequence whose prefill starts its cache: the parked one or a new row, holding the longest prompt
+        prefix any cached sequence shares with it (never the pending last token). Taken at the start of its
+        prefill rather than at admission, so prompts admitted together share what the earlier ones prefilled."""
+        state, decoder = seq.state, seq.decoder
+        layers = tuple(decoder.feature_layers)
+        best, keep = None, 0
+        if self.reuse_prefix and decoder.reuse_prefix:
+            for donor in self._donors():
+                if layers and donor.layers != layers:
+                    continue  # its hidden states are not the ones this drafter reads
+                n = min(common_prefix_length(donor.tokens, state.tokens), len(state.tokens) - 1)
+                if layers:
+                    n = min(n, len(donor.features))
+                if n > keep:
+                    best, keep = donor, n
+        if best is not None and best is self.parked:  # adopt it: nothing to copy
+            self.parked = None
+            best.cache.truncate(keep)
+            state.cache = best.cache
+            if layers:
+                best.features.truncate(keep)
+                state.features = best.features
+        else:
+            in_use = sum(s.state.cache is not None for s in (*self.running, *self.prefilling))
+            if self.parked is not None and in_use + 2 > self.group.capacity:
+                self.drop_parked()  # its row is needed
+            state.cache = self.group.new_kv()
+            if best is not None:
+                self.group.copy_prefix(best.cache, state.cache, keep)
+                if layers:
+                    state.features.append(best.features.view()[:keep].clone())
+        state.cached_tokens = state.tokens[:keep]
+        state.stats.reused_prompt_tokens = keep
+        self.counters.reused_prompt_tokens += keep
+
+    def _donors(self):
+        """Caches a joining prompt may copy from: every sequence holding a cache, and the parked one."""
+        for seq in (*self.running, *self.prefilling):
+            state = seq.state
+            if state is not None and state.cache is not None and len(state.cache) == len(state.cached_tokens):
+                yield _Cached(state.cached_tokens, state.cache, state.features, tuple(seq.decoder.feature_layers))
+        if self.parked is not None:
+            yield self.parked
+
+    def drop_parked(self) -> None:
+        """Give back the row of the last finished sequence's cache (kept for prompt-prefix reuse)."""
+        if self.parked is not None:
+            self.parked.cache.close()
+            self.parked = None
+
     def _prefill_chunk(self, seq: BatchedSequence) -> None:
         state, decoder = seq.state, seq.decoder
+        try:
+            if state.cache is None:
+                self._take_cache(seq)
+        except Exception as exc:  # noqa: BLE001 - fail this request only
+            self.prefilling.popleft()
+            self._fail(seq, exc)
+            return
         todo = state.tokens[len(state.cached_tokens) : -1]  # the pending (last) token is fed by the first step
         # whole when no stream waits on this pass, else one chunk
         chunk = todo if not self.running else todo[: self.prefill_chunk]
@@ -263,6 +341,7 @@ class BatchEngine:
             while pool:
                 seq = pool.pop()
                 self._fail(seq, exc)
+        self.drop_parked()
 
     # ------------------------------------------------------------ leaving
     def _finish(self, seq: BatchedSequence) -> None:
@@ -270,6 +349,13 @@ class BatchEngine:
         if tail and seq.on_delta is not None:
             seq.on_delta(tail)
         self.running.remove(seq)
+        state = seq.state
+        if (self.reuse_prefix and seq.decoder.reuse_prefix and state.cache is not None
+                and len(state.cache) == len(state.cached_tokens)):  # park it for the next prompt
+            self.drop_parked()
+            self.parked = _Cached(state.cached_tokens, state.cache, state.features,
+                                  tuple(seq.decoder.feature_layers))
+            state.cache = None
         self._release(seq)
         seq.result = seq.decoder.result(seq.state, seq.request, seq.start)
         if seq.on_done is not None:

@@ -140,6 +140,18 @@ class BatchKV:
         self.rows.pop()
         row.index = None
 
+    def copy_prefix(self, source: "RowKV", target: "RowKV", length: int) -> None:
+        """Copy the first ``length`` cached positions of ``source`` into the empty row ``target``."""
+        if source.batch is not self or target.batch is not self or source.index is None or target.index is None:
+            raise ValueError("both caches must be live rows of this batch")
+        if len(target):
+            raise ValueError(f"the target row already holds {len(target)} positions")
+        if not 0 <= length <= len(source):
+            raise ValueError(f"cannot copy {length} positions from a row of {len(source)}")
+        for layer in self.cache.layers:
+            layer.move(source.index, target.index, length)
+        target.length = length
+
     def begin_pass(self, rows: list["RowKV"], width: int) -> tuple[slice, torch.Tensor]:
         """Set up a pass of ``width`` tokens per row over ``rows``; returns the buffer rows it covers (rows of the
         range not in ``rows`` join as padding: they write past their length only) and their start columns."""

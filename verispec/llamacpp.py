@@ -166,6 +166,16 @@ class LlamaKVGroup:
     def new_kv(self) -> "LlamaKV":
         return self.model.new_kv()
 
+    def copy_prefix(self, source: "LlamaKV", target: "LlamaKV", length: int) -> None:
+        """``target`` (empty) shares the first ``length`` cells of ``source`` (llama.cpp's seq_cp: no copy)."""
+        if len(target):
+            raise ValueError(f"the target sequence already holds {len(target)} positions")
+        if not 0 <= length <= len(source):
+            raise ValueError(f"cannot copy {length} positions from a sequence of {len(source)}")
+        if length:
+            self.model._copy(source.seq, target.seq, length)
+        target.length = length
+
 
 class LlamaKV:
     """One sequence of a llama.cpp context: the ``KVCache`` of this backend (freed when dropped)."""
@@ -294,6 +304,10 @@ class LlamaCppModel:
         with self._lock:
             if not self._llama.llama_memory_seq_rm(self._memory, seq, start, -1):
                 raise RuntimeError(f"llama.cpp could not remove positions >= {start} of sequence {seq}")
+
+    def _copy(self, source: int, target: int, length: int) -> None:
+        with self._lock:
+            self._llama.llama_memory_seq_cp(self._memory, source, target, 0, length)
 
     def _release(self, seq: int) -> None:
         with self._lock:

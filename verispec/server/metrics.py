@@ -117,6 +117,8 @@ class _BatchCollector:
                         "sequences: speculation share)"),
         ("prefill_passes", "Prefill passes (whole prompts or chunks)"),
         ("prefill_tokens", "Prompt tokens prefilled"),
+        ("reused_prompt_tokens", "Prompt tokens copied from another sequence's cache instead of prefilled (a shared "
+                                 "prefix such as a system prompt)"),
         ("seconds", "Seconds spent in batched decode passes"),
     )
 
