@@ -14,12 +14,12 @@ many rows share the pass (what greedy identity between one-token steps and verif
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 
 import torch
 import torch._inductor.config as inductor_config
 
+from linear_kernels import median_seconds  # scripts/ is on the path when run as a script
 from verispec.cpu import PACK_BATCH_HINT, cpu_info
 
 SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]  # one layer
@@ -35,13 +35,7 @@ class Linears(torch.nn.Module):
 
 
 def median_ms(fn, repeats: int = 9) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1000 * statistics.median(times)
+    return 1000 * median_seconds(fn, repeats)
 
 
 def main() -> None:
