@@ -369,7 +369,7 @@ def test_the_parked_cache_gives_its_row_to_a_prompt_that_needs_it(tiny_target):
         engine.run()
         assert seq.error is None and seq.result.token_ids == lone(tiny_target, prompt, max_new_tokens=6).token_ids
         assert len(engine.group.rows) == 1
-    assert seq.result.stats.reused_prompt_tokens == 0  # [2, 7, 8, 9] came between and shares only nothing
+    assert seq.result.stats.reused_prompt_tokens == 0  # the parked cache was [2, 7, 8, 9]'s: no shared prefix
 
 
 def test_copy_prefix_checks_its_rows(tiny_target):

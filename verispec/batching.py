@@ -71,6 +71,14 @@ class _Cached:
     features: FeatureBuffer
     layers: tuple[int, ...]
 
+    @classmethod
+    def of(cls, seq: "BatchedSequence") -> "_Cached | None":
+        """What ``seq``'s cache holds, or None when it has no cache or one that does not match its tokens."""
+        state = seq.state
+        if state is None or state.cache is None or len(state.cache) != len(state.cached_tokens):
+            return None
+        return cls(state.cached_tokens, state.cache, state.features, seq.decoder.feature_layers)
+
 
 @dataclass
 class BatchCounters:
@@ -174,7 +182,7 @@ class BatchEngine:
         prefix any cached sequence shares with it (never the pending last token). Taken at the start of its
         prefill rather than at admission, so prompts admitted together share what the earlier ones prefilled."""
         state, decoder = seq.state, seq.decoder
-        layers = tuple(decoder.feature_layers)
+        layers = decoder.feature_layers
         best, keep = None, 0
         if self.reuse_prefix and decoder.reuse_prefix:
             for donor in self._donors():
@@ -208,9 +216,9 @@ class BatchEngine:
     def _donors(self):
         """Caches a joining prompt may copy from: every sequence holding a cache, and the parked one."""
         for seq in (*self.running, *self.prefilling):
-            state = seq.state
-            if state is not None and state.cache is not None and len(state.cache) == len(state.cached_tokens):
-                yield _Cached(state.cached_tokens, state.cache, state.features, tuple(seq.decoder.feature_layers))
+            cached = _Cached.of(seq)
+            if cached is not None:
+                yield cached
         if self.parked is not None:
             yield self.parked
 
@@ -223,17 +231,12 @@ class BatchEngine:
     def _prefill_chunk(self, seq: BatchedSequence) -> None:
         state, decoder = seq.state, seq.decoder
         try:
+            t0 = time.perf_counter()
             if state.cache is None:
                 self._take_cache(seq)
-        except Exception as exc:  # noqa: BLE001 - fail this request only
-            self.prefilling.popleft()
-            self._fail(seq, exc)
-            return
-        todo = state.tokens[len(state.cached_tokens) : -1]  # the pending (last) token is fed by the first step
-        # whole when no stream waits on this pass, else one chunk
-        chunk = todo if not self.running else todo[: self.prefill_chunk]
-        try:
-            t0 = time.perf_counter()
+            todo = state.tokens[len(state.cached_tokens) : -1]  # the pending (last) token is fed by the first step
+            # whole when no stream waits on this pass, else one chunk
+            chunk = todo if not self.running else todo[: self.prefill_chunk]
             if chunk:
                 out = self.target.forward(state.cache, chunk, last_only=True, feature_layers=decoder.feature_layers)
                 state.cached_tokens.extend(chunk)
@@ -349,13 +352,11 @@ class BatchEngine:
         if tail and seq.on_delta is not None:
             seq.on_delta(tail)
         self.running.remove(seq)
-        state = seq.state
-        if (self.reuse_prefix and seq.decoder.reuse_prefix and state.cache is not None
-                and len(state.cache) == len(state.cached_tokens)):  # park it for the next prompt
+        cached = _Cached.of(seq) if self.reuse_prefix and seq.decoder.reuse_prefix else None
+        if cached is not None:  # park it for the next prompt
             self.drop_parked()
-            self.parked = _Cached(state.cached_tokens, state.cache, state.features,
-                                  tuple(seq.decoder.feature_layers))
-            state.cache = None
+            self.parked = cached
+            seq.state.cache = None
         self._release(seq)
         seq.result = seq.decoder.result(seq.state, seq.request, seq.start)
         if seq.on_done is not None:
