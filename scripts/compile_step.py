@@ -5,6 +5,11 @@ width, then times it against the eager model with prepacked weights and verispec
 
     python scripts/compile_step.py default 1,9
     python scripts/compile_step.py max-autotune-no-cudagraphs 1
+    python scripts/compile_step.py max-autotune-no-cudagraphs 1,9 --no-freezing
+    python scripts/compile_step.py none 1,9       # the same loop uncompiled: checks the loop, not the compiler
+
+Each width's first pass is also compared with a fresh full forward over the context and the new tokens (no cache),
+which says which side is wrong when the compiled and eager passes disagree.
 """
 import statistics
 import sys
@@ -27,10 +32,11 @@ def seconds(fn) -> float:
 
 
 def main() -> None:
-    mode = sys.argv[1] if len(sys.argv) > 1 else "default"
-    widths = [int(w) for w in (sys.argv[2] if len(sys.argv) > 2 else "1,9").split(",")]
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    mode = args[0] if args else "default"
+    widths = [int(w) for w in (args[1] if len(args) > 1 else "1,9").split(",")]
     torch.set_num_threads(2)
-    inductor_config.freezing = True
+    inductor_config.freezing = "--no-freezing" not in sys.argv
     plain = load_model("smollm2-135m", pack=False).model
     packed = load_model("smollm2-135m", pack=True).model
     gen = torch.Generator().manual_seed(0)
@@ -41,7 +47,7 @@ def main() -> None:
               logits_to_keep=1)
         growing = new_cache()
         packed(input_ids=ctx, past_key_values=growing, use_cache=True, logits_to_keep=1)
-        compiled = torch.compile(plain, mode=mode, dynamic=False)
+        compiled = plain if mode == "none" else torch.compile(plain, mode=mode, dynamic=False)
         for w in widths:
             x = torch.randint(0, 49152, (1, w), generator=gen)
             pos = torch.arange(CONTEXT, CONTEXT + w)
@@ -50,7 +56,8 @@ def main() -> None:
             mask = torch.ones(1, CONTEXT + w, dtype=torch.long)
 
             def run_compiled():
-                return compiled(input_ids=x, past_key_values=static, cache_position=pos, attention_mask=mask, use_cache=True).logits
+                return compiled(input_ids=x, past_key_values=static, cache_position=pos, attention_mask=mask,
+                                use_cache=True).logits
 
             def run_eager():
                 logits = packed(input_ids=x, past_key_values=growing, use_cache=True).logits
@@ -61,6 +68,9 @@ def main() -> None:
             a = run_compiled()
             print(f"{mode}: compile width {w}: {time.perf_counter() - t0:.1f} s", flush=True)
             b = run_eager()
+            ref = plain(input_ids=torch.cat([ctx, x], 1)).logits[:, -w:]
+            print(f"  vs a fresh full forward: compiled {(a - ref).abs().max().item():.2e}, "
+                  f"eager packed {(b - ref).abs().max().item():.2e}", flush=True)
             print(f"  max |compiled - eager packed| = {(a - b).abs().max().item():.2e}, "
                   f"argmax equal: {torch.equal(a.argmax(-1), b.argmax(-1))}")
             tc, te = [], []
