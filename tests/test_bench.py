@@ -148,7 +148,8 @@ def test_transformers_methods_run_plain_weights_unless_asked(tiny_dir):
     assert target.packed_layers and not plain.packed_layers
     calls = []
 
-    def load(ref, pack=None):
+    def load(ref, pack=None, compiled=None):
+        assert not compiled  # transformers' generate never runs verispec's compiled step
         calls.append((ref, pack))
         return plain
 
@@ -263,9 +264,18 @@ def test_per_method_target_options_load_their_own_target(tiny_target):
         return tiny_target
 
     build_method("baseline:dtype=bfloat16", tiny_target, load)
-    assert calls[-1] == (tiny_target.name, dict(backend=None, weights=None, features=False, dtype="bfloat16"))
+    assert calls[-1] == (tiny_target.name, dict(backend=None, weights=None, features=False, dtype="bfloat16",
+                                                compiled=None))
     build_method("ngram:weights=f16:k=4", tiny_target, load)
     assert calls[-1][1]["weights"] == "f16" and calls[-1][1]["dtype"] is None
+    build_method("baseline:compile=1", tiny_target, load)
+    assert calls[-1][1]["compiled"] is True
+    build_method("ngram:compile=0", tiny_target, load)
+    assert calls[-1][1]["compiled"] is False
+    with pytest.raises(InvalidRequest, match="compile= takes 0 or 1"):
+        build_method("baseline:compile=yes", tiny_target, load)
+    with pytest.raises(InvalidRequest, match="compile= is an option of verispec methods"):
+        build_method("hf:greedy:compile=1", tiny_target, load)
     with pytest.raises(InvalidRequest, match="weights="):
         build_method("ngram:backend=llamacpp:dtype=bfloat16", tiny_target, load)
     with pytest.raises(InvalidRequest, match="transformers backend"):

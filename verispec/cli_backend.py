@@ -20,6 +20,14 @@ def add_backend_options(g: argparse._ArgumentGroup) -> None:
                         "fastest for speculation")
     g.add_argument("--threads", type=int, default=None,
                    help="llamacpp backend: CPU threads (default: the cores this process may use)")
+    add_compile_option(g)
+
+
+def add_compile_option(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--compile", action="store_true",
+                   help="transformers backend, float32 on CPU: compile the one-token decoding step with inductor at "
+                        "load (about a minute, once per process; needs a C++ compiler, else decoding stays eager). "
+                        "Plain decoding then runs ~1.8x faster on a 2-core EPYC; verify passes stay eager")
 
 
 def load_args_model(args, ref: str, **overrides):
@@ -30,6 +38,7 @@ def load_args_model(args, ref: str, **overrides):
     # llama.cpp returns hidden states only when asked at load time (EAGLE heads need them)
     eagle = getattr(args, "drafter", None) == "eagle" or bool(getattr(args, "eagle_head", None))
     options = dict(dtype=args.dtype, backend=backend, weights=getattr(args, "weights", "as-is"),
-                   threads=getattr(args, "threads", None), features=backend == "llamacpp" and eagle)
+                   threads=getattr(args, "threads", None), features=backend == "llamacpp" and eagle,
+                   compiled=getattr(args, "compile", False))
     options.update(overrides)
     return load_model(ref, **options)

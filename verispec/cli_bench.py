@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .errors import InvalidRequest
 from .backend import BACKENDS
-from .cli_backend import WEIGHT_CHOICES
+from .cli_backend import WEIGHT_CHOICES, add_compile_option
 from .models import BUILTINS, DEFAULT_MODEL, DTYPES
 
 DEFAULT_METHODS = "baseline,ngram,hf:pld"
@@ -46,6 +46,7 @@ def _target_options(p: argparse.ArgumentParser) -> None:
                    help="backend of verispec methods without backend= (default: transformers)")
     g.add_argument("--weights", default="as-is", choices=WEIGHT_CHOICES,
                    help="llamacpp backend: weight format for methods without weights= (default: as-is)")
+    add_compile_option(g)
 
 
 def add_parsers(sub) -> None:
@@ -105,15 +106,17 @@ def _setup(args):
     loaded = {}
 
     def load(ref: str, pack: bool | None = None, backend: str | None = None, weights: str | None = None,
-             features: bool = False, dtype: str | None = None):
+             features: bool = False, dtype: str | None = None, compiled: bool | None = None):
         backend = backend or getattr(args, "backend", "transformers")
         weights = (weights or getattr(args, "weights", "as-is")) if backend == "llamacpp" else "as-is"
         features = features and backend == "llamacpp"  # transformers always gives hidden states
         dtype = (dtype or args.dtype) if backend == "transformers" else "float32"
-        key = (ref, pack, backend, weights, features, dtype)
+        if compiled is None:  # the run's --compile, for verispec's own passes on the transformers backend
+            compiled = getattr(args, "compile", False) and backend == "transformers" and pack is not False
+        key = (ref, pack, backend, weights, features, dtype, compiled)
         if key not in loaded:
             loaded[key] = load_model(ref, dtype=dtype, pack=pack, backend=backend, weights=weights,
-                                     threads=args.threads, features=features)
+                                     threads=args.threads, features=features, compiled=compiled)
         return loaded[key]
 
     return load(args.target), load

@@ -81,6 +81,9 @@ def check_serve_args(args) -> None:
     if args.max_batch > 1 and args.max_concurrency > 1:
         raise InvalidRequest("--max-concurrency applies to unbatched serving (--max-batch 1); with batching, "
                              "--max-batch is the number of requests generating at once")
+    if args.max_batch > 1 and getattr(args, "compile", False):
+        raise InvalidRequest("--compile speeds up one-token passes of unbatched sequences; batched passes stay eager. "
+                             "Add --max-batch 1 or drop --compile")
     if args.max_batch > 1 and args.eagle_tree:
         raise InvalidRequest("--eagle-tree verifies one sequence per pass; add --max-batch 1 or drop --eagle-tree")
 

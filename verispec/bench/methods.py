@@ -16,8 +16,9 @@ is a model reference:
 
 verispec methods take per-method target options: ``backend=transformers|llamacpp``, on llama.cpp
 ``weights=as-is|f32|f16|q8_0|...`` (e.g. ``ngram:backend=llamacpp:weights=f16``) and on transformers
-``dtype=float32|bfloat16`` (e.g. ``baseline:dtype=bfloat16``), so backends, weight formats and dtypes compare in one
-run; ``llamacpp`` peers take ``weights=`` too.
+``dtype=float32|bfloat16`` (e.g. ``baseline:dtype=bfloat16``) and ``compile=0|1`` (the compiled one-token step,
+``verispec.compiled``; default: the run's ``--compile``), so backends, weight formats, dtypes and kernels compare in
+one run; ``llamacpp`` peers take ``weights=`` too.
 
 transformers' methods run the target as transformers loads it, with plain weights (what a transformers user runs),
 not verispec's prepacked ones; ``hf:greedy:pack=1`` runs them on the packed weights instead.
@@ -74,6 +75,13 @@ def build_method(spec: str, target, load: Callable | None, default_k: int = 8, d
     if head.startswith(("hf:", "llamacpp")) and "policy" in raw_opts:
         raise InvalidRequest(f"{spec!r}: policy is an option of verispec methods, not of {head}")
     backend, weights, dtype = raw_opts.pop("backend", None), raw_opts.pop("weights", None), raw_opts.pop("dtype", None)
+    compiled = raw_opts.pop("compile", None)
+    if compiled is not None:
+        if compiled not in ("0", "1"):
+            raise InvalidRequest(f"{spec!r}: compile= takes 0 or 1, got {compiled!r}")
+        if head.startswith(("hf:", "llamacpp")):
+            raise InvalidRequest(f"{spec!r}: compile= is an option of verispec methods on the transformers backend")
+        compiled = compiled == "1"
     if head.startswith("hf:") and (backend or weights):
         raise InvalidRequest(f"{spec!r}: transformers' methods run the transformers backend; drop backend=/weights=")
     if dtype and (backend == "llamacpp" or (not backend and target.backend == "llamacpp")):
@@ -88,8 +96,9 @@ def build_method(spec: str, target, load: Callable | None, default_k: int = 8, d
         return build_llamacpp_peer(spec, head.partition(":")[2], opts, model.path, threads, target.eos_token_ids)
     if head == "eagle" and not target.supports_features:  # a llama.cpp run: load a copy that gives hidden states
         target = load(target.name, backend=backend, weights=weights, features=True)
-    elif backend or weights or dtype:
-        target = load(target.name, backend=backend, weights=weights, features=head == "eagle", dtype=dtype)
+    elif backend or weights or dtype or compiled is not None:
+        target = load(target.name, backend=backend, weights=weights, features=head == "eagle", dtype=dtype,
+                      compiled=compiled)
     policy = raw_opts.pop("policy", default_policy)
     if policy not in K_POLICIES:
         raise InvalidRequest(f"{spec!r}: policy must be one of {', '.join(K_POLICIES)}, got {policy!r}")
@@ -133,15 +142,17 @@ def build_method(spec: str, target, load: Callable | None, default_k: int = 8, d
         elif kind == "assisted":
             if len(refs) != 1:
                 raise InvalidRequest(f"{spec!r}: hf:assisted needs a draft model reference, e.g. hf:assisted:PATH")
-            extra = {"assistant_model": load(refs[0]).model}
+            extra = {"assistant_model": load(refs[0], compiled=False).model}
         else:
             raise InvalidRequest(f"unknown transformers method {head!r}; choose hf:greedy, hf:pld or hf:assisted:REF")
         pack = bool(opts.pop("pack", 0))
         if opts:
             raise InvalidRequest(f"{spec!r}: unknown option(s) {', '.join(opts)}")
-        if target.backend != "transformers":
-            target = load(target.name, pack=False, backend="transformers")
-        model = target if pack or not target.packed_layers or load is None else load(target.name, pack=False)
+        if target.backend != "transformers" or getattr(target, "step", None) is not None:
+            # transformers' generate runs its own eager forward: never the compiled copy (or llama.cpp)
+            target = load(target.name, pack=None if pack else False, backend="transformers", compiled=False)
+        model = target if pack or not target.packed_layers or load is None else load(target.name, pack=False,
+                                                                                      compiled=False)
         return Method(spec, _hf_runner(model, extra), "transformers", kind, k, _kernel(model))
     raise InvalidRequest(f"unknown method {spec!r}; choose baseline, ngram, model:REF, eagle[:DIR], hf:greedy, "
                          "hf:pld, hf:assisted:REF, llamacpp or llamacpp:lookup")

@@ -1,0 +1,45 @@
+"""End-to-end on the real default model: the compiled one-token step (``--compile``) gives the same greedy tokens as
+the eager path, plain and speculative, and as transformers' own generate; the CLI takes the flag. Marked e2e; run
+in CI (compiling takes about a minute on 2 cores, once for this module)."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_e2e_kernels import PROMPTS
+
+from verispec import NgramDrafter, SpeculativeDecoder, load_model
+from verispec.compiled import FixedKV
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def compiled_model():
+    return load_model("smollm2-135m", compiled=True)
+
+
+def test_compiled_greedy_equals_eager_speculative_and_transformers_generate(compiled_model, default_model):
+    assert compiled_model.step is not None, "compiling failed on this machine (see the warning above)"
+    assert isinstance(compiled_model.new_kv(), FixedKV) and "compiled (inductor)" in compiled_model.kernel
+    plain = load_model("smollm2-135m", dtype="float32", pack=False)
+    fast, eager = SpeculativeDecoder(compiled_model), SpeculativeDecoder(default_model)
+    ngram = SpeculativeDecoder(compiled_model, NgramDrafter(), k=8)
+    for prompt in PROMPTS:
+        ours = fast.generate(prompt, max_new_tokens=64)
+        assert ours.token_ids == eager.generate(prompt, max_new_tokens=64).token_ids, prompt
+        assert ours.token_ids == ngram.generate(prompt, max_new_tokens=64).token_ids, prompt
+        ids = torch.tensor([ours.prompt_token_ids])
+        with torch.inference_mode():
+            theirs = plain.model.generate(ids, max_new_tokens=64, do_sample=False)[0, ids.shape[1]:].tolist()
+        assert ours.token_ids == theirs, prompt
+
+
+def test_generate_command_takes_compile_and_reports_the_kernel():
+    result = subprocess.run([sys.executable, "-m", "verispec", "-v", "generate", "What is 2 + 2?", "--compile",
+                             "--drafter", "none", "--max-new-tokens", "8"], capture_output=True, text=True,
+                            timeout=900)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+    assert "one-token steps compiled in" in result.stderr
