@@ -60,6 +60,7 @@ def test_autoscaling_targets_a_full_batch_per_replica():
     (["--autoscale", "two"], "takes MIN:MAX"),
     (["--replicas", "0"], "--replicas must be >= 1"),
     (["--max-batch", "4", "--eagle-tree"], "--eagle-tree verifies one sequence per pass"),
+    (["--max-batch", "4", "--compile"], "batched passes stay eager. Add --max-batch 1"),
 ])
 def test_bad_ray_flags_fail_before_anything_starts(argv, message, capsys):
     assert main(["serve", "--ray", "--print-config", *argv]) == 2
