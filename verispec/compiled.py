@@ -22,11 +22,12 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from contextlib import contextmanager
 
 import torch
 import torch._inductor.config as inductor_config
 from torch import nn
-from transformers import Cache, StaticLayer
+from transformers import AttentionInterface, Cache, StaticLayer
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,10 @@ class FixedLayer(StaticLayer):
     """A ``StaticLayer`` that writes at its ``cumulative_length`` and can be set back to any shorter length.
 
     Its buffers are plain tensors (not marked as static addresses), so a compiled graph takes each new cache as an
-    input instead of recompiling for it."""
+    input instead of recompiling for it. An eager pass sets ``columns`` to attend over the positions it needs only
+    (``FixedKV.eager``)."""
+
+    columns: int | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -55,6 +59,12 @@ class FixedLayer(StaticLayer):
 
     def set_length(self, length: int) -> None:
         self.cumulative_length.fill_(length)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        if self.columns is None:  # a compiled pass: the whole buffer (its size is the graph's dynamic dimension)
+            return keys, values
+        return keys[:, :, : self.columns], values[:, :, : self.columns]
 
     def resize(self, capacity: int, keep: int) -> None:
         """Move the first ``keep`` positions into new buffers of ``capacity`` positions."""
@@ -77,8 +87,14 @@ class FixedKV:
         if capacity < 1:
             raise ValueError(f"a fixed cache needs room for at least one position, got {capacity}")
         self.capacity = capacity
-        self.cache = Cache(layer_class_to_replicate=lambda: FixedLayer(max_cache_len=self.capacity))
+        self.cache = Cache(layer_class_to_replicate=self._new_layer)
         self.length = 0
+        self._columns: int | None = None  # set during an eager pass
+
+    def _new_layer(self) -> FixedLayer:
+        layer = FixedLayer(max_cache_len=self.capacity)
+        layer.columns = self._columns  # a layer created by an eager pass (the first one) takes part in it
+        return layer
 
     def __len__(self) -> int:
         return self.length
@@ -100,17 +116,33 @@ class FixedKV:
             layer.resize(capacity, self.length)
         self.capacity = capacity
 
+    @contextmanager
+    def eager(self, width: int):
+        """An eager pass of ``width`` tokens: the layers give attention their first ``len + width`` columns only,
+        not the whole buffer (a compiled graph needs the whole buffer; an eager pass would pay for it)."""
+        self.reserve(width)
+        for layer in self.cache.layers:
+            layer.columns = self.length + width
+        self._columns = self.length + width
+        try:
+            yield
+        finally:
+            for layer in self.cache.layers:
+                layer.columns = None
+            self._columns = None
+
     def mask(self, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The additive attention mask of a causal pass of ``width`` tokens after the cached ones:
-        ``[1, 1, width, capacity]``, 0 where a token may attend, the dtype's minimum elsewhere."""
-        columns = torch.arange(self.capacity, device=device)
+        ``[1, 1, width, columns]`` (all of the buffer, or what ``eager`` set), 0 where a token may attend, the
+        dtype's minimum elsewhere."""
+        columns = torch.arange(self._columns or self.capacity, device=device)
         positions = torch.arange(self.length, self.length + width, device=device)
         allowed = columns[None, :] <= positions[:, None]
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
         return _dynamic_columns(mask[None, None], 3)
 
     def close(self) -> None:
-        self.cache = Cache(layer_class_to_replicate=lambda: FixedLayer(max_cache_len=self.capacity))
+        self.cache = Cache(layer_class_to_replicate=self._new_layer)
         self.length = 0
 
 
@@ -141,12 +173,40 @@ def unpacked_copy(model: nn.Module) -> nn.Module:
     return shadow
 
 
+ONE_TOKEN_ATTENTION = "verispec_one_token_sdpa"
+
+
+def one_token_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                        **kwargs) -> tuple[torch.Tensor, None]:
+    """SDPA for one new token with grouped-query attention, without copying keys and values per query head.
+
+    transformers' SDPA path repeats each KV head for its query heads (``repeat_kv``) when it is compiled with a
+    mask: a copy of the whole cache per layer and step. With one token, the query heads that share a KV head can be
+    laid out as that head's query rows instead (what transformers does eagerly, ``pack_gqa``), so SDPA reads each
+    cached key and value once."""
+    batch, heads, rows, dim = query.shape
+    groups = heads // key.shape[1]
+    if rows != 1 or groups == 1:  # not a one-token pass of a grouped model: plain SDPA with repeated heads
+        key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
+        out = nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling)
+    else:
+        out = nn.functional.scaled_dot_product_attention(query.reshape(batch, key.shape[1], groups, dim), key, value,
+                                                         attn_mask=attention_mask, scale=scaling)
+    return out.reshape(batch, heads, rows, dim).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ONE_TOKEN_ATTENTION, one_token_attention)
+
+
 class CompiledStep:
     """The compiled one-token forward of a transformers causal LM over a ``FixedKV``."""
 
     def __init__(self, model: nn.Module) -> None:
         self.compile_seconds: float | None = None  # set by the first call (the compile)
-        self._model = torch.compile(unpacked_copy(model), dynamic=False, options={"max_autotune": True})
+        shadow = unpacked_copy(model)
+        shadow.set_attn_implementation(ONE_TOKEN_ATTENTION)
+        self._model = torch.compile(shadow, dynamic=False, options={"max_autotune": True})
 
     def __call__(self, kv: FixedKV, token: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Run one token after ``kv``'s cached positions and cache it; returns its logits ``[1, vocab]``."""

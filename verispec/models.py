@@ -216,18 +216,17 @@ class LoadedModel:
 
     def _eager_fixed(self, kv: FixedKV, tokens, *, parents=None, last_only: bool = False,
                      feature_layers=()) -> TargetPass:
-        """An eager pass over a ``FixedKV``'s buffers: explicit positions and a mask over all its columns."""
+        """An eager pass over a ``FixedKV``'s buffers: explicit positions, and a mask over the columns it needs."""
         n, past = len(tokens), len(kv)
-        kv.reserve(n)
-        if parents is not None:
-            positions, tree_mask = tree_inputs(past, n - len(parents), list(parents), self.dtype, self.device)
-            mask = kv.mask(n, self.dtype, self.device)
-            mask[..., : past + n] = tree_mask
-        else:
-            positions, mask = torch.arange(past, past + n, device=self.device)[None], kv.mask(n, self.dtype, self.device)
-        out = self.model(input_ids=torch.tensor([list(tokens)], device=self.device), past_key_values=kv.cache,
-                         position_ids=positions, attention_mask=mask, use_cache=True,
-                         logits_to_keep=1 if last_only else 0, output_hidden_states=bool(feature_layers))
+        with kv.eager(n):
+            if parents is not None:
+                positions, mask = tree_inputs(past, n - len(parents), list(parents), self.dtype, self.device)
+            else:
+                positions, mask = torch.arange(past, past + n, device=self.device)[None], kv.mask(n, self.dtype,
+                                                                                                  self.device)
+            out = self.model(input_ids=torch.tensor([list(tokens)], device=self.device), past_key_values=kv.cache,
+                             position_ids=positions, attention_mask=mask, use_cache=True,
+                             logits_to_keep=1 if last_only else 0, output_hidden_states=bool(feature_layers))
         kv.length += n
         hidden = select_layers(out.hidden_states, tuple(feature_layers)) if feature_layers else None
         return TargetPass(out.logits[0], hidden)
