@@ -36,6 +36,17 @@ def test_compiled_greedy_equals_eager_speculative_and_transformers_generate(comp
         assert ours.token_ids == theirs, prompt
 
 
+def test_compiled_step_logits_follow_a_fresh_forward(compiled_model, default_model):
+    ids = default_model.tokenizer("The committee approved the new budget on Monday, and the mayor")["input_ids"]
+    kv = compiled_model.new_kv()
+    with torch.inference_mode():
+        compiled_model.forward(kv, ids[:-1], last_only=True)  # eager prefill into the fixed cache
+        step = compiled_model.forward(kv, ids[-1:]).logits[-1]  # the compiled one-token step
+        fresh = default_model.model(input_ids=torch.tensor([ids])).logits[0, -1]
+    assert (step - fresh).abs().max().item() < 1e-3
+    assert step.argmax() == fresh.argmax()
+
+
 def test_generate_command_takes_compile_and_reports_the_kernel():
     result = subprocess.run([sys.executable, "-m", "verispec", "-v", "generate", "What is 2 + 2?", "--compile",
                              "--drafter", "none", "--max-new-tokens", "8"], capture_output=True, text=True,

@@ -27,7 +27,7 @@ def add_compile_option(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--compile", action="store_true",
                    help="transformers backend, float32 on CPU: compile the one-token decoding step with inductor at "
                         "load (about a minute, once per process; needs a C++ compiler, else decoding stays eager). "
-                        "Plain decoding then runs ~1.8x faster on a 2-core EPYC; verify passes stay eager")
+                        "Plain decoding then ran ~2x faster on a 2-core EPYC; verify passes stay eager")
 
 
 def load_args_model(args, ref: str, **overrides):

@@ -3,15 +3,17 @@
 On CPU a one-token step is bound by streaming the weights. oneDNN's packed kernels stream them at about half the
 memory bandwidth; inductor's CPU GEMM template with frozen weights (``max_autotune`` + ``freezing``) gets closer, and
 compiling the whole step also fuses the norms, rotary and attention around the linears. Measured on an AMD EPYC
-(Zen 4, 2 cores) with the default model at 300 cached tokens: 17.9 ms against 39.5 ms for the eager packed step
-(docs/kernels.md). Wider passes gain nothing from it, so prefill and verification stay eager (packed) over the same
-cache, and a verify pass computes the same logits as the one-token steps to ~5e-5 (both are checked against a
-fresh forward over the whole sequence in tests/test_compiled.py).
+(Zen 4, 2 cores) with the default model: 17-25 ms against 40-43 ms for the eager packed step at 100 to 1,500
+cached tokens (docs/kernels.md). Wider passes gain nothing from it, so prefill and verification stay eager
+(packed) over the same cache; both are checked against a fresh forward over the whole sequence in
+tests/test_compiled.py and tests/test_e2e_compiled.py.
 
 The cache is transformers' ``StaticLayer`` with a length that can be set back (``FixedLayer``): every pass writes
-at the sequence's length and attends over the whole buffer through an explicit mask that hides the columns past
-each token's position, so rolled-back positions are never read and the next pass overwrites them. The buffer's
-size is marked dynamic, so one graph serves every sequence length; the buffer grows in steps of ``GROWTH``.
+at the sequence's length and attends through an explicit mask that hides the columns past each token's position,
+so rolled-back positions are never read and the next pass overwrites them. The compiled step attends over the
+whole buffer, whose size is marked dynamic, so one graph serves every sequence length; the buffer grows in steps
+of ``GROWTH``. Eager passes attend over the columns they need only. The
+compiled copy of the model attends through ``one_token_attention``, which reads each KV head once.
 
 Compiling takes about a minute per model and process (freezing bypasses inductor's on-disk cache);
 ``LoadedModel.compile_step`` does it at load, before the first request, so that no user's first token pays it.

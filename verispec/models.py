@@ -289,7 +289,7 @@ def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", d
     its context holds at once (default 8; a batch of N requests needs N).
 
     ``compiled=True`` (transformers, float32, CPU) compiles the one-token decoding step with inductor before
-    returning (about a minute; see ``verispec.compiled``): plain decoding then runs ~1.8x faster on a 2-core EPYC."""
+    returning (about a minute; see ``verispec.compiled``): plain decoding then ran ~2x faster than eager on a 2-core EPYC."""
     if backend not in BACKENDS:
         raise InvalidRequest(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if not isinstance(ref, str) or not ref.strip():
