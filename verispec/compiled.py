@@ -30,6 +30,7 @@ import torch
 import torch._inductor.config as inductor_config
 from torch import nn
 from transformers import AttentionInterface, Cache, StaticLayer
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +122,8 @@ class FixedKV:
     @contextmanager
     def eager(self, width: int):
         """An eager pass of ``width`` tokens: the layers give attention their first ``len + width`` columns only,
-        not the whole buffer (a compiled graph needs the whole buffer; an eager pass would pay for it)."""
+        not the whole buffer (a compiled graph needs the whole buffer; an eager pass would pay for it). The cache
+        holds the ``width`` more positions when the pass completes."""
         self.reserve(width)
         for layer in self.cache.layers:
             layer.columns = self.length + width
@@ -132,6 +134,7 @@ class FixedKV:
             for layer in self.cache.layers:
                 layer.columns = None
             self._columns = None
+        self.length += width
 
     def mask(self, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """The additive attention mask of a causal pass of ``width`` tokens after the cached ones:
@@ -189,12 +192,11 @@ def one_token_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     cached key and value once."""
     batch, heads, rows, dim = query.shape
     groups = heads // key.shape[1]
-    if rows != 1 or groups == 1:  # not a one-token pass of a grouped model: plain SDPA with repeated heads
-        key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
-        out = nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling)
-    else:
-        out = nn.functional.scaled_dot_product_attention(query.reshape(batch, key.shape[1], groups, dim), key, value,
-                                                         attn_mask=attention_mask, scale=scaling)
+    if rows != 1 or groups == 1:  # not a one-token pass of a grouped model: transformers' own SDPA
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, dropout=dropout,
+                                              scaling=scaling, **kwargs)
+    out = nn.functional.scaled_dot_product_attention(query.reshape(batch, key.shape[1], groups, dim), key, value,
+                                                     attn_mask=attention_mask, scale=scaling)
     return out.reshape(batch, heads, rows, dim).transpose(1, 2).contiguous(), None
 
 
@@ -206,20 +208,22 @@ class CompiledStep:
 
     def __init__(self, model: nn.Module) -> None:
         self.compile_seconds: float | None = None  # set by the first call (the compile)
+        weight = next(model.parameters())
+        self.dtype, self.device = weight.dtype, weight.device
         shadow = unpacked_copy(model)
         shadow.set_attn_implementation(ONE_TOKEN_ATTENTION)
         self._model = torch.compile(shadow, dynamic=False, options={"max_autotune": True})
 
-    def __call__(self, kv: FixedKV, token: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def __call__(self, kv: FixedKV, token: int) -> torch.Tensor:
         """Run one token after ``kv``'s cached positions and cache it; returns its logits ``[1, vocab]``."""
         kv.reserve(1)
         t0 = time.perf_counter()
         # freezing folds the weights into the graph as constants; inductor reads it when it compiles, which is
         # during a call (the first, or one whose guards fail), and torch.compile's options do not pass it on
         with inductor_config.patch(freezing=True):
-            out = self._model(input_ids=torch.tensor([[token]], device=device), past_key_values=kv.cache,
-                              position_ids=torch.tensor([[kv.length]], device=device),
-                              attention_mask=kv.mask(1, dtype, device), use_cache=True)
+            out = self._model(input_ids=torch.tensor([[token]], device=self.device), past_key_values=kv.cache,
+                              position_ids=torch.tensor([[kv.length]], device=self.device),
+                              attention_mask=kv.mask(1, self.dtype, self.device), use_cache=True)
         kv.length += 1
         if self.compile_seconds is None:
             self.compile_seconds = time.perf_counter() - t0

@@ -17,7 +17,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -125,8 +125,8 @@ class LoadedModel:
 
     def compile_step(self) -> bool:
         """Compile the one-token step with inductor now (about a minute on a 2-core CPU for the default model), so
-        that later one-token passes run compiled (see ``verispec.compiled``). Returns False, with a warning, where compiling fails (no C++ compiler, an
-        unsupported operator, ...): decoding then stays eager."""
+        that later one-token passes run compiled (see ``verispec.compiled``). Returns False, with a warning, where
+        compiling fails (no C++ compiler, an unsupported operator, ...): decoding then stays eager."""
         if self.dtype != torch.float32 or self.device.type != "cpu":
             raise InvalidRequest(f"the compiled one-token step is for float32 on CPU (what it was measured on), not "
                                  f"{str(self.dtype).removeprefix('torch.')} on {self.device.type}; drop --compile")
@@ -134,8 +134,8 @@ class LoadedModel:
         kv = FixedKV()
         try:
             with torch.inference_mode():
-                self._eager_fixed(kv, [0], last_only=True)
-                step(kv, 0, self.dtype, self.device)
+                self.forward(kv, [0], last_only=True)  # eager: self.step is not set yet
+                step(kv, 0)
         except Exception as exc:  # noqa: BLE001 - any compiler failure means: stay eager
             log.warning("compiling the one-token step failed (%s: %s); decoding stays eager",
                         type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
@@ -192,7 +192,7 @@ class LoadedModel:
             kv.length += n
         return passes
 
-    def forward(self, kv: TorchKV, tokens, *, parents=None, last_only: bool = False,
+    def forward(self, kv: TorchKV | FixedKV, tokens, *, parents=None, last_only: bool = False,
                 feature_layers=()) -> TargetPass:
         """One forward over ``tokens`` after the cached positions (see ``verispec.backend.TargetModel``); hidden
         states come for every fed token, logits for the last one only when ``last_only``."""
@@ -200,34 +200,20 @@ class LoadedModel:
             if parents is not None:
                 raise InvalidRequest("token trees run one sequence per pass; verify them outside a batch")
             return self.forward_batch([(kv, tokens)], feature_layers=feature_layers, last_only=last_only)[0]
-        if isinstance(kv, FixedKV):
-            if len(tokens) == 1 and parents is None and not feature_layers and self.step is not None:
-                return TargetPass(self.step(kv, int(tokens[0]), self.dtype, self.device))
-            return self._eager_fixed(kv, tokens, parents=parents, last_only=last_only, feature_layers=feature_layers)
-        extra = {}
-        if parents is not None:
-            positions, mask = tree_inputs(len(kv), len(tokens) - len(parents), list(parents), self.dtype, self.device)
-            extra = dict(position_ids=positions, attention_mask=mask)
-        out = self.model(input_ids=torch.tensor([list(tokens)], device=self.device), past_key_values=kv.cache,
-                         use_cache=True, logits_to_keep=1 if last_only else 0,
-                         output_hidden_states=bool(feature_layers), **extra)
-        hidden = select_layers(out.hidden_states, tuple(feature_layers)) if feature_layers else None
-        return TargetPass(out.logits[0], hidden)
-
-    def _eager_fixed(self, kv: FixedKV, tokens, *, parents=None, last_only: bool = False,
-                     feature_layers=()) -> TargetPass:
-        """An eager pass over a ``FixedKV``'s buffers: explicit positions, and a mask over the columns it needs."""
-        n, past = len(tokens), len(kv)
-        with kv.eager(n):
+        n, fixed = len(tokens), isinstance(kv, FixedKV)
+        if fixed and n == 1 and parents is None and not feature_layers and self.step is not None:
+            return TargetPass(self.step(kv, int(tokens[0])))
+        with kv.eager(n) if fixed else nullcontext():
+            extra = {}
             if parents is not None:
-                positions, mask = tree_inputs(past, n - len(parents), list(parents), self.dtype, self.device)
-            else:
-                positions, mask = torch.arange(past, past + n, device=self.device)[None], kv.mask(n, self.dtype,
-                                                                                                  self.device)
+                positions, mask = tree_inputs(len(kv), n - len(parents), list(parents), self.dtype, self.device)
+                extra = dict(position_ids=positions, attention_mask=mask)
+            elif fixed:  # the buffer's columns past the sequence hold stale keys: mask them explicitly
+                extra = dict(position_ids=torch.arange(len(kv), len(kv) + n, device=self.device)[None],
+                             attention_mask=kv.mask(n, self.dtype, self.device))
             out = self.model(input_ids=torch.tensor([list(tokens)], device=self.device), past_key_values=kv.cache,
-                             position_ids=positions, attention_mask=mask, use_cache=True,
-                             logits_to_keep=1 if last_only else 0, output_hidden_states=bool(feature_layers))
-        kv.length += n
+                             use_cache=True, logits_to_keep=1 if last_only else 0,
+                             output_hidden_states=bool(feature_layers), **extra)
         hidden = select_layers(out.hidden_states, tuple(feature_layers)) if feature_layers else None
         return TargetPass(out.logits[0], hidden)
 
@@ -289,7 +275,8 @@ def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", d
     its context holds at once (default 8; a batch of N requests needs N).
 
     ``compiled=True`` (transformers, float32, CPU) compiles the one-token decoding step with inductor before
-    returning (about a minute; see ``verispec.compiled``): plain decoding then ran ~2x faster than eager on a 2-core EPYC."""
+    returning (about a minute; see ``verispec.compiled``): plain decoding then ran ~2x faster than eager on a 2-core
+    EPYC."""
     if backend not in BACKENDS:
         raise InvalidRequest(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if not isinstance(ref, str) or not ref.strip():
