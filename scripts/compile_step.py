@@ -20,7 +20,7 @@ import torch._inductor.config as inductor_config
 from transformers import StaticCache
 
 from verispec import load_model
-from verispec.cache import new_cache, truncate
+from verispec.backends.hf.cache import new_cache, truncate
 
 CONTEXT = 300
 
@@ -43,10 +43,10 @@ def main() -> None:
     ctx = torch.randint(0, 49152, (1, CONTEXT), generator=gen)
     with torch.inference_mode():
         static = StaticCache(config=plain.config, max_cache_len=512)
-        plain(input_ids=ctx, past_key_values=static, cache_position=torch.arange(CONTEXT), use_cache=True,
+        plain(input_ids=ctx, cache=static, cache_position=torch.arange(CONTEXT), use_cache=True,
               logits_to_keep=1)
         growing = new_cache()
-        packed(input_ids=ctx, past_key_values=growing, use_cache=True, logits_to_keep=1)
+        packed(input_ids=ctx, cache=growing, use_cache=True, logits_to_keep=1)
         compiled = plain if mode == "none" else torch.compile(plain, mode=mode, dynamic=False)
         for w in widths:
             x = torch.randint(0, 49152, (1, w), generator=gen)
@@ -56,11 +56,11 @@ def main() -> None:
             mask = torch.ones(1, CONTEXT + w, dtype=torch.long)
 
             def run_compiled():
-                return compiled(input_ids=x, past_key_values=static, cache_position=pos, attention_mask=mask,
+                return compiled(input_ids=x, cache=static, cache_position=pos, attention_mask=mask,
                                 use_cache=True).logits
 
             def run_eager():
-                logits = packed(input_ids=x, past_key_values=growing, use_cache=True).logits
+                logits = packed(input_ids=x, cache=growing, use_cache=True).logits
                 truncate(growing, CONTEXT)
                 return logits
 

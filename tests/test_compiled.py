@@ -1,4 +1,4 @@
-"""The opt-in compiled one-token step (verispec.compiled) and the fixed-buffer cache it runs on.
+"""The opt-in compiled one-token step (verispec.backends.hf.compiled) and the fixed-buffer cache it runs on.
 
 The cache is checked eagerly (no compiler) against a fresh forward over the whole sequence, through rollbacks,
 trees and growth; the compiled step is compiled once on a tiny model and must give greedy output identical to the
@@ -10,13 +10,13 @@ import pytest
 import torch
 from tiny import loaded, make_model
 
-from verispec import compiled as compiled_module
-from verispec.cache import TorchKV
-from verispec.compiled import FixedKV, unpacked_copy
+from verispec.backends.hf import compiled as compiled_module
+from verispec.backends.hf.cache import TorchKV
+from verispec.backends.hf.compiled import FixedKV, unpacked_copy
 from verispec.drafters.ngram import NgramDrafter
 from verispec.engine import SpeculativeDecoder
 from verispec.errors import InvalidRequest
-from verispec.packing import PackedLinear, pack_linear_layers
+from verispec.backends.hf.packing import PackedLinear, pack_linear_layers
 
 
 def _fresh(model, tokens):
@@ -106,7 +106,7 @@ def test_a_compiler_failure_leaves_decoding_eager(monkeypatch, caplog):
 
     monkeypatch.setattr(compiled_module.CompiledStep, "__call__", broken)
     target = loaded(make_model(seed=6))
-    with caplog.at_level(logging.WARNING, logger="verispec.models"):
+    with caplog.at_level(logging.WARNING, logger="verispec.backends.hf"):
         assert target.compile_step() is False
     assert "decoding stays eager" in caplog.text and "C++ compiler not found" in caplog.text
     assert target.step is None and isinstance(target.new_kv(), TorchKV)

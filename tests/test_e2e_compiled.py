@@ -10,7 +10,7 @@ import torch
 from test_e2e_kernels import PROMPTS
 
 from verispec import NgramDrafter, SpeculativeDecoder, load_model
-from verispec.compiled import FixedKV
+from verispec.backends.hf.compiled import FixedKV
 
 pytestmark = pytest.mark.e2e
 

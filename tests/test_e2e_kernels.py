@@ -8,7 +8,7 @@ import torch
 from verispec import EagleDrafter, ModelDrafter, NgramDrafter, SpeculativeDecoder, load_model
 from verispec.audit import run_audit
 from verispec.cli import DEFAULT_AUDIT_PROMPT
-from verispec.packing import packing_available
+from verispec.backends.hf.packing import packing_available
 
 pytestmark = pytest.mark.e2e
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from verispec import llamacpp
+from verispec.backends import llamacpp
 from verispec.errors import InvalidRequest
 
 
@@ -65,7 +65,7 @@ def test_missing_llama_cpp_python_names_the_install_command(monkeypatch):
 
 
 def test_every_weight_format_is_offered_on_the_command_line():
-    from verispec.cli_backend import WEIGHT_CHOICES
+    from verispec.cli.options import WEIGHT_CHOICES
 
     assert set(WEIGHT_CHOICES) == set(llamacpp.WEIGHT_FORMATS) | {"auto"}
     assert llamacpp.WEIGHT_FORMATS["bf16"] == 32  # LLAMA_FTYPE_MOSTLY_BF16 (llama.h)

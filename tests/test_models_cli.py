@@ -8,7 +8,7 @@ import pytest
 
 from verispec import ModelNotFound, load_model
 from verispec.cli import main
-from verispec.models import BUILTINS, BuiltinModel, ensure_builtin
+from verispec.backends.references import BUILTINS, BuiltinModel, ensure_builtin
 
 
 def test_local_directory_loads(tiny_dir):
@@ -148,7 +148,7 @@ def test_progress_bars_are_switched_for_a_block_and_restored():
     "Loading weights" into generate's output)."""
     from transformers.utils import logging as hf_logging
 
-    from verispec.models import transformers_progress_bars
+    from verispec.backends.references import transformers_progress_bars
 
     hf_logging.disable_progress_bar()
     with transformers_progress_bars(True):

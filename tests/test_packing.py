@@ -6,11 +6,11 @@ import pytest
 import torch
 from tiny import loaded, make_model
 
-from verispec import cpu
-from verispec.cache import new_cache
+from verispec.backends.hf import cpu
+from verispec.backends.hf.cache import new_cache
 from verispec.drafters.ngram import NgramDrafter
 from verispec.engine import SpeculativeDecoder
-from verispec.packing import PackedLinear, pack_linear_layers, packing_available
+from verispec.backends.hf.packing import PackedLinear, pack_linear_layers, packing_available
 
 AVX2_ERROR = ("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl "
               "and avx512dq")
@@ -111,10 +111,10 @@ def test_float32_packed_logits_stay_as_close_to_plain_at_every_width():
     wide = plain(input_ids=tokens).logits
     assert torch.allclose(packed(input_ids=tokens).logits, wide, rtol=1e-4, atol=1e-5)
     cache = new_cache()
-    packed(input_ids=tokens[:, :20], past_key_values=cache, use_cache=True)
+    packed(input_ids=tokens[:, :20], cache=cache, use_cache=True)
     position = 20
     for width in (1, 2, 5, 17, 15):  # steps of several widths over the same sequence
-        step = packed(input_ids=tokens[:, position : position + width], past_key_values=cache, use_cache=True).logits
+        step = packed(input_ids=tokens[:, position : position + width], cache=cache, use_cache=True).logits
         assert torch.allclose(step[0], wide[0, position : position + width], rtol=1e-4, atol=1e-5), width
         position += width
 
@@ -175,11 +175,11 @@ def test_bfloat16_packed_logits_are_bit_identical_at_every_width_with_a_cache():
     prefix = torch.randint(0, 32, (1, 20), generator=gen)
     caches = new_cache(), new_cache()
     for model, cache in zip((plain, packed), caches):
-        model(input_ids=prefix, past_key_values=cache, use_cache=True)
+        model(input_ids=prefix, cache=cache, use_cache=True)
     for width in (1, 2, 5, 17, 40):
         x = torch.randint(0, 32, (1, width), generator=gen)
-        a = plain(input_ids=x, past_key_values=caches[0], use_cache=True).logits
-        b = packed(input_ids=x, past_key_values=caches[1], use_cache=True).logits
+        a = plain(input_ids=x, cache=caches[0], use_cache=True).logits
+        b = packed(input_ids=x, cache=caches[1], use_cache=True).logits
         assert torch.equal(a, b), width
     batch = torch.randint(0, 32, (3, 9), generator=gen)
     assert torch.equal(plain(input_ids=batch).logits, packed(input_ids=batch).logits)

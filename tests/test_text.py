@@ -15,7 +15,7 @@ TEXTS = ["Hello, world! naïve café — 東京 🙂 done.", "  spaces\tand\nlin
 def smol_tokenizer():
     from transformers import AutoTokenizer
 
-    from verispec.models import BUILTINS, ensure_builtin
+    from verispec.backends.references import BUILTINS, ensure_builtin
 
     return AutoTokenizer.from_pretrained(str(ensure_builtin(BUILTINS["smollm2-135m"])))
 

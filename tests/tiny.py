@@ -6,7 +6,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from verispec.models import LoadedModel
+from verispec.backends.hf import LoadedModel
 
 VOCAB = 32
 EOS = 2

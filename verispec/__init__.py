@@ -3,12 +3,13 @@
 from .drafters import Draft, Drafter, EagleDrafter, ModelDrafter, NgramDrafter, make_drafter
 from .engine import Generation, GenerationStream, SpeculativeDecoder
 from .errors import IncompatibleDrafter, InvalidRequest, ModelNotFound, VerispecError
-from .models import BUILTINS, DEFAULT_MODEL, LoadedModel, load_model
+from .backends import BUILTINS, DEFAULT_MODEL, load_model
+from .backends.hf import LoadedModel
 from .sampling import SamplingParams, probabilities
 from .stats import GenerationStats
 from .verify import Verdict, verify, verify_typical
 
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = [
     "BUILTINS", "DEFAULT_MODEL", "Draft", "Drafter", "EagleDrafter", "Generation", "GenerationStats", "GenerationStream",

@@ -18,7 +18,7 @@ from .method import Method, Run
 
 def build_llamacpp_peer(spec: str, kind: str, opts: dict, gguf_path, threads: int | None, eos_ids) -> Method:
     """A peer over the GGUF file at ``gguf_path``; it stops at ``eos_ids`` (the target's end tokens)."""
-    from ..llamacpp import default_threads, import_llama_cpp
+    from ..backends.llamacpp import default_threads, import_llama_cpp
 
     llama_cpp = import_llama_cpp()
     draft = None

@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..errors import InvalidRequest
-from ..models import LoadedModel
+from ..backends.hf import LoadedModel
 
 META = "meta.json"
 

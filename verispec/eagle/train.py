@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..models import LoadedModel
+from ..backends.hf import LoadedModel
 from .data import Sequence, load_meta, load_sequences
 from .head import EagleHead, head_config_for, ttt_mask
 

@@ -6,7 +6,7 @@ plain layout. Packing the weight once into the blocked layout oneDNN's kernels w
   * AMD EPYC, AVX2 only, float32, 2 threads: all the default model's linears with weights streamed from memory
     took 46.1 ms (MKL) against 32.6 ms packed at 1 row, 95.3 against 44.9 ms at 9 rows;
   * Intel Xeon, AVX-512 bf16, bfloat16: a one-token forward took 39.8 ms plain against 33.6 ms packed.
-The packed bfloat16 kernel needs AVX-512 (bw/vl/dq) or AVX-NE-CONVERT; ``verispec.cpu.packed_linear_works`` probes
+The packed bfloat16 kernel needs AVX-512 (bw/vl/dq) or AVX-NE-CONVERT; ``verispec.backends.hf.cpu.packed_linear_works`` probes
 it before any layer is packed, so a CPU without it keeps the plain op (slower, never a crash).
 
 Numbers: in bfloat16 the packed op equals ``F.linear`` bit for bit. In float32 it differs from MKL in the last bits

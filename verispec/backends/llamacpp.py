@@ -26,14 +26,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .backend import TargetPass
-from .errors import InvalidRequest, ModelNotFound
+from ..errors import InvalidRequest, ModelNotFound
+from .base import TargetPass
 
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = 'pip install "verispec[llamacpp]"  (builds llama-cpp-python from source, ~5 min on 2 cores)'
 # weight formats: name -> llama.cpp file type (None: the file as it is)
 WEIGHT_FORMATS = {"as-is": None, "f32": 0, "f16": 1, "bf16": 32, "q8_0": 7, "q4_0": 2, "q4_1": 3}
+WEIGHT_CHOICES = ("as-is", "auto", *(f for f in WEIGHT_FORMATS if f != "as-is"))  # what --weights takes
 DEFAULT_CONTEXT = 8192  # positions of the shared KV buffer (all sequences together), capped by the model's own
 DEFAULT_SEQUENCES = 8  # KV sequences one context holds at once (decoders, reused prompts, audits)
 
@@ -199,7 +200,7 @@ class LlamaKV:
 
 
 class LlamaCppModel:
-    """A GGUF model run by llama.cpp: the llamacpp backend of ``verispec.backend.TargetModel``."""
+    """A GGUF model run by llama.cpp: the llamacpp backend of ``verispec.backends.base.TargetModel``."""
 
     backend = "llamacpp"
     supports_trees = False
@@ -463,7 +464,7 @@ def choose_weights(source: Path, weights: str, folder: Path, threads: int | None
         return Weights(weights, convert_weights(source, weights, folder))
     import json
 
-    from .cpu import cpu_info
+    from .hf.cpu import cpu_info
 
     threads = threads or default_threads()
     record = folder / "auto.json"
@@ -525,3 +526,36 @@ def time_passes(model, context: int, widths, repeats: int) -> dict[int, float]:
             if r:
                 times[w].append(1000 * (time.perf_counter() - t0))
     return {w: statistics.median(v) for w, v in times.items()}
+
+
+def load(ref: str, weights: str = "as-is", threads: int | None = None, features: bool = False,
+         sequences: int | None = None) -> LlamaCppModel:
+    """A built-in name or a .gguf file on llama.cpp (see ``verispec.load_model``)."""
+    from transformers import AutoTokenizer
+
+    from .references import BUILTINS, builtin_gguf, cache_dir, ensure_builtin, sha256_of, transformers_progress_bars
+
+    import_llama_cpp()  # a clear error naming the install command before any download
+    path = Path(ref).expanduser()
+    if ref in BUILTINS:
+        gguf, digest = builtin_gguf(BUILTINS[ref]), BUILTINS[ref].sha256  # checked when it was extracted
+        with transformers_progress_bars(False):  # the transformers backend's tokenizer: identical ids and template
+            tokenizer = AutoTokenizer.from_pretrained(str(ensure_builtin(BUILTINS[ref])))
+    elif path.is_file() and path.suffix == ".gguf":
+        gguf, digest = path, sha256_of(path)
+        with transformers_progress_bars(False):
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    else:
+        raise ModelNotFound(f"the llamacpp backend runs GGUF files: pass a built-in name ({', '.join(BUILTINS)}) "
+                            f"or a .gguf file, not {ref!r}")
+    folder = cache_dir() / "gguf-weights" / f"{gguf.stem}-{digest[:16]}"
+    chosen = choose_weights(gguf, weights, folder, threads)
+    more = {} if sequences is None else {"sequences": sequences}
+
+    def embedding_model():  # EAGLE heads borrow the embeddings and lm_head of a transformers copy (loaded on demand)
+        from .hf import load as load_transformers
+
+        return load_transformers(ref, pack=False).model
+
+    return LlamaCppModel(chosen.path, tokenizer, ref, weights=chosen.name, threads=threads, features=features,
+                         **more, embedding_model=embedding_model)

@@ -81,7 +81,7 @@ class FixedLayer(StaticLayer):
 
 
 class FixedKV:
-    """One sequence's cache in buffers of ``capacity`` positions (a ``verispec.backend.KVCache``). A pass that needs
+    """One sequence's cache in buffers of ``capacity`` positions (a ``verispec.backends.base.KVCache``). A pass that needs
     more room first moves the cache into buffers of the next multiple of ``GROWTH`` positions, so the buffers hold
     at most ``GROWTH`` unused columns: attention reads all of them (a compiled graph has no data-dependent length),
     and each costs about as much as a cached position (~6 us per column and step for the default model)."""
@@ -158,7 +158,7 @@ def _dynamic_columns(tensor: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def unpacked_copy(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` sharing every parameter and buffer, with ``verispec.packing.PackedLinear`` layers turned
+    """A copy of ``model`` sharing every parameter and buffer, with ``verispec.backends.hf.packing.PackedLinear`` layers turned
     back into ``nn.Linear`` (inductor packs the weights its own way)."""
     from .packing import PackedLinear
 
@@ -221,7 +221,7 @@ class CompiledStep:
         # freezing folds the weights into the graph as constants; inductor reads it when it compiles, which is
         # during a call (the first, or one whose guards fail), and torch.compile's options do not pass it on
         with inductor_config.patch(freezing=True):
-            out = self._model(input_ids=torch.tensor([[token]], device=self.device), past_key_values=kv.cache,
+            out = self._model(input_ids=torch.tensor([[token]], device=self.device), cache=kv.cache,
                               position_ids=torch.tensor([[kv.length]], device=self.device),
                               attention_mask=kv.mask(1, self.dtype, self.device), use_cache=True)
         kv.length += 1

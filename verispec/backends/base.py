@@ -2,9 +2,10 @@
 
 A backend runs the target: one pass over new tokens after a sequence's cached ones, logits for every position
 fed, optionally the hidden states of some layers; its KV cache keeps the first n positions and drops the rest
-(rollback). Two backends implement it: transformers (``verispec.models.LoadedModel``, float32/bfloat16 PyTorch,
-token trees, hidden states for EAGLE heads) and llama.cpp (``verispec.llamacpp.LlamaCppModel``, GGUF files as
-CPU users run them). The engine, verification, sampling and the drafters import this module, never a backend.
+(rollback). Two backends implement it: transformers (``verispec.backends.hf.LoadedModel``, float32/bfloat16
+PyTorch, token trees, hidden states for EAGLE heads) and llama.cpp (``verispec.backends.llamacpp.LlamaCppModel``, GGUF
+files as CPU users run them). The engine, verification, sampling and the drafters import this module, never a backend;
+``verispec.backends.load_model`` picks one.
 """
 
 from __future__ import annotations
@@ -13,7 +14,18 @@ from typing import NamedTuple, Protocol, Sequence, runtime_checkable
 
 import torch
 
+from ..errors import InvalidRequest
+
 BACKENDS = ("transformers", "llamacpp")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise InvalidRequest(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
 
 
 class TargetPass(NamedTuple):

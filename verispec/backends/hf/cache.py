@@ -73,7 +73,7 @@ def cache_length(cache: Cache | None) -> int:
 
 
 class TorchKV:
-    """One sequence's transformers cache behind the backend protocol (``verispec.backend.KVCache``)."""
+    """One sequence's transformers cache behind the backend protocol (``verispec.backends.base.KVCache``)."""
 
     def __init__(self, cache: Cache | None = None) -> None:
         self.cache = new_cache() if cache is None else cache

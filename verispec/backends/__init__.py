@@ -1,0 +1,61 @@
+"""Target backends: what runs the target model, behind one protocol (``base.TargetModel``).
+
+    hf          transformers / PyTorch: float32 and bfloat16, token trees, hidden states, a compiled one-token step
+    llamacpp    llama.cpp on GGUF files, as CPU users run them (pip install "verispec[llamacpp]")
+    references  model references (built-in names, folders, .gguf files, hub ids) and the cache of converted models
+
+``load_model`` picks the backend; nothing above this package imports a backend module directly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import InvalidRequest, ModelNotFound
+from .base import BACKENDS, DTYPES, KVCache, KVGroup, TargetModel, TargetPass, parse_dtype
+from .references import BUILTINS, DEFAULT_MODEL, cache_dir
+
+
+def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", device: str | None = None,
+               pack: bool | None = None, backend: str = "transformers", weights: str = "as-is",
+               threads: int | None = None, features: bool = False, sequences: int | None = None,
+               compiled: bool = False) -> TargetModel:
+    """Load a model reference (built-in name, local directory, .gguf file or hub id) on a backend.
+
+    ``backend="transformers"`` (default) returns a ``LoadedModel``. ``pack`` prepacks its linear layers' weights for
+    oneDNN (see ``verispec.backends.hf.packing``) where this CPU runs the packed kernel for ``dtype`` (probed first;
+    elsewhere the plain op stays): faster decoding, and float32 rows that do not depend on the pass width. By default
+    it is on for float32 and bfloat16 on CPU unless VERISPEC_PACK=0.
+
+    ``backend="llamacpp"`` returns a ``verispec.backends.llamacpp.LlamaCppModel`` over the GGUF file (a built-in name
+    or a .gguf path), its weights as they are or converted once to ``weights`` (f32, f16, q8_0, ...; ``auto`` measures
+    which is fastest here), run with ``threads`` threads (default: the cores this process may use); ``features=True``
+    lets it return hidden states (for EAGLE heads; costs a little on every pass); ``sequences`` is how many KV caches
+    its context holds at once (default 8; a batch of N requests needs N).
+
+    ``compiled=True`` (transformers, float32, CPU) compiles the one-token decoding step with inductor before
+    returning (about a minute; see ``verispec.backends.hf.compiled``): plain decoding then ran ~2x faster than eager
+    on a 2-core EPYC."""
+    if backend not in BACKENDS:
+        raise InvalidRequest(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if not isinstance(ref, str) or not ref.strip():
+        raise ModelNotFound("model reference is empty; pass a built-in name (e.g. smollm2-135m), a directory, "
+                            "a .gguf file or a hub id")
+    if backend == "llamacpp":
+        if parse_dtype(dtype) != torch.float32:
+            raise InvalidRequest("dtype applies to the transformers backend; on llama.cpp choose the weight format "
+                                 "with --weights (f32, f16, q8_0, ...)")
+        if compiled:
+            raise InvalidRequest("--compile applies to the transformers backend (llama.cpp's kernels are its own)")
+        from .llamacpp import load
+
+        return load(ref, weights, threads, features, sequences)
+    if weights != "as-is":
+        raise InvalidRequest("--weights applies to the llamacpp backend; on transformers choose --dtype")
+    from .hf import load
+
+    return load(ref, dtype, device, pack, compiled)
+
+
+__all__ = ["BACKENDS", "BUILTINS", "DEFAULT_MODEL", "DTYPES", "KVCache", "KVGroup", "TargetModel", "TargetPass",
+           "cache_dir", "load_model", "parse_dtype"]

