@@ -15,7 +15,7 @@ from verispec import EagleDrafter, IncompatibleDrafter, ModelNotFound, SamplingP
 from verispec.audit import chi_square
 from verispec.drafters.base import Draft
 from verispec.eagle.data import Sequence, build_dataset, load_meta, load_sequences
-from verispec.eagle.head import EagleHead, KVCache, head_config_for, ttt_mask
+from verispec.eagle.head import EagleHead, HeadCache, head_config_for, ttt_mask
 from verispec.eagle.train import (TrainConfig, collate, draft_vocabulary, unrolled_states,
                                   validation_split)
 from verispec.features import FeatureBuffer
@@ -87,8 +87,8 @@ def test_incremental_steps_equal_one_wide_step(small_target):
     feats = head.fuse_features(features_of(small_target, ids))
     tokens = torch.tensor(ids[1:])
     with torch.no_grad():
-        wide = head.step(tokens, feats[:-1], KVCache())
-        cache = KVCache()
+        wide = head.step(tokens, feats[:-1], HeadCache())
+        cache = HeadCache()
         narrow = torch.cat([head.step(tokens[i : i + 1], feats[i : i + 1], cache) for i in range(len(tokens))])
         cache.truncate(4)  # rollback, then refeed: same result
         again = torch.cat([head.step(tokens[4:6], feats[4:6], cache), head.step(tokens[6:], feats[6:-1], cache)])
@@ -108,7 +108,7 @@ def test_training_unroll_matches_what_the_drafter_computes(small_target):
     with torch.no_grad():
         depth = unrolled_states(head, batch, 3)  # each [1, T-1, H]
         for m in (3, 6, 8):  # pending token at position m: true pairs 0..m-1
-            cache = KVCache()
+            cache = HeadCache()
             g = head.step(torch.tensor(ids[1 : m + 1]), head.fuse_features(hidden[:m]), cache)[-1]
             assert torch.allclose(g, depth[0][0, m - 1], atol=1e-5)
             for s in (1, 2):  # feed the head's own output with the sequence's next token
@@ -221,7 +221,7 @@ def test_bfloat16_target_and_head_run(small_target, trained_head_dir):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_head_is_packed_where_the_cpu_can_with_the_same_logits_and_saves_unchanged(small_target, trained_head_dir,
                                                                                    tmp_path, dtype):
-    from verispec.packing import PackedLinear, packing_available
+    from verispec.backends.hf.packing import PackedLinear, packing_available
 
     if not packing_available(dtype):
         pytest.skip(f"this CPU cannot run oneDNN's packed {dtype} kernel (tests/test_packing.py covers the fallback)")
@@ -236,7 +236,7 @@ def test_head_is_packed_where_the_cpu_can_with_the_same_logits_and_saves_unchang
     with torch.inference_mode():
         assert same(head.logits(g), plain.logits(g))
         tokens, feats = torch.tensor([4, 5, 6]), torch.randn(3, 32, dtype=dtype)
-        assert same(head.step(tokens, feats, KVCache()), plain.step(tokens, feats, KVCache()))
+        assert same(head.step(tokens, feats, HeadCache()), plain.step(tokens, feats, HeadCache()))
     head.save(tmp_path / "again")
     saved = safetensors.torch.load_file(tmp_path / "again" / "model.safetensors")
     assert saved.keys() == safetensors.torch.load_file(Path(trained_head_dir[0]) / "model.safetensors").keys()

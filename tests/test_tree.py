@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from verispec import SpeculativeDecoder
-from verispec.drafters.base import Draft
+from verispec.drafters.base import Draft, DrafterBase
 from verispec.tree import depths, tree_inputs
 from verispec.verify import verify_tree_greedy
 
@@ -47,9 +47,9 @@ def test_tree_forward_equals_a_plain_forward_of_each_branch(tiny_target):
     past = context[:-2]
     with torch.no_grad():
         cache = DynamicCache()
-        model(input_ids=torch.tensor([past]), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.tensor([past]), cache=cache, use_cache=True)
         positions, mask = tree_inputs(len(past), 2, PARENTS, torch.float32)
-        logits = model(input_ids=torch.tensor([context[-2:] + TOKENS]), past_key_values=cache, use_cache=True,
+        logits = model(input_ids=torch.tensor([context[-2:] + TOKENS]), cache=cache, use_cache=True,
                        position_ids=positions, attention_mask=mask).logits[0]
         for i in range(len(TOKENS)):
             branch, node = [], i
@@ -61,7 +61,7 @@ def test_tree_forward_equals_a_plain_forward_of_each_branch(tiny_target):
         assert torch.allclose(logits[1], model(input_ids=torch.tensor([context])).logits[0, -1], atol=1e-5)
 
 
-class OracleTreeDrafter:
+class OracleTreeDrafter(DrafterBase):
     """Proposes a tree whose branches are the true greedy continuation (from ``truth``, when known) mixed with
     random siblings and random subtrees, so every shape of acceptance happens."""
 
@@ -69,9 +69,6 @@ class OracleTreeDrafter:
 
     def __init__(self, truth: list[int], vocab: int, seed: int = 0):
         self.truth, self.vocab, self.rng = truth, vocab, random.Random(seed)
-
-    def reset(self, sampling, generator):
-        pass
 
     def propose(self, context, k):
         tokens, parents = [], []
@@ -95,9 +92,6 @@ class OracleTreeDrafter:
             tokens.append(self.rng.randrange(self.vocab))
             parents.append(self.rng.randrange(-1, len(tokens) - 1))
         return Draft(tokens, None, parents)
-
-    def observe(self, n):
-        pass
 
 
 @pytest.mark.parametrize("k", [1, 3, 8, 16])
@@ -134,7 +128,7 @@ def test_tree_steps_leave_the_cache_equal_to_a_fresh_prefill(tiny_target):
     assert cached == (prompt + out.token_ids)[: len(cached)] and len(cached) >= len(prompt)
     fresh = DynamicCache()
     with torch.no_grad():
-        tiny_target.model(input_ids=torch.tensor([cached]), past_key_values=fresh, use_cache=True)
+        tiny_target.model(input_ids=torch.tensor([cached]), cache=fresh, use_cache=True)
     for a, b in zip(decoder._cache.cache.layers, fresh.layers):
         assert torch.allclose(a.keys, b.keys, atol=1e-5) and torch.allclose(a.values, b.values, atol=1e-5)
     # and the next request reuses it

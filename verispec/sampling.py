@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import InvalidRequest
+from .errors import InvalidRequest, check_whole
 
 
 # below this temperature sampling is the argmax (ties shared): e^(-d / T) is 0 in float32 for any logit gap d that
@@ -36,8 +36,7 @@ class SamplingParams:
                 f"temperature must be >= 0 (0 means greedy), got {self.temperature}; pass 0 for greedy "
                 "decoding or a positive value to sample"
             )
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
-            raise InvalidRequest(f"top_k must be a whole number >= 0 (0 turns it off), got {self.top_k!r}")
+        check_whole("top_k", self.top_k, 0, note="0 turns it off")
         if not isinstance(self.top_p, (int, float)) or not (0.0 < self.top_p <= 1.0):
             raise InvalidRequest(f"top_p must be in (0, 1] (1 turns it off), got {self.top_p!r}")
 

@@ -11,7 +11,7 @@ from typing import Callable, Sequence
 import torch
 
 from .. import analysis
-from ..backend import TargetModel
+from ..backends.base import TargetModel
 from ..sampling import SamplingParams, probabilities
 
 
@@ -66,7 +66,7 @@ def eagle_teacher_forced_beta(target: TargetModel, head, sequences: Sequence[tup
                               sampling: SamplingParams) -> float:
     """Like ``teacher_forced_beta`` for an EAGLE head at draft depth 1: q at each generated position comes from the
     head fed the target's true hidden states of the prefix (what it sees for the first draft token of a step)."""
-    from ..eagle.head import KVCache
+    from ..eagle.head import HeadCache
 
     layers = tuple(head.config.feature_layers)
     total, count = 0.0, 0
@@ -79,7 +79,7 @@ def eagle_teacher_forced_beta(target: TargetModel, head, sequences: Sequence[tup
         p = probabilities(out.logits[-n:].float(), sampling)  # [n, V]
         feats = head.fuse_features(out.hidden)  # [len(ids), H]
         # pair i = (f_i, t_{i+1}) gives q for t_{i+2}: the last n pairs end at position len(ids) - 2
-        g = head.step(torch.tensor(ids[1:], device=target.device), feats[:-1], KVCache())[-(n - 1):] if n > 1 else None
+        g = head.step(torch.tensor(ids[1:], device=target.device), feats[:-1], HeadCache())[-(n - 1):] if n > 1 else None
         if g is None:
             continue
         full = torch.full((n - 1, p.shape[-1]), float("-inf"), device=p.device)

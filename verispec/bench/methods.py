@@ -17,7 +17,7 @@ is a model reference:
 verispec methods take per-method target options: ``backend=transformers|llamacpp``, on llama.cpp
 ``weights=as-is|f32|f16|q8_0|...`` (e.g. ``ngram:backend=llamacpp:weights=f16``) and on transformers
 ``dtype=float32|bfloat16`` (e.g. ``baseline:dtype=bfloat16``) and ``compile=0|1`` (the compiled one-token step,
-``verispec.compiled``; default: the run's ``--compile``), so backends, weight formats, dtypes and kernels compare in
+``verispec.backends.hf.compiled``; default: the run's ``--compile``), so backends, weight formats, dtypes and kernels compare in
 one run; ``llamacpp`` peers take ``weights=`` too.
 
 transformers' methods run the target as transformers loads it, with plain weights (what a transformers user runs),
@@ -33,7 +33,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from ..controller import COST, K_POLICIES
-from ..drafters import make_drafter
+from ..drafters import NONE, drafter_names, get_spec, make_drafter
 from ..engine import SpeculativeDecoder
 from ..errors import InvalidRequest
 from .method import Method, Run
@@ -94,68 +94,73 @@ def build_method(spec: str, target, load: Callable | None, default_k: int = 8, d
         model = load(target.name, backend="llamacpp", weights=weights or "as-is")
         opts = {key: _number(key, v) for key, v in raw_opts.items()}
         return build_llamacpp_peer(spec, head.partition(":")[2], opts, model.path, threads, target.eos_token_ids)
-    if head == "eagle" and not target.supports_features:  # a llama.cpp run: load a copy that gives hidden states
+    if head.startswith("hf:"):
+        return _hf_method(spec, head, refs, {key: _number(key, v) for key, v in raw_opts.items()}, target, load)
+    name = NONE if head == "baseline" else head
+    if name not in drafter_names():
+        raise InvalidRequest(f"unknown method {spec!r}; choose baseline, {', '.join(drafter_names()[1:])} (verispec's "
+                             "drafters, e.g. ngram:k=4, model:REF, eagle[:DIR]), hf:greedy, hf:pld, hf:assisted:REF, "
+                             "llamacpp or llamacpp:lookup")
+    drafter_spec = get_spec(name) if name != NONE else None
+    hidden = drafter_spec is not None and drafter_spec.hidden_states
+    if hidden and not target.supports_features:  # a llama.cpp run: load a copy that gives hidden states
         target = load(target.name, backend=backend, weights=weights, features=True)
     elif backend or weights or dtype or compiled is not None:
-        target = load(target.name, backend=backend, weights=weights, features=head == "eagle", dtype=dtype,
-                      compiled=compiled)
+        target = load(target.name, backend=backend, weights=weights, features=hidden, dtype=dtype, compiled=compiled)
     policy = raw_opts.pop("policy", default_policy)
     if policy not in K_POLICIES:
         raise InvalidRequest(f"{spec!r}: policy must be one of {', '.join(K_POLICIES)}, got {policy!r}")
-    opts = {key: _number(key, v) for key, v in raw_opts.items()}
-    if head == "eagle":
-        k = int(opts.pop("k", default_k))
-        tree = {key: int(opts.pop(key)) for key in ("tree", "depth", "width", "lookup") if key in opts}
-        if opts or len(refs) > 1:
-            raise InvalidRequest(f"{spec!r}: eagle takes a head folder, k, tree, depth and width, e.g. eagle, "
-                                 "eagle:DIR:k=6 or eagle:tree=1:k=16 (options tree, depth, width, lookup)")
-        drafter = make_drafter("eagle", target=target, head=refs[0] if refs else None, **tree)
-        decoder = SpeculativeDecoder(target, drafter, k=k, reuse_prefix=False, k_policy=policy)
-        return Method(spec, _verispec_runner(decoder), "verispec", drafter.name, k, _kernel(target))
-    if head in ("baseline", "none", "ngram", "model"):
-        k = int(opts.pop("k", default_k))
-        if head == "model" and len(refs) != 1:
-            raise InvalidRequest(f"{spec!r}: the model method needs a draft model reference, e.g. model:PATH")
-        if head != "model" and refs:
-            raise InvalidRequest(f"{spec!r}: unexpected part {refs[0]!r} (options are written key=value)")
-        draft = load(refs[0]) if head == "model" else None
-        try:
-            drafter = make_drafter("none" if head == "baseline" else head, target=target, draft_model=draft, **opts)
-        except TypeError as exc:
-            raise InvalidRequest(f"{spec!r}: {exc}") from None
-        # no prefix reuse: transformers' generate starts every prompt from an empty cache, so must we
-        decoder = SpeculativeDecoder(target, drafter, k=k, reuse_prefix=False, k_policy=policy)
-        return Method(spec, _verispec_runner(decoder), "verispec", decoder.drafter_name,
-                      k if drafter is not None else None, _kernel(target))
-    if head.startswith("hf:"):
-        kind = head[3:]
-        extra: dict = {}
-        k = None
-        if kind == "greedy":
-            if refs or set(opts) - {"pack"}:
-                raise InvalidRequest(f"{spec!r}: hf:greedy takes no options but pack=0|1")
-        elif kind == "pld":
-            k = int(opts.pop("k", 10))
-            extra = {"prompt_lookup_num_tokens": k}
-            if "ngram" in opts:
-                extra["max_matching_ngram_size"] = int(opts.pop("ngram"))
-        elif kind == "assisted":
-            if len(refs) != 1:
-                raise InvalidRequest(f"{spec!r}: hf:assisted needs a draft model reference, e.g. hf:assisted:PATH")
-            extra = {"assistant_model": load(refs[0], compiled=False).model}
-        else:
-            raise InvalidRequest(f"unknown transformers method {head!r}; choose hf:greedy, hf:pld or hf:assisted:REF")
-        pack = bool(opts.pop("pack", 0))
-        if opts:
-            raise InvalidRequest(f"{spec!r}: unknown option(s) {', '.join(opts)}")
-        if target.backend != "transformers" or getattr(target, "step", None) is not None:
-            # transformers' generate runs its own eager forward: never the compiled copy (or llama.cpp)
-            target = load(target.name, pack=None if pack else False, backend="transformers", compiled=False)
-        model = target if pack or not target.packed_layers or load is None else load(target.name, pack=False,
-                                                                                      compiled=False)
-        return Method(spec, _hf_runner(model, extra), "transformers", kind, k, _kernel(model))
-    raise InvalidRequest(f"unknown method {spec!r}; choose baseline, ngram, model:REF, eagle[:DIR], hf:greedy, "
-                         "hf:pld, hf:assisted:REF, llamacpp or llamacpp:lookup")
+    k = int(_number("k", raw_opts.pop("k", str(default_k))))
+    options = {key: (drafter_spec.option(key) if drafter_spec else _no_options(spec, key)).parse(value, spec)
+               for key, value in raw_opts.items()}
+    draft = None
+    if drafter_spec is not None and drafter_spec.needs_draft_model:
+        if len(refs) != 1:
+            raise InvalidRequest(f"{spec!r}: the {name} method needs a draft model reference, e.g. {name}:PATH")
+        draft = load(refs[0])
+    elif refs:
+        if drafter_spec is None or not drafter_spec.reference_option or len(refs) > 1:
+            raise InvalidRequest(f"{spec!r}: unexpected part {refs[-1]!r} (options are written key=value)")
+        options[drafter_spec.reference_option] = refs[0]
+    drafter = make_drafter(name, target=target, draft_model=draft, **options)
+    # no prefix reuse: transformers' generate starts every prompt from an empty cache, so must we
+    decoder = SpeculativeDecoder(target, drafter, k=k, reuse_prefix=False, k_policy=policy)
+    return Method(spec, _verispec_runner(decoder), "verispec", decoder.drafter_name,
+                  k if drafter is not None else None, _kernel(target))
+
+
+def _no_options(spec: str, key: str):
+    raise InvalidRequest(f"{spec!r}: plain decoding takes k and policy only, not {key!r}")
+
+
+def _hf_method(spec: str, head: str, refs: list[str], opts: dict, target, load: Callable | None) -> Method:
+    """transformers' own generation paths (``hf:greedy``, ``hf:pld``, ``hf:assisted:REF``)."""
+    kind = head[3:]
+    extra: dict = {}
+    k = None
+    if kind == "greedy":
+        if refs or set(opts) - {"pack"}:
+            raise InvalidRequest(f"{spec!r}: hf:greedy takes no options but pack=0|1")
+    elif kind == "pld":
+        k = int(opts.pop("k", 10))
+        extra = {"prompt_lookup_num_tokens": k}
+        if "ngram" in opts:
+            extra["max_matching_ngram_size"] = int(opts.pop("ngram"))
+    elif kind == "assisted":
+        if len(refs) != 1:
+            raise InvalidRequest(f"{spec!r}: hf:assisted needs a draft model reference, e.g. hf:assisted:PATH")
+        extra = {"assistant_model": load(refs[0], compiled=False).model}
+    else:
+        raise InvalidRequest(f"unknown transformers method {head!r}; choose hf:greedy, hf:pld or hf:assisted:REF")
+    pack = bool(opts.pop("pack", 0))
+    if opts:
+        raise InvalidRequest(f"{spec!r}: unknown option(s) {', '.join(opts)}")
+    if target.backend != "transformers" or target.step is not None:
+        # transformers' generate runs its own eager forward: never the compiled copy (or llama.cpp)
+        target = load(target.name, pack=None if pack else False, backend="transformers", compiled=False)
+    model = target if pack or not target.packed_layers or load is None else load(target.name, pack=False,
+                                                                                  compiled=False)
+    return Method(spec, _hf_runner(model, extra), "transformers", kind, k, _kernel(model))
 
 
 def _kernel(target) -> str:

@@ -53,7 +53,21 @@ EMPTY_DRAFT = Draft([])
 
 @runtime_checkable
 class Drafter(Protocol):
+    """What the engine needs from a drafter: three methods and two declared capabilities.
+
+    ``feature_layers``: the target's hidden-state layers it reads (indices into transformers' ``hidden_states``,
+    0 = embeddings), () for none. The engine then calls ``propose(context, k, features=F)`` with F
+    [len(context) - 1, L, H]: the target's hidden states at every committed position but the pending one, taken from
+    the prefill and verify passes the engine runs anyway (no extra target forward).
+
+    ``tree_depth``: the depth of the trees it drafts for the current request, None when it drafts chains; read before
+    drafting, so the controller can budget nodes instead of chain positions.
+
+    ``DrafterBase`` gives the defaults (no hidden states, chains, nothing to reset or observe)."""
+
     name: str
+    feature_layers: tuple[int, ...]
+    tree_depth: int | None
 
     def reset(self, sampling: SamplingParams, generator: torch.Generator | None) -> None:
         """Start a new sequence; drafters that sample use these parameters and this generator."""
@@ -65,12 +79,16 @@ class Drafter(Protocol):
         """How many tokens of the last proposal the target accepted."""
 
 
-# A drafter that reads the target's hidden states (EAGLE-style heads) also has
-#     feature_layers: tuple[int, ...]   indices into transformers' ``hidden_states`` (0 = embeddings)
-# and the engine then calls ``propose(context, k, features=F)`` with F [len(context) - 1, L, H]: the target's
-# hidden states at every committed position but the pending one, taken from the prefill and verify passes the
-# engine runs anyway (no extra target forward).
-#
-# A drafter that drafts a tree for some sampling parameters says so before drafting, so the controller can
-# budget nodes instead of chain positions:
-#     tree_depth: int | None    the tree's depth for the current request, None when it drafts a chain
+class DrafterBase:
+    """Defaults of the ``Drafter`` protocol: reads no hidden states, drafts chains, keeps no state to reset, learns
+    nothing from verdicts."""
+
+    name = "drafter"
+    feature_layers: tuple[int, ...] = ()
+    tree_depth: int | None = None
+
+    def reset(self, sampling: SamplingParams | None = None, generator: torch.Generator | None = None) -> None:
+        pass
+
+    def observe(self, num_accepted: int) -> None:
+        pass

@@ -30,24 +30,24 @@ from typing import Sequence
 
 import torch
 
-from ..eagle.head import EagleHead, KVCache
+from ..eagle.head import EagleHead, HeadCache
 from ..eagle.weights import resolve_head
-from ..errors import InvalidRequest
-from ..backend import TargetModel
+from ..errors import InvalidRequest, check_whole
+from ..prefix import common_prefix_length
+from ..backends.base import TargetModel
 from ..sampling import SamplingParams, probabilities, sample
-from .base import EMPTY_DRAFT, Draft
-from .model import common_prefix_length
+from .base import EMPTY_DRAFT, Draft, DrafterBase
 from .ngram import NgramDrafter
+from .registry import DrafterSpec, Option, register
 
 
-class EagleDrafter:
+class EagleDrafter(DrafterBase):
     name = "eagle"
 
     def __init__(self, target: TargetModel, head: EagleHead | str | Path | None = None, *, tree: bool = False,
                  depth: int = 4, width: int = 4, context_vocab: bool = True, lookup: bool = False):
-        for name, value in (("depth", depth), ("width", width)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidRequest(f"eagle tree {name} must be a whole number >= 1, got {value!r}")
+        check_whole("eagle tree depth", depth)
+        check_whole("eagle tree width", width)
         self.tree, self.depth, self.width = bool(tree), depth, width
         if not target.supports_features:
             raise InvalidRequest(f"the eagle drafter reads the target's hidden states, which this {target.backend} "
@@ -66,7 +66,7 @@ class EagleDrafter:
         self.context_vocab = context_vocab
         self._lm_head = target.embedding_model.get_output_embeddings().weight.detach()
         self._base_ids = set(self.head.d2t.tolist())
-        self._cache = KVCache()
+        self._cache = HeadCache()
         self._tokens: list[int] = []  # the cache holds the pairs of positions 0..len(cache)-1 of these tokens
         self.reset(SamplingParams(), None)
 
@@ -79,7 +79,7 @@ class EagleDrafter:
         self._seen: set[int] = set()
         self._scanned = 0
         self._lookup_draft: tuple[int, list[int]] | None = None  # (pending position, tokens) of the last branch
-        if getattr(self, "_lookup", None) is not None:
+        if self._lookup is not None:
             self._lookup.reset(sampling, generator)
         # the KV cache is kept: the next propose() keeps the pairs still valid for the new context
 
@@ -205,8 +205,7 @@ class EagleDrafter:
         return Draft([nodes[i][0] for i in order], None,
                      [-1 if nodes[i][1] < 0 else chosen[nodes[i][1]] for i in order])
 
-    def observe(self, num_accepted: int) -> None:
-        pass  # the next propose() realigns the cache with the committed context
+    # observe(): nothing to learn; the next propose() realigns the cache with the committed context
 
 
 def _merge_chain(tree: Draft, chain: list[int]) -> Draft:
@@ -223,3 +222,22 @@ def _merge_chain(tree: Draft, chain: list[int]) -> Draft:
             children[(node, token)] = child
         node = child
     return Draft(tokens, None, parents)
+
+
+register(DrafterSpec(
+    "eagle", "a trained head drafts from the target's own hidden states (EAGLE); one ships for smollm2-135m",
+    lambda target, draft_model, **options: EagleDrafter(target, **options),
+    options=(Option("head", str, None, "head for --drafter eagle, as written by `verispec train-eagle` (default: the "
+                    "head shipped for the built-in target)"),
+             Option("tree", bool, False, "with --drafter eagle, draft a tree of --k candidate tokens (EAGLE-2 style) "
+                    "instead of a chain, verified losslessly at any temperature"),
+             Option("lookup", bool, False, "with --eagle-tree, add a prompt-lookup (n-gram) branch to each tree "
+                    "(drafter 'eagle+lookup')"),
+             Option("depth", int, 4, "depth of the eagle tree (default: 4)"),
+             Option("width", int, 4, "children per expanded node and nodes expanded per depth in the eagle tree "
+                    "(default: 4)")),
+    hidden_states=True,
+    trees=lambda options: bool(options.get("tree")), tree_option="tree",
+    reference_option="head",
+    share=lambda drafter: {"head": drafter.head},
+))

@@ -6,21 +6,15 @@ from typing import Sequence
 
 import torch
 
-from ..backend import TargetModel
+from ..backends.base import TargetModel
 from ..compat import check_compatible
+from ..prefix import common_prefix_length
 from ..sampling import SamplingParams, probabilities, sample
-from .base import Draft
+from .base import Draft, DrafterBase
+from .registry import DrafterSpec, register
 
 
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
-
-
-class ModelDrafter:
+class ModelDrafter(DrafterBase):
     """Samples each draft token from the draft model with the request's sampling parameters and
     returns q. Its KV cache holds every token it has seen except the newest; on the next proposal it
     keeps the longest prefix shared with the committed context (dropping rejected drafts) and feeds
@@ -71,6 +65,11 @@ class ModelDrafter:
             probs.append(q)
             feed = [token]
         return Draft(tokens, torch.stack(probs) if probs else None, confidence=confidence)
+    # observe(): nothing to learn; the next propose() realigns the cache with the committed context
 
-    def observe(self, num_accepted: int) -> None:
-        pass  # the next propose() realigns the cache with the committed context
+
+register(DrafterSpec(
+    "model", "a separate, smaller model with the target's tokenizer drafts token by token",
+    lambda target, draft_model, **options: ModelDrafter(draft_model, target, **options),
+    needs_draft_model=True,
+))

@@ -12,21 +12,21 @@ from typing import Sequence
 
 import torch
 
-from ..errors import InvalidRequest
+from ..errors import InvalidRequest, check_whole
 from ..sampling import SamplingParams
-from .base import EMPTY_DRAFT, Draft
+from .base import EMPTY_DRAFT, Draft, DrafterBase
+from .registry import DrafterSpec, Option, register
 
 
-class NgramDrafter:
+class NgramDrafter(DrafterBase):
     name = "ngram"
 
     def __init__(self, min_n: int = 2, max_n: int = 4, branches: int = 1) -> None:
-        if isinstance(min_n, bool) or not isinstance(min_n, int) or isinstance(max_n, bool) \
-                or not isinstance(max_n, int) or min_n < 1 or max_n < min_n:
-            raise InvalidRequest(f"n-gram sizes need whole numbers 1 <= min_n <= max_n, got min_n={min_n!r}, "
-                                 f"max_n={max_n!r}")
-        if isinstance(branches, bool) or not isinstance(branches, int) or not 1 <= branches <= 16:
-            raise InvalidRequest(f"n-gram branches must be a whole number in 1..16, got {branches!r}")
+        check_whole("n-gram min_n", min_n)
+        check_whole("n-gram max_n", max_n)
+        if max_n < min_n:
+            raise InvalidRequest(f"n-gram sizes need 1 <= min_n <= max_n, got min_n={min_n!r}, max_n={max_n!r}")
+        check_whole("n-gram branches", branches, 1, 16)
         self.min_n, self.max_n, self.branches = min_n, max_n, branches
         # with several branches the drafter proposes a tree (any temperature: its candidates are deterministic)
         self.tree_depth = None if branches == 1 else 64
@@ -107,5 +107,13 @@ class NgramDrafter:
                 node = child
         return Draft(tokens, None, parents) if tokens else EMPTY_DRAFT
 
-    def observe(self, num_accepted: int) -> None:
-        pass
+
+register(DrafterSpec(
+    "ngram", "prompt lookup: what followed the latest earlier occurrence of the context's last n tokens",
+    lambda target, draft_model, **options: NgramDrafter(**options),
+    options=(Option("min_n", int, 2, "shortest suffix n-gram the ngram drafter matches (default: 2)", "ngram-min"),
+             Option("max_n", int, 4, "longest suffix n-gram the ngram drafter matches (default: 4)", "ngram-max"),
+             Option("branches", int, 1, "with more than 1, the ngram drafter proposes a tree of what followed that "
+                    "many earlier matches (default: 1, a chain)", "ngram-branches")),
+    trees=lambda options: options.get("branches", 1) > 1, tree_option="branches",
+))

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import IncompatibleDrafter, ModelNotFound
-from ..packing import PackedLinear, pack_linear_layers, should_pack
+from ..backends.hf.packing import PackedLinear, pack_linear_layers, should_pack
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -92,7 +92,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-b, a), dim=-1)
 
 
-class KVCache:
+class HeadCache:
     """The head's own keys and values for one sequence ([1, kv_heads, T, head_dim]); rolled back by slicing."""
 
     def __init__(self) -> None:
@@ -213,7 +213,7 @@ class EagleHead(nn.Module):
         return out
 
     # ------------------------------------------------------------------ inference
-    def step(self, tokens: torch.Tensor, features: torch.Tensor, cache: KVCache,
+    def step(self, tokens: torch.Tensor, features: torch.Tensor, cache: HeadCache,
              positions: torch.Tensor | None = None, visible: torch.Tensor | None = None) -> torch.Tensor:
         """Feed T new pairs (one sequence: ``tokens`` [T], ``features`` [T, H]) after the ``len(cache)`` cached
         ones; returns g [T, H]. By default they sit at the next positions and see the cache and each other
