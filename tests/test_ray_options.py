@@ -143,7 +143,7 @@ def test_switch_reads_the_shared_state_and_keeps_the_last_value_when_it_is_away(
 ])
 def test_ray_address_is_the_flag_then_the_environment_then_a_new_local_instance(flag, env, expected, monkeypatch):
     from verispec.cli import build_parser
-    from verispec.cli_ray import ray_address
+    from verispec.cli.ray import ray_address
 
     if env is None:
         monkeypatch.delenv("RAY_ADDRESS", raising=False)

@@ -13,13 +13,13 @@ Options are ``verispec serve``'s, named as on the command line (``max_batch`` or
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import time
 from typing import Any, Mapping
 
 from .errors import InvalidRequest
+from .server.config import ServeOptions, build_server_config
 
 log = logging.getLogger("verispec.ray")
 
@@ -27,8 +27,7 @@ APP_NAME = "verispec"
 SERVER_DEPLOYMENT = "VerispecServer"
 CONTROL_DEPLOYMENT = "VerispecControl"
 # options of `verispec serve` that shape the deployment or the process, not a replica's server
-DEPLOYMENT_OPTIONS = ("ray", "replicas", "autoscale", "replica_cpus", "ray_address", "print_config", "host", "port",
-                      "log_level")
+DEPLOYMENT_OPTIONS = ("host", "port", "log_level")
 HEADROOM = 4  # requests a replica takes beyond its queue: /health, /metrics, and answering overflow with a 429
 HEALTH_PERIOD_S = 2.0  # replicas report to the control this often (their health check)
 
@@ -43,49 +42,15 @@ def require_ray():
 
 
 # ----------------------------------------------------------------------------------------------- options
-def _serve_parser() -> argparse.ArgumentParser:
-    from .cli import build_parser
-
-    for action in build_parser()._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return action.choices["serve"]
-    raise RuntimeError("verispec's command line has no serve command")  # pragma: no cover
-
-
-def server_options(options: Mapping[str, Any]) -> argparse.Namespace:
+def server_options(options: Mapping[str, Any]) -> ServeOptions:
     """``verispec serve``'s options with ``options`` applied: names as on the command line (with - or _), values
-    typed (strings from ``serve run ... key=value`` are converted) and checked against the command's choices."""
-    parser = _serve_parser()
-    args = parser.parse_args([])
-    actions = {a.dest: a for a in parser._actions if a.dest not in ("help", "func")}
-    for key, value in options.items():
-        dest = str(key).lstrip("-").replace("-", "_")
-        action = actions.get(dest)
-        if action is None:
-            raise InvalidRequest(f"unknown verispec serve option {key!r}; known: "
-                                 f"{', '.join(sorted(d for d in actions))}")
-        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
-            if isinstance(value, str):
-                if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                    raise InvalidRequest(f"option {key!r} is a switch: give true or false, not {value!r}")
-                value = value.lower() in ("true", "1", "yes")
-            value = bool(value)
-        elif value is not None and isinstance(value, str) and action.type is not None:
-            try:
-                value = action.type(value)
-            except (TypeError, ValueError):
-                raise InvalidRequest(f"option {key!r}: {value!r} is not a valid {action.type.__name__}") from None
-        if action.choices is not None and value is not None and value not in action.choices:
-            raise InvalidRequest(f"option {key!r}: {value!r} is not one of {', '.join(map(str, action.choices))}")
-        setattr(args, dest, value)
-    return args
+    typed (strings from ``serve run ... key=value`` are converted) and checked against the options' choices."""
+    return ServeOptions.from_mapping(options)
 
 
-def replica_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The options of ``args`` that differ from ``verispec serve``'s defaults and reach the replicas."""
-    defaults = vars(_serve_parser().parse_args([]))
-    return {key: value for key, value in vars(args).items()
-            if key in defaults and key not in DEPLOYMENT_OPTIONS and key != "func" and value != defaults[key]}
+def replica_options(options: ServeOptions) -> dict[str, Any]:
+    """The options that differ from ``verispec serve``'s defaults and reach the replicas."""
+    return {key: value for key, value in options.changed().items() if key not in DEPLOYMENT_OPTIONS}
 
 
 def parse_autoscale(text: str) -> tuple[int, int]:
@@ -150,10 +115,8 @@ class VerispecServer:
     """One replica: loads the model once and serves verispec's app (built by Ray on the replica, after this)."""
 
     def __init__(self, options: dict, control, threads: int) -> None:
-        from .cli_serve import build_server_config, check_serve_args
-
         args = server_options(options)
-        check_serve_args(args)
+        args.check()
         if args.backend == "transformers":
             import torch
 
@@ -204,7 +167,7 @@ class VerispecServer:
                 log.warning("could not report to %s: %s", CONTROL_DEPLOYMENT, exc)
 
 
-def _capacity(args: argparse.Namespace) -> int:
+def _capacity(args: ServeOptions) -> int:
     return (args.max_batch if args.max_batch > 1 else args.max_concurrency) + args.max_queue
 
 
@@ -216,9 +179,7 @@ def build_app(*, replicas: int = 1, autoscale: str | tuple[int, int] | None = No
     into your own application."""
     _, serve = require_ray()
     args = server_options(options)
-    from .cli_serve import check_serve_args
-
-    check_serve_args(args)
+    args.check()
     if replica_cpus <= 0:
         raise InvalidRequest(f"--replica-cpus must be > 0, got {replica_cpus}")
     capacity = _capacity(args)

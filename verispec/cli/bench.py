@@ -10,10 +10,10 @@ import statistics
 import sys
 from pathlib import Path
 
-from .errors import InvalidRequest
-from .backend import BACKENDS
-from .cli_backend import WEIGHT_CHOICES, add_compile_option
-from .models import BUILTINS, DEFAULT_MODEL, DTYPES
+from ..errors import InvalidRequest
+from ..backends.base import BACKENDS
+from .options import WEIGHT_CHOICES, add_compile_option
+from ..backends import BUILTINS, DEFAULT_MODEL, DTYPES
 
 DEFAULT_METHODS = "baseline,ngram,hf:pld"
 
@@ -95,7 +95,7 @@ def add_parsers(sub) -> None:
 def _setup(args):
     import torch
 
-    from .models import load_model
+    from ..backends import load_model
 
     if args.threads is not None:
         if args.threads < 1:
@@ -123,7 +123,7 @@ def _setup(args):
 
 
 def _questions(args):
-    from .bench.prompts import load_questions, select
+    from ..bench.prompts import load_questions, select
 
     cats = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
     return select(load_questions(args.prompts), cats, args.limit)
@@ -139,11 +139,11 @@ def _out_dir(args, kind: str) -> Path:
 def cmd_bench(args) -> int:
     from tqdm import tqdm
 
-    from .bench import build_method, markdown, run_benchmark, summarize
-    from .bench.runner import prompt_encoder
-    from .bench.environment import environment
-    from .bench.plots import acceptance_by_position, speedup_by_group
-    from .engine import SpeculativeDecoder
+    from ..bench import build_method, markdown, run_benchmark, summarize
+    from ..bench.runner import prompt_encoder
+    from ..bench.environment import environment
+    from ..bench.plots import acceptance_by_position, speedup_by_group
+    from ..engine import SpeculativeDecoder
 
     if args.temperature < 0:
         raise InvalidRequest(f"--temperature must be >= 0, got {args.temperature}")
@@ -249,14 +249,14 @@ def _ks(text: str, k_max: int) -> list[int]:
 def cmd_analyze(args) -> int:
     from tqdm import tqdm
 
-    from .bench import build_method, parse_spec, run_benchmark, summarize
-    from .bench.runner import prompt_encoder
-    from .bench.analyze import analyze, eagle_teacher_forced_beta, teacher_forced_beta, verify_cost_curve
-    from .bench.plots import analysis_plot
-    from .bench.summary import position_acceptance
-    from .bench.environment import environment
-    from .engine import SpeculativeDecoder
-    from .sampling import SamplingParams
+    from ..bench import build_method, parse_spec, run_benchmark, summarize
+    from ..bench.runner import prompt_encoder
+    from ..bench.analyze import analyze, eagle_teacher_forced_beta, teacher_forced_beta, verify_cost_curve
+    from ..bench.plots import analysis_plot
+    from ..bench.summary import position_acceptance
+    from ..bench.environment import environment
+    from ..engine import SpeculativeDecoder
+    from ..sampling import SamplingParams
 
     if not 1 <= args.k_max <= 64:
         raise InvalidRequest(f"--k-max must be in 1..64, got {args.k_max}")
@@ -296,7 +296,7 @@ def cmd_analyze(args) -> int:
         first = {r["question_id"]: r["token_ids"] for r in records if r["turn"] == 1}
         seqs = [(encode([{"role": "user", "content": q.turns[0]}]), first[q.question_id]) for q in questions]
         print("teacher-forced beta (depth 1) ...", file=sys.stderr)
-        from .drafters import EagleDrafter
+        from ..drafters import EagleDrafter
 
         head_model = EagleDrafter(target, refs[0] if refs else None).head
         teacher = eagle_teacher_forced_beta(target, head_model, seqs, sampling)
@@ -339,7 +339,7 @@ def cmd_analyze(args) -> int:
         with open(out / "sweep_records.jsonl", "w", encoding="utf-8") as fh:
             fh.writelines(json.dumps(r) + "\n" for r in sweep_records)
 
-    from .controller import shared_cost_curve
+    from ..controller import shared_cost_curve
 
     result.learned_cost_ms = {w: 1000 * t for w, t in shared_cost_curve(target.cost_key).measured().items()}
     text = _analysis_text(result, target.name, args)

@@ -8,8 +8,8 @@ import json
 import shlex
 import sys
 
-from .cli_bench import _out_dir, _prompt_options, _questions
-from .errors import InvalidRequest
+from .bench import _out_dir, _prompt_options, _questions
+from ..errors import InvalidRequest
 
 
 def add_bench_serve_parser(sub) -> None:
@@ -59,7 +59,7 @@ def cmd_bench_serve(args) -> int:
 
     from tqdm import tqdm
 
-    from .bench import load
+    from ..bench import load
 
     levels = _levels(args.concurrency)
     if args.requests < 1 or args.max_tokens < 1:

@@ -1,12 +1,56 @@
-"""Command-line options that pick the target backend, shared by generate, audit, bench, analyze and serve."""
+"""Command-line options shared by generate, audit, bench, analyze and serve: the target, its backend, the drafter and
+its options (read from the drafter registry), sampling; and building a decoder from them."""
 
 from __future__ import annotations
 
 import argparse
 
-from .backend import BACKENDS
+from ..backends import BUILTINS, DEFAULT_MODEL, DTYPES
+from ..backends.base import BACKENDS
+from ..backends.llamacpp import WEIGHT_CHOICES
+from ..drafters import drafter_names, drafter_specs, get_spec, make_drafter, options_from
+from ..drafters.registry import NONE, reads_hidden_states
 
-WEIGHT_CHOICES = ("as-is", "auto", "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1")
+
+def model_options(p: argparse.ArgumentParser, drafter_default: str = "ngram") -> None:
+    """Target, drafter and backend options (generate, audit, serve); every registered drafter's options too."""
+    g = p.add_argument_group("model and drafter")
+    g.add_argument("--target", default=DEFAULT_MODEL, metavar="REF",
+                   help=f"target model: built-in name ({', '.join(BUILTINS)}), local directory, .gguf file or "
+                        f"hub id (default: {DEFAULT_MODEL})")
+    summaries = "; ".join(f"{spec.name} = {spec.summary}" for spec in drafter_specs())
+    g.add_argument("--drafter", default=drafter_default, choices=drafter_names(),
+                   help=f"who proposes tokens: none = plain decoding (the off switch); {summaries} "
+                        f"(default: {drafter_default})")
+    g.add_argument("--draft-model", metavar="REF",
+                   help="draft model for drafters that need one (--drafter model: same tokenizer as the target)")
+    g.add_argument("--k", type=int, default=8, help="most draft tokens verified per step (default: 8)")
+    g.add_argument("--k-policy", default="cost", choices=["cost", "fixed"],
+                   help="cost (default): choose each step how many draft tokens to verify, 0 included, from step "
+                        "costs and acceptance measured on this machine; fixed: verify every draft token offered, "
+                        "up to --k (for experiments)")
+    for spec in drafter_specs():
+        for o in spec.options:
+            if o.type is bool:
+                g.add_argument(f"--{o.flag}", action="store_true", help=o.help)
+            else:
+                g.add_argument(f"--{o.flag}", type=o.type, default=o.default, help=o.help,
+                               metavar="DIR" if o.type is str else None)
+    g.add_argument("--dtype", default="float32", choices=list(DTYPES),
+                   help="weights and activations; float32 (default) guarantees greedy output identical to plain "
+                        "decoding, bfloat16 only approximately (rounding differs between wide and narrow passes)")
+    g.add_argument("--acceptance", default="strict", choices=["strict", "typical"],
+                   help="strict = rejection sampling, lossless (default); typical = Medusa-style typical "
+                        "acceptance, LOSSY: faster but no longer the target's distribution")
+    add_backend_options(g)
+
+
+def sampling_options(p: argparse.ArgumentParser, temperature: float) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--temperature", type=float, default=temperature,
+                   help=f"0 = greedy; > 0 samples (default: {temperature})")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off, default)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off, default)")
 
 
 def add_backend_options(g: argparse._ArgumentGroup) -> None:
@@ -32,13 +76,24 @@ def add_compile_option(g: argparse._ArgumentGroup) -> None:
 
 def load_args_model(args, ref: str, **overrides):
     """Load ``ref`` with the backend options in ``args`` (overrides win)."""
-    from .models import load_model
+    from ..backends import load_model
 
     backend = getattr(args, "backend", "transformers")
     # llama.cpp returns hidden states only when asked at load time (EAGLE heads need them)
-    eagle = getattr(args, "drafter", None) == "eagle" or bool(getattr(args, "eagle_head", None))
     options = dict(dtype=args.dtype, backend=backend, weights=getattr(args, "weights", "as-is"),
-                   threads=getattr(args, "threads", None), features=backend == "llamacpp" and eagle,
+                   threads=getattr(args, "threads", None), features=backend == "llamacpp" and reads_hidden_states(args),
                    compiled=getattr(args, "compile", False))
     options.update(overrides)
     return load_model(ref, **options)
+
+
+def build_decoder(args):
+    """The decoder the options name: target, drafter (with its options) and the engine's settings."""
+    from ..engine import SpeculativeDecoder
+
+    target = load_args_model(args, args.target)
+    draft_model = None
+    if args.drafter != NONE and get_spec(args.drafter).needs_draft_model and args.draft_model:
+        draft_model = load_args_model(args, args.draft_model)
+    drafter = make_drafter(args.drafter, target=target, draft_model=draft_model, **options_from(args, args.drafter))
+    return SpeculativeDecoder(target, drafter, k=args.k, acceptance=args.acceptance, k_policy=args.k_policy)

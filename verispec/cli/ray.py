@@ -11,13 +11,14 @@ import sys
 import time
 from typing import Any
 
-from .errors import InvalidRequest
-from .ray import APP_NAME, require_ray, build_app, parse_autoscale, replica_options
+from ..errors import InvalidRequest
+from ..ray import APP_NAME, build_app, parse_autoscale, replica_options, require_ray
+from ..server.config import ServeOptions
 
 
-def serve_config(args: argparse.Namespace) -> dict[str, Any]:
+def serve_config(args: argparse.Namespace, options: ServeOptions) -> dict[str, Any]:
     """A Ray Serve config file for ``serve deploy`` running these options."""
-    app_args: dict[str, Any] = dict(replica_options(args))
+    app_args: dict[str, Any] = dict(replica_options(options))
     if args.autoscale:
         parse_autoscale(args.autoscale)
         app_args["autoscale"] = args.autoscale
@@ -31,7 +32,7 @@ def serve_config(args: argparse.Namespace) -> dict[str, Any]:
                               "args": app_args}]}
 
 
-def cmd_serve_ray(args: argparse.Namespace) -> int:
+def cmd_serve_ray(args: argparse.Namespace, options: ServeOptions) -> int:
     if args.autoscale:
         parse_autoscale(args.autoscale)
     if args.replicas < 1:
@@ -40,11 +41,11 @@ def cmd_serve_ray(args: argparse.Namespace) -> int:
         import yaml
 
         print("# verispec on Ray Serve: `serve deploy THIS_FILE` on a running cluster (see docs/serving.md)")
-        print(yaml.safe_dump(serve_config(args), sort_keys=False), end="")
+        print(yaml.safe_dump(serve_config(args, options), sort_keys=False), end="")
         return 0
     ray, serve = require_ray()
     app = build_app(replicas=args.replicas, autoscale=args.autoscale, replica_cpus=args.replica_cpus,
-                    log_level=args.log_level, **replica_options(args))
+                    log_level=args.log_level, **replica_options(options))
     address = ray_address(args)
     local = address == "local"
     if local:
@@ -90,7 +91,7 @@ def _interrupt(signum, frame) -> None:
 
 
 def _prefetch(args: argparse.Namespace) -> None:
-    from .models import BUILTINS, ensure_builtin
+    from ..backends.references import BUILTINS, ensure_builtin
 
     for ref in (args.target, args.draft_model):
         if ref in BUILTINS:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 import sys
 
-from .batching import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
-from .errors import InvalidRequest
+from ..batching import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
+from .options import model_options
 
 
-def add_serve_parser(sub, model_options) -> None:
+def add_serve_parser(sub) -> None:
     s = sub.add_parser(
         "serve", help="run an OpenAI-compatible HTTP server with speculative decoding",
         description="Serve the target through an OpenAI-compatible API (POST /v1/chat/completions, "
@@ -66,62 +66,13 @@ def add_serve_parser(sub, model_options) -> None:
     s.set_defaults(func=cmd_serve)
 
 
-def check_serve_args(args) -> None:
-    """Refuse inconsistent server options with a message that names the fix (before any model loads)."""
-    for name, value, low in (("--port", args.port, 0), ("--max-concurrency", args.max_concurrency, 1),
-                             ("--max-batch", args.max_batch, 1), ("--prefill-chunk", args.prefill_chunk, 1),
-                             ("--max-queue", args.max_queue, 0), ("--default-max-tokens", args.default_max_tokens, 1),
-                             ("--k", args.k, 1), ("--max-tokens-limit", args.max_tokens_limit or 1, 1)):
-        if value < low:
-            raise InvalidRequest(f"{name} must be >= {low}, got {value}")
-    if args.acceptance != "strict":
-        raise InvalidRequest("the server runs strict (lossless) acceptance only; drop --acceptance")
-    if args.drafter == "model" and not args.draft_model:
-        raise InvalidRequest("--drafter model needs --draft-model REF")
-    if args.max_batch > 1 and args.max_concurrency > 1:
-        raise InvalidRequest("--max-concurrency applies to unbatched serving (--max-batch 1); with batching, "
-                             "--max-batch is the number of requests generating at once")
-    if args.max_batch > 1 and getattr(args, "compile", False):
-        raise InvalidRequest("--compile speeds up one-token passes of unbatched sequences; batched passes stay eager. "
-                             "Add --max-batch 1 or drop --compile")
-    if args.max_batch > 1 and args.eagle_tree:
-        raise InvalidRequest("--eagle-tree verifies one sequence per pass; add --max-batch 1 or drop --eagle-tree")
+def serve_options(args):
+    """The parsed arguments as the server's options, checked (before any model loads)."""
+    from ..server.config import ServeOptions
 
-
-def build_server_config(args):
-    """Load the target and drafters the options name, and return the server's configuration (one per process:
-    the plain server, or each Ray Serve replica)."""
-    from .drafters import EagleDrafter, ModelDrafter, NgramDrafter
-    from .errors import ModelNotFound
-    from .cli_backend import load_args_model
-    from .server import ServerConfig
-
-    # llama.cpp: a KV sequence per batch row (unbatched, each slot's decoders keep theirs for prompt reuse)
-    seqs = ({"sequences": max(8, args.max_batch + 1, 4 * args.max_concurrency)} if args.backend == "llamacpp"
-            else {})
-    target = load_args_model(args, args.target, **seqs)
-    drafters = {"ngram": lambda: NgramDrafter(min_n=args.ngram_min, max_n=args.ngram_max)}
-    if args.draft_model:
-        draft = load_args_model(args, args.draft_model, **seqs)
-        ModelDrafter(draft, target)  # checks compatibility now, not on the first request
-        drafters["model"] = lambda: ModelDrafter(draft, target)
-    # on llama.cpp the EAGLE head is offered when the server starts with --drafter eagle or --eagle-head (hidden
-    # states cost a callback on every pass there, so they are not collected otherwise)
-    if target.supports_features:
-        try:  # the EAGLE head shipped for the target (or --eagle-head); its weights are shared by every slot
-            head = EagleDrafter(target, args.eagle_head).head
-            tree = dict(tree=args.eagle_tree, depth=args.eagle_depth, width=args.eagle_width, lookup=args.eagle_lookup)
-            drafters["eagle"] = lambda: EagleDrafter(target, head, **tree)
-        except ModelNotFound:
-            if args.drafter == "eagle" or args.eagle_head:
-                raise
-    return ServerConfig(
-        target=target, drafters=drafters, default_drafter=args.drafter, k=args.k, k_policy=args.k_policy,
-        served_model_name=args.served_model_name, max_batch=args.max_batch, max_concurrency=args.max_concurrency,
-        prefill_chunk=args.prefill_chunk, max_queue=args.max_queue,
-        default_max_tokens=args.default_max_tokens, max_tokens_limit=args.max_tokens_limit, admin_token=args.admin_token,
-        window_seconds=args.acceptance_window, speculation=not args.speculation_off,
-    )
+    options = ServeOptions.from_args(args)
+    options.check()
+    return options
 
 
 def describe(args, config) -> str:
@@ -133,16 +84,16 @@ def describe(args, config) -> str:
 
 
 def cmd_serve(args) -> int:
-    check_serve_args(args)
+    options = serve_options(args)
     if args.ray or args.print_config:
-        from .cli_ray import cmd_serve_ray
+        from .ray import cmd_serve_ray
 
-        return cmd_serve_ray(args)
+        return cmd_serve_ray(args, options)
     import uvicorn
 
-    from .server import create_app
+    from ..server import build_server_config, create_app
 
-    config = build_server_config(args)
+    config = build_server_config(options)
     app = create_app(config)
     print(f"verispec: serving {describe(args, config)} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)

@@ -8,8 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import InvalidRequest
-from .models import DEFAULT_MODEL, DTYPES, LoadedModel
+from ..errors import InvalidRequest
+from ..backends import DEFAULT_MODEL, DTYPES
+from ..backends.hf import LoadedModel
 
 
 def add_train_parser(sub) -> None:
@@ -60,7 +61,7 @@ def add_train_parser(sub) -> None:
 
 
 def _refuse_eval_prompts(prompts: list[str]) -> None:
-    from .bench.prompts import default_prompts_path, load_questions
+    from ..bench.prompts import default_prompts_path, load_questions
 
     path = default_prompts_path()
     if path is None:
@@ -73,9 +74,9 @@ def _refuse_eval_prompts(prompts: list[str]) -> None:
 
 
 def cmd_train_eagle(args) -> int:
-    from .eagle.data import build_dataset, read_prompts, select_prompts
-    from .eagle.train import TrainConfig, train_head
-    from .models import cache_dir, load_model
+    from ..eagle.data import build_dataset, read_prompts, select_prompts
+    from ..eagle.train import TrainConfig, train_head
+    from ..backends import cache_dir, load_model
 
     for name, value, low in (("--samples", args.samples, 2), ("--max-new-tokens", args.max_new_tokens, 1),
                              ("--gen-batch-size", args.gen_batch_size, 1), ("--epochs", args.epochs, 1),
@@ -84,7 +85,7 @@ def cmd_train_eagle(args) -> int:
         if value < low:
             raise InvalidRequest(f"{name} must be >= {low}, got {value}")
     if args.init_head:  # fail before an hour of data generation, not after
-        from .eagle.head import EagleHead
+        from ..eagle.head import EagleHead
 
         EagleHead.load(args.init_head)
     texts = read_prompts(args.prompts)
@@ -142,7 +143,7 @@ def _parse_layers(text: str | None, n_layers: int) -> list[int]:
 
 
 def _record(out: str | Path, key: str, value) -> None:
-    from .eagle.head import HeadConfig
+    from ..eagle.head import HeadConfig
 
     cfg = HeadConfig.load(Path(out))
     cfg.training[key] = value
@@ -155,8 +156,8 @@ def measure_acceptance(target: LoadedModel, head_dir: str | Path, prompts: list[
     (#MAT, bonus included) and acceptance per draft position."""
     from tqdm import tqdm
 
-    from .drafters.eagle import EagleDrafter
-    from .engine import SpeculativeDecoder
+    from ..drafters.eagle import EagleDrafter
+    from ..engine import SpeculativeDecoder
 
     # fixed k: every position up to k is drafted and verified, so acceptance is measured at each
     decoder = SpeculativeDecoder(target, EagleDrafter(target, head_dir), k=k, reuse_prefix=False, k_policy="fixed")

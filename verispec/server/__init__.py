@@ -1,5 +1,6 @@
 """OpenAI-compatible HTTP server over the engine (FastAPI + uvicorn)."""
 
-from .app import ServerConfig, LocalSwitch, create_app
+from .app import create_app
+from .config import LocalSwitch, ServeOptions, ServerConfig, build_server_config
 
-__all__ = ["ServerConfig", "LocalSwitch", "create_app"]
+__all__ = ["LocalSwitch", "ServeOptions", "ServerConfig", "build_server_config", "create_app"]

@@ -1,0 +1,238 @@
+"""What a server runs with: ``ServeOptions`` (the options of ``verispec serve``, plain values) and ``ServerConfig``
+(the loaded target and drafter factories ``create_app`` serves).
+
+The command line builds ``ServeOptions`` from its parsed arguments (``from_args``), a Ray Serve replica from a mapping
+(``from_mapping``: names as on the command line, strings converted); both check it (``check``) before any model loads
+and turn it into a ``ServerConfig`` with ``build_server_config``. Drafters and their options come from the drafter
+registry, so a new drafter is served without a change here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Mapping
+
+from ..backends import DEFAULT_MODEL, DTYPES
+from ..backends.base import BACKENDS, TargetModel
+from ..backends.llamacpp import WEIGHT_CHOICES
+from ..batching import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
+from ..controller import COST, K_POLICIES
+from ..drafters import Drafter, drafter_names, drafter_specs, get_spec, options_from
+from ..drafters.registry import NONE, all_options, reads_hidden_states
+from ..errors import InvalidRequest, ModelNotFound
+from ..verify import ACCEPTANCE_MODES, STRICT
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def _option(default: Any, type_: type, choices: Callable[[], tuple] | tuple | None = None) -> Any:
+    return field(default=default, metadata={"type": type_, "choices": choices})
+
+
+@dataclass
+class ServeOptions:
+    """The options of ``verispec serve`` (names as the command line's, '-' written '_'), deployment options aside.
+    ``drafter_options`` holds the registered drafters' options by their names here (``ngram_min``, ``eagle_tree``,
+    ...; see ``verispec.drafters.registry``), only those set."""
+
+    target: str = _option(DEFAULT_MODEL, str)
+    drafter: str = _option("ngram", str, drafter_names)
+    draft_model: str | None = _option(None, str)
+    k: int = _option(8, int)
+    k_policy: str = _option(COST, str, K_POLICIES)
+    dtype: str = _option("float32", str, tuple(DTYPES))
+    acceptance: str = _option(STRICT, str, ACCEPTANCE_MODES)
+    backend: str = _option("transformers", str, BACKENDS)
+    weights: str = _option("as-is", str, WEIGHT_CHOICES)
+    threads: int | None = _option(None, int)
+    compile: bool = _option(False, bool)
+    host: str = _option("127.0.0.1", str)
+    port: int = _option(8000, int)
+    max_batch: int = _option(DEFAULT_MAX_BATCH, int)
+    prefill_chunk: int = _option(DEFAULT_PREFILL_CHUNK, int)
+    max_concurrency: int = _option(1, int)
+    max_queue: int = _option(16, int)
+    default_max_tokens: int = _option(256, int)
+    max_tokens_limit: int | None = _option(None, int)
+    served_model_name: str | None = _option(None, str)
+    admin_token: str | None = _option(None, str)
+    acceptance_window: float = _option(600.0, float)
+    speculation_off: bool = _option(False, bool)
+    log_level: str = _option("info", str, LOG_LEVELS)
+    drafter_options: dict[str, Any] = field(default_factory=dict)
+
+    def __getattr__(self, name: str) -> Any:
+        # a drafter option reads like any other (options.ngram_min), at its default unless set
+        if name != "drafter_options":
+            option = all_options().get(name)
+            if option is not None:
+                return self.drafter_options.get(name, option.default)
+        raise AttributeError(name)
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def names(cls) -> list[str]:
+        """Every option name a mapping may use (drafter options included)."""
+        return [f.name for f in fields(cls) if f.name != "drafter_options"] + list(all_options())
+
+    @classmethod
+    def from_args(cls, args: Any) -> "ServeOptions":
+        """From parsed command-line arguments (an attribute per option)."""
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if f.name != "drafter_options"}
+        drafted = {dest: getattr(args, dest) for dest, o in all_options().items() if getattr(args, dest) != o.default}
+        return cls(**values, drafter_options=drafted)
+
+    @classmethod
+    def from_mapping(cls, options: Mapping[str, Any]) -> "ServeOptions":
+        """From a mapping with names as on the command line (with - or _), values typed or as strings (``serve run
+        ... key=value``), checked against each option's choices."""
+        known = {f.name: f for f in fields(cls) if f.name != "drafter_options"}
+        drafter_opts = all_options()
+        values: dict[str, Any] = {}
+        drafted: dict[str, Any] = {}
+        for key, value in options.items():
+            name = str(key).lstrip("-").replace("-", "_")
+            if name in drafter_opts:
+                option = drafter_opts[name]
+                drafted[name] = value if value is None else _convert(key, value, option.type)
+                continue
+            if name not in known:
+                raise InvalidRequest(f"unknown verispec serve option {key!r}; known: {', '.join(sorted(cls.names()))}")
+            meta = known[name].metadata
+            value = value if value is None else _convert(key, value, meta["type"])
+            choices = meta["choices"]() if callable(meta["choices"]) else meta["choices"]
+            if choices is not None and value is not None and value not in choices:
+                raise InvalidRequest(f"option {key!r}: {value!r} is not one of {', '.join(map(str, choices))}")
+            values[name] = value
+        return cls(**values, drafter_options=drafted)
+
+    def changed(self) -> dict[str, Any]:
+        """The options that differ from the defaults, flat (drafter options included)."""
+        defaults = ServeOptions()
+        found = {f.name: getattr(self, f.name) for f in fields(self)
+                 if f.name != "drafter_options" and getattr(self, f.name) != getattr(defaults, f.name)}
+        found.update(self.drafter_options)
+        return found
+
+    # ------------------------------------------------------------------ checking
+    def check(self) -> None:
+        """Refuse inconsistent options with a message that names the fix (before any model loads)."""
+        for name, value, low in (("--port", self.port, 0), ("--max-concurrency", self.max_concurrency, 1),
+                                 ("--max-batch", self.max_batch, 1), ("--prefill-chunk", self.prefill_chunk, 1),
+                                 ("--max-queue", self.max_queue, 0),
+                                 ("--default-max-tokens", self.default_max_tokens, 1), ("--k", self.k, 1),
+                                 ("--max-tokens-limit", self.max_tokens_limit or 1, 1)):
+            if value < low:
+                raise InvalidRequest(f"{name} must be >= {low}, got {value}")
+        if self.acceptance != STRICT:
+            raise InvalidRequest("the server runs strict (lossless) acceptance only; drop --acceptance")
+        if self.drafter != NONE and get_spec(self.drafter).needs_draft_model and not self.draft_model:
+            raise InvalidRequest(f"--drafter {self.drafter} needs --draft-model REF")
+        if self.max_batch > 1 and self.max_concurrency > 1:
+            raise InvalidRequest("--max-concurrency applies to unbatched serving (--max-batch 1); with batching, "
+                                 "--max-batch is the number of requests generating at once")
+        if self.max_batch > 1 and self.compile:
+            raise InvalidRequest("--compile speeds up one-token passes of unbatched sequences; batched passes stay "
+                                 "eager. Add --max-batch 1 or drop --compile")
+        if self.max_batch > 1:
+            for spec in drafter_specs():
+                if spec.drafts_trees(options_from(self, spec.name)):
+                    flag = "--" + spec.option(spec.tree_option).flag
+                    raise InvalidRequest(f"{flag} verifies one sequence per pass; add --max-batch 1 or drop {flag}")
+
+
+def _convert(key: Any, value: Any, type_: type) -> Any:
+    if type_ is bool:
+        if isinstance(value, str):
+            if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise InvalidRequest(f"option {key!r} is a switch: give true or false, not {value!r}")
+            return value.lower() in ("true", "1", "yes")
+        return bool(value)
+    if isinstance(value, str) and type_ is not str:
+        try:
+            return type_(value)
+        except (TypeError, ValueError):
+            raise InvalidRequest(f"option {key!r}: {value!r} is not a valid {type_.__name__}") from None
+    return value
+
+
+class LocalSwitch:
+    """The server-wide speculation switch, in this process. A scale-out deployment passes one whose state is
+    shared by every replica (``verispec.ray``), so turning speculation off on one reaches all."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.enabled = enabled
+
+    async def get(self) -> bool:
+        return self.enabled
+
+    async def set(self, enabled: bool) -> bool:
+        self.enabled = enabled
+        return enabled
+
+
+@dataclass
+class ServerConfig:
+    target: TargetModel
+    drafters: dict[str, Callable[[], Drafter]]  # name -> factory of a fresh drafter (one per slot)
+    default_drafter: str = "ngram"
+    k: int = 8
+    k_policy: str = COST
+    served_model_name: str | None = None
+    max_batch: int = DEFAULT_MAX_BATCH  # requests decoded together, sharing each target pass (1: unbatched)
+    max_concurrency: int = 1  # unbatched only (max_batch 1): slots each generating in its own thread
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens per pass while other requests decode
+    max_queue: int = 16
+    default_max_tokens: int = 256
+    max_tokens_limit: int | None = None  # the most tokens one request may ask for (None: the context window)
+    admin_token: str | None = None
+    window_seconds: float = 600.0
+    speculation: bool = True
+    extra_model_names: list[str] = field(default_factory=list)
+    # where the server-wide off switch lives: in this process (None) or shared by many replicas (verispec.ray)
+    switch: "LocalSwitch | None" = None
+
+
+def build_server_config(options: ServeOptions) -> ServerConfig:
+    """Load the target and drafters the options name, and return the server's configuration (one per process:
+    the plain server, or each Ray Serve replica).
+
+    Every registered drafter the target can run is offered (its options from ``options``), except one that needs
+    a draft model when none is given, or one whose weights are not found when it was not asked for by name or
+    option (the EAGLE head of a target that ships none). On llama.cpp, drafters that read hidden states are offered
+    only when the server starts with one of them (hidden states cost a callback on every pass there)."""
+    from ..backends import load_model
+
+    # llama.cpp: a KV sequence per batch row (unbatched, each slot's decoders keep theirs for prompt reuse)
+    load = dict(dtype=options.dtype, backend=options.backend, weights=options.weights, threads=options.threads,
+                compiled=options.compile)
+    if options.backend == "llamacpp":
+        load["sequences"] = max(8, options.max_batch + 1, 4 * options.max_concurrency)
+    target = load_model(options.target, features=options.backend == "llamacpp" and reads_hidden_states(options),
+                        **load)
+    load["features"] = False
+    draft = load_model(options.draft_model, **load) if options.draft_model else None
+    drafters: dict[str, Callable[[], Drafter]] = {}
+    for spec in drafter_specs():
+        opts = options_from(options, spec.name)
+        asked = spec.name == options.drafter or bool(opts)
+        if (spec.needs_draft_model and draft is None) or (spec.hidden_states and not target.supports_features) \
+                or target.backend not in spec.backends:
+            continue
+        try:
+            first = spec.build(target, draft, **opts)  # checks now (a draft model's tokenizer), not per request
+        except ModelNotFound:
+            if asked:
+                raise
+            continue
+        shared = {**opts, **(spec.share(first) if spec.share else {})}
+        drafters[spec.name] = lambda spec=spec, shared=shared: spec.build(target, draft, **shared)
+    return ServerConfig(
+        target=target, drafters=drafters, default_drafter=options.drafter, k=options.k, k_policy=options.k_policy,
+        served_model_name=options.served_model_name, max_batch=options.max_batch,
+        max_concurrency=options.max_concurrency, prefill_chunk=options.prefill_chunk, max_queue=options.max_queue,
+        default_max_tokens=options.default_max_tokens, max_tokens_limit=options.max_tokens_limit,
+        admin_token=options.admin_token or os.environ.get("VERISPEC_ADMIN_TOKEN"),
+        window_seconds=options.acceptance_window, speculation=not options.speculation_off,
+    )

@@ -1,0 +1,70 @@
+"""OpenAI's error shape and the HTTP plumbing of the server: errors, a stream that always cleans up, request counting."""
+
+from __future__ import annotations
+
+from typing import AsyncIterator, Callable
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+
+from .metrics import Metrics
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+
+def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}}, status)
+
+
+def validation_message(exc: ValidationError) -> tuple[str, str | None]:
+    err = exc.errors()[0]
+    loc = ".".join(str(x) for x in err.get("loc", ()))
+    msg = err.get("msg", "invalid value").removeprefix("Value error, ")
+    if err.get("type") == "missing":
+        return f"missing required parameter '{loc}'", loc or None
+    return (f"invalid value for '{loc}': {msg}" if loc else msg), loc or None
+
+
+class GuardedStream(StreamingResponse):
+    """A streaming response that runs ``on_finish`` however it ends, even if the body never started."""
+
+    def __init__(self, body: AsyncIterator[str], on_finish: Callable[[], None]) -> None:
+        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_finish = on_finish
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_finish()
+
+
+class CountRequests:
+    """ASGI middleware: count every response by route template and status (routes, not raw paths, so
+    random 404 paths cannot blow up the label set)."""
+
+    def __init__(self, app, metrics: Metrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = {"code": 500}
+
+        async def send_status(message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = scope.get("route")
+            self.metrics.requests.labels(getattr(route, "path", "unmatched"), str(status["code"])).inc()
