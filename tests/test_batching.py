@@ -221,21 +221,21 @@ def test_load_makes_speculation_shrink():
     busy = (lambda w: 15 + w, 15.0)  # 15 other sequences in plain steps
     # drafting costs nothing next to a pass: the draft is made, verify_length decides
     ctrl.start_request()
-    assert ctrl.verify_length(4, None, deterministic=True).k > 0
+    assert ctrl.verify_length(4, None, deterministic=True).n > 0
     ctrl.start_request()
     ctrl.share_passes(*busy)
-    assert ctrl.verify_length(4, None, deterministic=True).k == 0
+    assert ctrl.verify_length(4, None, deterministic=True).n == 0
     ctrl.start_request()
     ctrl.share_passes(lambda w: 1 + w, other_tokens=1.0)  # one other plain sequence: still worth it
-    assert ctrl.verify_length(4, None, deterministic=True).k > 0
+    assert ctrl.verify_length(4, None, deterministic=True).n > 0
     # drafting that costs time: draft_budget itself says 0 under load
     ctrl.draft_seconds_per_token.add(0.002)
     ctrl.start_request()
     ctrl.share_passes(None)
-    assert ctrl.draft_budget(4).k > 0
+    assert ctrl.draft_budget(4).n > 0
     ctrl.start_request()
     ctrl.share_passes(*busy)
-    assert ctrl.draft_budget(4).k == 0
+    assert ctrl.draft_budget(4).n == 0
 
 
 def test_batch_errors_are_clear(tiny_target, eagle_head):

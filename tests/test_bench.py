@@ -139,7 +139,7 @@ def test_method_specs(tiny_target):
 
 def test_transformers_methods_run_plain_weights_unless_asked(tiny_dir):
     from verispec import load_model
-    from verispec.packing import packing_available
+    from verispec.backends.hf.packing import packing_available
 
     if not packing_available(torch.float32):
         pytest.skip("this torch build cannot pack float32 weights")

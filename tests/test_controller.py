@@ -5,7 +5,8 @@ from hypothesis import given, settings, strategies as st
 
 from statistical_helpers import ALPHA, joint_p_value
 from verispec import InvalidRequest, ModelDrafter, NgramDrafter, SamplingParams, SpeculativeDecoder
-from verispec.controller import Acceptance, Controller, CostCurve, RunningMean, expected_tokens
+from verispec.analysis import expected_tokens
+from verispec.controller import Acceptance, Controller, CostCurve, RunningMean
 
 
 class FixedCosts(CostCurve):
@@ -79,22 +80,22 @@ def test_acceptance_counts_only_the_positions_reached():
 # ---------------------------------------------------------------------- the rule
 def test_expensive_verify_and_low_acceptance_choose_a_plain_step():
     c = controller(slope=1.0, acceptance=0.2, draft_seconds_per_token=0.002)
-    assert c.draft_budget(8).k == 0  # a draft model: not even drafted
+    assert c.draft_budget(8).n == 0  # a draft model: not even drafted
     cheap = controller(slope=1.0, acceptance=0.2)
-    assert cheap.draft_budget(8).k == 8  # drafting is free: draft, then decide on the draft
-    assert cheap.verify_length(8, None, deterministic=True).k == 0
+    assert cheap.draft_budget(8).n == 8  # drafting is free: draft, then decide on the draft
+    assert cheap.verify_length(8, None, deterministic=True).n == 0
 
 
 def test_cheap_verify_and_high_acceptance_choose_long_drafts():
     c = controller(slope=0.02, acceptance=0.9, draft_seconds_per_token=0.0002)
-    assert c.draft_budget(16).k >= 12
-    assert c.verify_length(16, None, deterministic=True).k >= 12
+    assert c.draft_budget(16).n >= 12
+    assert c.verify_length(16, None, deterministic=True).n >= 12
 
 
 def test_the_choice_follows_the_machine():
     """The same acceptance gives a long draft where verify is cheap and a short one where it is not."""
-    cheap = controller(slope=0.05, acceptance=0.7).verify_length(16, None, deterministic=True).k
-    costly = controller(slope=0.4, acceptance=0.7).verify_length(16, None, deterministic=True).k
+    cheap = controller(slope=0.05, acceptance=0.7).verify_length(16, None, deterministic=True).n
+    costly = controller(slope=0.4, acceptance=0.7).verify_length(16, None, deterministic=True).n
     assert cheap > costly >= 1
 
 
@@ -103,8 +104,8 @@ def test_confidence_is_calibrated_against_what_was_accepted():
     for _ in range(200):  # confident positions were accepted, unconfident ones rejected
         c.observe_verdict(2, 1, [0.95, 0.15])
     assert c.state.acceptance.calibrated(0.95) > 0.9 and c.state.acceptance.calibrated(0.15) < 0.1
-    assert c.verify_length(2, [0.95, 0.15], deterministic=True).k == 1
-    assert c.verify_length(2, [0.15, 0.95], deterministic=True).k == 0
+    assert c.verify_length(2, [0.95, 0.15], deterministic=True).n == 1
+    assert c.verify_length(2, [0.15, 0.95], deterministic=True).n == 0
 
 
 @settings(max_examples=200, deadline=None)
@@ -117,15 +118,15 @@ def test_sampled_drafts_are_cut_by_a_stopping_rule(conf, tail, slope):
     c = Controller(FixedCosts(slope))
     for _ in range(50):
         c.observe_verdict(2, 1, [0.9, 0.1])
-    n = c.verify_length(len(conf), conf, deterministic=False).k
+    n = c.verify_length(len(conf), conf, deterministic=False).n
     changed = conf[: n + 1] + tail[: max(0, len(conf) - n - 1)]
     changed += conf[len(changed):]
-    assert c.verify_length(len(changed), changed, deterministic=False).k == n
+    assert c.verify_length(len(changed), changed, deterministic=False).n == n
 
 
 def test_no_flapping_near_break_even():
     c = controller(slope=0.5, acceptance=0.45, draft_seconds_per_token=0.001)
-    decisions = [c.draft_budget(4).k > 0 for _ in range(60)]
+    decisions = [c.draft_budget(4).n > 0 for _ in range(60)]
     switches = sum(a != b for a, b in zip(decisions, decisions[1:]))
     assert switches <= 2 * (60 // c.first_probe_interval) + 1  # only the probes in and out
 
@@ -136,10 +137,10 @@ def test_probes_back_off_when_they_fail_and_reset_when_they_succeed():
     probes = []
     for step in range(80):
         d = c.draft_budget(8)
-        if d.k:
-            assert d.probe and 1 <= d.k <= c.probe_length
+        if d.n:
+            assert d.probe and 1 <= d.n <= c.probe_length
             probes.append(step)
-            c.observe_verdict(d.k, 0)
+            c.observe_verdict(d.n, 0)
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     assert probes[0] == 3 and gaps[:3] == [8, 16, 16]  # every 4th step, then 8th, then 16th (the cap)
     c.state.probe_pending = True
@@ -149,14 +150,14 @@ def test_probes_back_off_when_they_fail_and_reset_when_they_succeed():
 
 def test_fixed_policy_verifies_what_is_drafted_and_bad_policies_are_rejected():
     c = controller(slope=1.0, acceptance=0.05, policy="fixed")
-    assert c.draft_budget(6).k == 6 and c.verify_length(6, [0.0] * 6, deterministic=True).k == 6
+    assert c.draft_budget(6).n == 6 and c.verify_length(6, [0.0] * 6, deterministic=True).n == 6
     with pytest.raises(InvalidRequest, match="k policy"):
         Controller(CostCurve(), policy="always")
 
 
 def test_trees_spend_the_whole_budget_or_none():
-    assert controller(slope=0.05, acceptance=0.8).draft_budget(12, tree_depth=4).k == 12
-    assert controller(slope=1.0, acceptance=0.1, draft_seconds_per_token=0.001).draft_budget(12, tree_depth=4).k == 0
+    assert controller(slope=0.05, acceptance=0.8).draft_budget(12, tree_depth=4).n == 12
+    assert controller(slope=1.0, acceptance=0.1, draft_seconds_per_token=0.001).draft_budget(12, tree_depth=4).n == 0
 
 
 # ---------------------------------------------------------------------- in the engine

@@ -63,7 +63,7 @@ def test_cache_after_generation_equals_fresh_prefill(tiny_target, tiny_noisy_dra
     assert decoder._cached_tokens == committed[:-1]
     fresh = DynamicCache()
     with torch.no_grad():
-        tiny_target.model(torch.tensor([committed[:-1]]), past_key_values=fresh, use_cache=True)
+        tiny_target.model(torch.tensor([committed[:-1]]), cache=fresh, use_cache=True)
     assert len(decoder._cache) == fresh.get_seq_length()
     for mine, ref in zip(decoder._cache.cache.layers, fresh.layers):
         torch.testing.assert_close(mine.keys, ref.keys, atol=1e-5, rtol=1e-4)
@@ -77,7 +77,7 @@ def test_draft_model_cache_rolls_back(tiny_target, tiny_noisy_draft):
     assert len(drafter._cache) == len(drafter._cached)
     fresh = DynamicCache()
     with torch.no_grad():
-        tiny_noisy_draft.model(torch.tensor([drafter._cached]), past_key_values=fresh, use_cache=True)
+        tiny_noisy_draft.model(torch.tensor([drafter._cached]), cache=fresh, use_cache=True)
     for mine, ref in zip(drafter._cache.cache.layers, fresh.layers):
         torch.testing.assert_close(mine.keys, ref.keys, atol=1e-5, rtol=1e-4)
 

@@ -35,19 +35,26 @@ def total_variation(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return 0.5 * (p - q).abs().sum(-1)
 
 
-def expected_accepted(betas: Sequence[float]) -> float:
-    """Expected accepted draft tokens per step: beta_1 + beta_1 beta_2 + ... (bonus excluded)."""
-    total, run = 0.0, 1.0
+def expected_tokens_by_length(betas: Sequence[float]) -> list[float]:
+    """E(n) for n = 0..len(betas): expected tokens committed by a step that verifies the first n draft positions,
+    bonus/correction token included: 1 + beta_1 + beta_1 beta_2 + ... (betas conditional on reaching the position).
+    The one home of this sum: the controller's choices and the analysis both read it."""
+    out, run = [1.0], 1.0
     for b in betas:
         _check_probability(b)
         run *= b
-        total += run
-    return total
+        out.append(out[-1] + run)
+    return out
 
 
 def expected_tokens(betas: Sequence[float]) -> float:
     """Expected tokens committed per verify step, bonus/correction token included: 1 + expected_accepted."""
-    return 1.0 + expected_accepted(betas)
+    return expected_tokens_by_length(betas)[-1]
+
+
+def expected_accepted(betas: Sequence[float]) -> float:
+    """Expected accepted draft tokens per step: beta_1 + beta_1 beta_2 + ... (bonus excluded)."""
+    return expected_tokens(betas) - 1.0
 
 
 def expected_tokens_geometric(alpha: float, k: int) -> float:

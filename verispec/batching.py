@@ -30,12 +30,12 @@ from typing import Callable
 
 import torch
 
-from .backend import KVCache, TargetModel, TargetPass
+from .backends.base import KVCache, TargetModel, TargetPass
 from .controller import COST, shared_cost_curve
-from .drafters.model import common_prefix_length
 from .engine import Generation, Request, SequenceState, SpeculativeDecoder, StepPlan
-from .errors import InvalidRequest
+from .errors import InvalidRequest, check_whole
 from .features import FeatureBuffer
+from .prefix import reusable_prefix
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class _Cached:
     def of(cls, seq: "BatchedSequence") -> "_Cached | None":
         """What ``seq``'s cache holds, or None when it has no cache or one that does not match its tokens."""
         state = seq.state
-        if state is None or state.cache is None or len(state.cache) != len(state.cached_tokens):
+        if state is None or not state.cache_is_exact:
             return None
         return cls(state.cached_tokens, state.cache, state.features, seq.decoder.feature_layers)
 
@@ -105,10 +105,8 @@ class BatchEngine:
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, reuse_prefix: bool = True) -> None:
         """``reuse_prefix``: a joining prompt copies the longest prefix it shares with a cached sequence (live, or
         the last to finish) instead of prefilling it; a decoder built with ``reuse_prefix=False`` never does."""
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-            raise InvalidRequest(f"max batch must be a whole number >= 1, got {max_batch!r}")
-        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
-            raise InvalidRequest(f"prefill chunk must be a whole number >= 1, got {prefill_chunk!r}")
+        check_whole("max batch", max_batch)
+        check_whole("prefill chunk", prefill_chunk)
         self.target = target
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
@@ -129,7 +127,7 @@ class BatchEngine:
         """Queue a request (from ``decoder.request(...)``); it joins at the next step with room. Thread-safe."""
         if decoder.target is not self.target:
             raise InvalidRequest("the decoder runs another target than this batch")
-        if getattr(decoder.drafter, "tree_depth", None):
+        if decoder.drafter is not None and decoder.drafter.tree_depth:
             raise InvalidRequest("token trees verify one sequence per pass; run them unbatched (max batch 1 in "
                                  "the server) or drop the tree option")
         seq = BatchedSequence(decoder, request, on_delta, on_done)
@@ -188,9 +186,7 @@ class BatchEngine:
             for donor in self._donors():
                 if layers and donor.layers != layers:
                     continue  # its hidden states are not the ones this drafter reads
-                n = min(common_prefix_length(donor.tokens, state.tokens), len(state.tokens) - 1)
-                if layers:
-                    n = min(n, len(donor.features))
+                n = reusable_prefix(donor.tokens, state.tokens, len(donor.features) if layers else None)
                 if n > keep:
                     best, keep = donor, n
         if best is not None and best is self.parked:  # adopt it: nothing to copy
@@ -271,7 +267,7 @@ class BatchEngine:
             for i, (r, plan) in enumerate(zip(rows, plans)):
                 n = min(cap, len(plan.draft)) if i in capped else len(plan.draft)
                 tokens += r.decoder.controller.predicted_tokens(n, plan.draft.confidence) if n else 1.0
-                widths.append(len(plan.fed) + n)
+                widths.append(len(plan.uncached) + n)
             width = self.target.pass_width(widths)
             rates[cap] = tokens / self.costs.at(width)
         best = max(rates, key=rates.get)
@@ -297,13 +293,13 @@ class BatchEngine:
                 ctrl.share_passes(lambda w, o=others: self.target.pass_width([*o, w]), committed - seq.committed)
             else:
                 ctrl.share_passes(None)
-            plans.append(seq.decoder._plan(seq.state, seq.request.k))
+            plans.append(seq.decoder.plan(seq.state, seq.request.k))
         self._cap_drafts(rows, plans)
         layers = sorted({layer for seq in rows for layer in seq.decoder.feature_layers})
-        widths = [len(plan.feed) for plan in plans]
+        widths = [len(plan.tokens) for plan in plans]
         t0 = time.perf_counter()
         try:
-            outs = self.target.forward_batch([(seq.state.cache, plan.feed) for seq, plan in zip(rows, plans)],
+            outs = self.target.forward_batch([(seq.state.cache, plan.tokens) for seq, plan in zip(rows, plans)],
                                              feature_layers=layers)
         except Exception as exc:  # noqa: BLE001 - the pass failed: every sequence in it fails, the engine goes on
             for seq in rows:
@@ -325,7 +321,7 @@ class BatchEngine:
                 if layers and seq.decoder.feature_layers:
                     pick = [layers.index(layer) for layer in seq.decoder.feature_layers]
                     out = TargetPass(out.logits, out.hidden[:, pick])
-                new_tokens, drafted, accepted = seq.decoder._settle(seq.state, plan, out, shared_pass_seconds=seconds)
+                new_tokens, drafted, accepted = seq.decoder.settle(seq.state, plan, out, shared_pass_seconds=seconds)
                 delta = seq.decoder.advance(seq.state, new_tokens, drafted, accepted, time.perf_counter() - t_row)
                 seq.width, seq.committed = width, float(len(new_tokens))
                 if delta and seq.on_delta is not None:

@@ -33,6 +33,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Callable
 
+from .analysis import expected_tokens, expected_tokens_by_length
 from .errors import InvalidRequest
 
 FIXED, COST = "fixed", "cost"
@@ -183,21 +184,11 @@ def _bin(confidence: float, bins: int) -> int:
     return min(bins - 1, max(0, int(confidence * bins)))
 
 
-def expected_tokens(accept: list[float]) -> float:
-    """Expected committed tokens of a step that verifies drafts with these conditional acceptances:
-    1 (the correction or bonus token) + sum_i prod_{j<=i} a_j."""
-    total, reach = 1.0, 1.0
-    for a in accept:
-        reach *= a
-        total += reach
-    return total
-
-
 @dataclass
 class Decision:
     """What the controller chose for one step and what it predicted."""
 
-    k: int  # draft tokens asked for (before drafting) or verified (after)
+    n: int  # the most draft tokens the step may verify: asked of the drafter (draft_budget), kept (verify_length)
     predicted_tokens: float  # expected committed tokens
     predicted_seconds: float  # expected step time (draft + verify)
     probe: bool = False  # verified to learn, against the rule's advice
@@ -283,12 +274,10 @@ class Controller:
         """(best chain of 1..len(accept) tokens, plain step); E(n) accumulated as n grows."""
         plain = self._decision([], fed, 0, 0.0)
         best = plain
-        tokens, reach = self.other_tokens + 1.0, 1.0
-        for n, a in enumerate(accept, 1):
-            reach *= a
-            tokens += reach
-            d = Decision(n, tokens, (self.draft_cost(n) if draft_cost else 0.0) + self.pass_cost(fed + n))
-            if best.k == 0 or d.rate > best.rate:
+        for n, tokens in enumerate(expected_tokens_by_length(accept)[1:], 1):
+            d = Decision(n, self.other_tokens + tokens,
+                         (self.draft_cost(n) if draft_cost else 0.0) + self.pass_cost(fed + n))
+            if best.n == 0 or d.rate > best.rate:
                 best = d
         return best, plain
 
@@ -307,7 +296,7 @@ class Controller:
         """Plain or speculative, with hysteresis and the probing schedule (a tree probes with its whole budget:
         what is in question is the cost of the wide pass)."""
         st = self.state
-        if best.k == 0:
+        if best.n == 0:
             return plain
         gain = best.rate / plain.rate
         # the margin is on this sequence's share of the pass's tokens: in a batch its choice moves the batch's
@@ -321,7 +310,7 @@ class Controller:
         if st.plain_run >= st.probe_interval:
             st.plain_run = 0
             st.probe_pending = True
-            k = best.k if tree else min(self.probe_length, best.k)
+            k = best.n if tree else min(self.probe_length, best.n)
             return Decision(k, best.predicted_tokens, best.predicted_seconds, True)
         return plain
 
@@ -361,14 +350,14 @@ class Controller:
             # a stopping rule: whether position i is verified depends on the confidences of 1..i only
             n = length
             for i in range(1, length + 1):
-                if self._best(estimate[:i] + prior[i:], fed, draft_cost=False)[0].k < i:
+                if self._best(estimate[:i] + prior[i:], fed, draft_cost=False)[0].n < i:
                     n = i - 1
                     break
         best, plain = self._best(estimate[:n], fed, draft_cost=False)
         if self.drafting_is_cheap(length, fed):
             return self._choose(best, plain)  # this is the step's one plain-or-speculate decision
         # the budget decided to speculate; with the draft paid for, verify what pays
-        return best if best.k and best.rate > plain.rate else plain
+        return best if best.n and best.rate > plain.rate else plain
 
     # ------------------------------------------------------------------ feedback
     def observe_draft(self, proposed: int, seconds: float) -> None:

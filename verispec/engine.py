@@ -20,12 +20,12 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .backend import KVCache, TargetModel, TargetPass
+from .backends.base import KVCache, TargetModel, TargetPass
 from .controller import COST, Controller, shared_cost_curve
 from .drafters.base import EMPTY_DRAFT, Draft, Drafter
-from .drafters.model import common_prefix_length
-from .errors import InvalidRequest
+from .errors import InvalidRequest, check_whole
 from .features import FeatureBuffer
+from .prefix import reusable_prefix
 from .sampling import SamplingParams, probabilities
 from .stats import GenerationStats
 from .text import TextAssembler, has_text
@@ -77,6 +77,11 @@ class SequenceState:
     def generated(self) -> list[int]:
         return self.tokens[self.prompt_len :]
 
+    @property
+    def cache_is_exact(self) -> bool:
+        """The cache holds exactly ``cached_tokens`` (what prefix reuse relies on)."""
+        return self.cache is not None and len(self.cache) == len(self.cached_tokens)
+
 
 @dataclass
 class Request:
@@ -93,15 +98,16 @@ class Request:
 
 @dataclass
 class StepPlan:
-    """A planned step: the tokens to feed the target (uncached committed tokens, then the draft)."""
+    """A planned step (``SpeculativeDecoder.plan``): what the target pass is fed, and when planning ended."""
 
     draft: Draft
-    fed: list[int]  # committed tokens not cached yet (the pending token first of all)
-    t1: float  # when planning ended
+    uncached: list[int]  # committed tokens not in the cache yet: the pending token, after a tree step its path too
+    planned_at: float  # perf_counter() when planning ended (the pass and verification are timed from here)
 
     @property
-    def feed(self) -> list[int]:
-        return [*self.fed, *self.draft.tokens]
+    def tokens(self) -> list[int]:
+        """The target pass's input: the uncached committed tokens, then the draft."""
+        return [*self.uncached, *self.draft.tokens]
 
 
 class GenerationStream:
@@ -127,7 +133,7 @@ class GenerationStream:
 
 
 class SpeculativeDecoder:
-    """Lossless speculative decoding over a target model on any backend (``verispec.backend``).
+    """Lossless speculative decoding over a target model on any backend (``verispec.backends``).
 
     ``drafter=None`` is plain decoding through the same loop. ``k`` is the most draft tokens verified per
     step; ``k_policy="cost"`` (the default) lets the controller choose each step how many of them to draft and
@@ -163,11 +169,11 @@ class SpeculativeDecoder:
         self._features = FeatureBuffer()
         # drafters that read the target's hidden states (EAGLE heads) name the layers; the engine then takes
         # them from the forward passes it runs anyway and hands them to propose()
-        self.feature_layers: tuple[int, ...] = tuple(getattr(drafter, "feature_layers", None) or ())
+        self.feature_layers: tuple[int, ...] = tuple(drafter.feature_layers) if drafter is not None else ()
         if self.feature_layers and not target.supports_features:
             raise InvalidRequest(f"the {self.drafter_name} drafter reads the target's hidden states, which the "
                                  f"{target.backend} backend does not provide; use --backend transformers")
-        if drafter is not None and getattr(drafter, "tree_depth", None) and not target.supports_trees:
+        if drafter is not None and drafter.tree_depth and not target.supports_trees:
             raise InvalidRequest(f"token trees need the transformers backend (the {target.backend} backend verifies "
                                  "chains only); drop the tree option or use --backend transformers")
 
@@ -239,8 +245,7 @@ class SpeculativeDecoder:
     ) -> "Request":
         """A checked request for this decoder (the options of ``generate``); raises InvalidRequest on bad ones."""
         sampling = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise InvalidRequest(f"max_new_tokens must be a whole number >= 1, got {max_new_tokens!r}")
+        check_whole("max_new_tokens", max_new_tokens)
         if k is not None:
             _check_k(k)
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
@@ -252,8 +257,8 @@ class SpeculativeDecoder:
         limit = self.target.context_length
         if limit is not None and len(ids) >= limit:
             raise InvalidRequest(
-                f"prompt has {len(ids)} tokens but the model's context window is {limit}; shorten the prompt"
-            )
+                f"the prompt has {len(ids)} tokens but the model's context window is {limit}; shorten the prompt",
+                param="prompt", code="context_length_exceeded")
         seed = secrets.randbits(63) if seed is None else seed
         k = self.k if k is None else k
         stats = GenerationStats(
@@ -326,7 +331,7 @@ class SpeculativeDecoder:
                 yield tail
         finally:
             # keep the cache for the next request only if it is exactly what we think it holds
-            if self.reuse_prefix and state.cache is not None and len(state.cache) == len(state.cached_tokens):
+            if self.reuse_prefix and state.cache_is_exact:
                 self._cache, self._cached_tokens, self._features = state.cache, state.cached_tokens, state.features
         return self.result(state, request, start)
 
@@ -335,11 +340,9 @@ class SpeculativeDecoder:
         ids = state.tokens
         keep = 0
         if self.reuse_prefix and self._cache is not None:
-            keep = min(common_prefix_length(self._cached_tokens, ids), len(ids) - 1)
+            keep = reusable_prefix(self._cached_tokens, ids, len(self._features) if self.feature_layers else None)
             self._cache.truncate(keep)
             if self.feature_layers:
-                keep = min(keep, len(self._features))
-                self._cache.truncate(keep)
                 self._features.truncate(keep)
                 state.features = self._features
             state.cache, state.cached_tokens = self._cache, self._cached_tokens[:keep]
@@ -375,98 +378,122 @@ class SpeculativeDecoder:
         state.stats.calibration_seconds = time.perf_counter() - start
 
     def _step(self, state: SequenceState, k: int) -> tuple[list[int], int, int]:
-        """One propose -> verify -> roll back -> observe step; returns (tokens to commit, draft depth,
-        accepted draft tokens)."""
-        plan = self._plan(state, k)
-        out = self.target.forward(state.cache, plan.feed, parents=plan.draft.parents,
+        """One propose -> verify -> roll back -> observe step; returns (tokens to commit, draft depth, accepted draft
+        tokens). The batch engine runs the same two halves around a pass shared by many sequences."""
+        plan = self.plan(state, k)
+        out = self.target.forward(state.cache, plan.tokens, parents=plan.draft.parents,
                                   feature_layers=self.feature_layers)
-        return self._settle(state, plan, out)
+        return self.settle(state, plan, out)
 
-    def _plan(self, state: SequenceState, k: int) -> "StepPlan":
-        """The first half of a step: choose the budget, draft, choose how much of the draft to verify. The target
-        pass over ``plan.feed`` comes next (alone, or in a batch with other sequences' plans)."""
+    def plan(self, state: SequenceState, k: int) -> "StepPlan":
+        """The first half of a step: choose the budget, propose, choose how much of the draft to verify. The target
+        pass over ``plan.tokens`` comes next (alone, or in a batch with other sequences' plans)."""
         t0 = time.perf_counter()
+        uncached = state.tokens[len(state.cached_tokens):]  # the pending token (after a tree step, the accepted path)
+        draft: Draft = EMPTY_DRAFT
+        if self.drafter is not None:
+            budget = self._draft_budget(state, k, len(uncached))
+            if budget > 0:
+                draft = self._propose(state, budget)
+                self.controller.observe_draft(len(draft), time.perf_counter() - t0)
+                if draft.parents is None:  # a chain: verify what pays; a tree is verified whole
+                    decision = self.controller.verify_length(len(draft), draft.confidence, draft.probs is None,
+                                                             len(uncached))
+                    draft = draft.truncated(decision.n)
+        plan = StepPlan(draft, uncached, time.perf_counter())
+        self._record_plan(state, plan, t0)
+        return plan
+
+    def settle(self, state: SequenceState, plan: "StepPlan", out: TargetPass,
+               shared_pass_seconds: float | None = None) -> tuple[list[int], int, int]:
+        """The second half of a step, after the target pass: verify, roll back, observe; returns (tokens to commit,
+        draft depth, accepted draft tokens). A pass shared with other sequences (``verispec.batching``) gives its
+        time in ``shared_pass_seconds``; the batch records its cost, not this sequence."""
+        draft, uncached = plan.draft, plan.uncached
+        past = len(state.cached_tokens)
+        p = probabilities(out.logits[len(uncached) - 1 :], state.sampling)  # [k+1, vocab]: after pending, each draft
+        if draft.parents is not None:
+            path, next_token = self._verify_tree(state, draft, p)
+            n, accepted = len(path), [draft.tokens[i] for i in path]
+            kept_rows = list(range(len(uncached))) + [len(uncached) + i for i in path]
+            # the accepted nodes' keys sit between rejected siblings: drop every node and feed the accepted path
+            # again with the next step's pass (no extra forward; only the cache API's crop)
+            self._keep(state, past, uncached, [])
+        else:
+            n, next_token = self._verify_chain(state, draft, p)
+            accepted = draft.tokens[:n]
+            kept_rows = list(range(len(uncached) + n))
+            self._keep(state, past, uncached, accepted)
+        if self.feature_layers:
+            # hidden states of every committed token but the new pending one, from this same forward; rows of
+            # tokens fed again after a tree step are already recorded
+            rows = out.hidden[kept_rows]
+            state.features.append(rows[len(state.features) - past :])
+        if self.drafter is not None and len(draft):
+            self.drafter.observe(n)
+        self._record_settle(state, plan, n, shared_pass_seconds)
+        return [*accepted, next_token], draft.depth, n
+
+    # ----------------------------------------------------------------- the step's parts
+    def _draft_budget(self, state: SequenceState, k: int, uncached: int) -> int:
+        """Draft tokens to ask for: at most k, what the output and the context window still hold, and what the
+        controller finds worth a wider pass (0 = a plain step)."""
         remaining = state.max_new_tokens - len(state.generated)
         room = (self.target.context_length or 1 << 30) - len(state.tokens)
         k = max(0, min(k, remaining - 1, room))
-        ctrl = self.controller
-        fed_count = len(state.tokens) - len(state.cached_tokens)
-        draft: Draft = EMPTY_DRAFT
-        if self.drafter is not None:
-            if k > 0:
-                k = ctrl.draft_budget(k, fed_count, getattr(self.drafter, "tree_depth", None)).k
-            state.stats.step_budget.append(k)
-        if self.drafter is not None and k > 0:
-            if self.feature_layers:
-                draft = self.drafter.propose(state.tokens, k, features=state.features.view())
-            else:
-                draft = self.drafter.propose(state.tokens, k)
-            if len(draft) > k:
-                draft = draft.truncated(k)
-            ctrl.observe_draft(len(draft), time.perf_counter() - t0)
-            if draft.parents is None:
-                decision = ctrl.verify_length(len(draft), draft.confidence, draft.probs is None, fed_count)
-                draft = draft.truncated(decision.k)
-        t1 = time.perf_counter()
+        if k > 0:
+            k = self.controller.draft_budget(k, uncached, self.drafter.tree_depth).n
+        state.stats.step_budget.append(k)
+        return k
+
+    def _propose(self, state: SequenceState, k: int) -> Draft:
+        if self.feature_layers:
+            draft = self.drafter.propose(state.tokens, k, features=state.features.view())
+        else:
+            draft = self.drafter.propose(state.tokens, k)
+        return draft.truncated(k) if len(draft) > k else draft
+
+    def _verify_chain(self, state: SequenceState, draft: Draft, p: torch.Tensor) -> tuple[int, int]:
+        """(accepted draft tokens, correction or bonus token) by the acceptance rule (strict unless lossy is asked)."""
+        x = torch.tensor(draft.tokens, dtype=torch.long, device=self.target.device)  # [k]
+        if self.acceptance == STRICT:
+            q = None if draft.probs is None else draft.probs.to(self.target.device)
+            verdict = verify(x, q, p, state.generator)
+        else:
+            verdict = verify_typical(x, p, state.generator, *self.typical)
+        return verdict.num_accepted, verdict.next_token
+
+    def _verify_tree(self, state: SequenceState, draft: Draft, p: torch.Tensor) -> tuple[list[int], int]:
+        """(accepted path of node indices, correction or bonus token) for a tree of deterministic candidates."""
+        if state.sampling.greedy:
+            return verify_tree_greedy(draft.tokens, draft.parents, p.argmax(dim=-1).tolist())
+        return verify_tree(draft.tokens, draft.parents, p, TorchCoins(state.generator))
+
+    @staticmethod
+    def _keep(state: SequenceState, past: int, uncached: list[int], accepted: list[int]) -> None:
+        """Roll the cache back to the committed tokens fed and the accepted drafts."""
+        state.cache.truncate(past + len(uncached) + len(accepted))
+        state.cached_tokens.extend([*uncached, *accepted])
+
+    def _record_plan(self, state: SequenceState, plan: "StepPlan", t0: float) -> None:
+        """Statistics and the controller's predictions for a planned step."""
+        ctrl, draft = self.controller, plan.draft
         if self.drafter is not None and ctrl.active:
             state.stats.probes += ctrl.state.probe_pending and len(draft) > 0
             chain_confidence = draft.confidence if draft.parents is None else None
             state.stats.predicted_tokens += ctrl.predicted_tokens(draft.depth, chain_confidence)
-            state.stats.predicted_seconds += (t1 - t0) + ctrl.costs(fed_count + len(draft))
+            state.stats.predicted_seconds += (plan.planned_at - t0) + ctrl.costs(len(plan.uncached) + len(draft))
+        state.stats.draft_seconds += plan.planned_at - t0
 
-        # committed tokens not in the cache yet: the pending token, after a tree step also the accepted path
-        fed = state.tokens[len(state.cached_tokens):]
-        state.stats.draft_seconds += t1 - t0
-        return StepPlan(draft, fed, t1)
-
-    def _settle(self, state: SequenceState, plan: "StepPlan", out: TargetPass,
-                shared_pass_seconds: float | None = None) -> tuple[list[int], int, int]:
-        """The second half of a step, after the target pass: verify, roll back, observe. A pass shared with
-        other sequences (``verispec.batching``) gives its time in ``shared_pass_seconds``; the batch records
-        its cost, not this sequence."""
-        device = self.target.device
-        draft, fed, t1 = plan.draft, plan.fed, plan.t1
-        past = len(state.cached_tokens)
-        ctrl = self.controller
-        logits = out.logits[len(fed) - 1 :]  # [k+1, vocab]: after the pending token, then after each draft
-        p = probabilities(logits, state.sampling)  # [k+1, vocab]
-        if draft.parents is not None:
-            if state.sampling.greedy:
-                path, next_token = verify_tree_greedy(draft.tokens, draft.parents, p.argmax(dim=-1).tolist())
-            else:
-                path, next_token = verify_tree(draft.tokens, draft.parents, p, TorchCoins(state.generator))
-            n, accepted = len(path), [draft.tokens[i] for i in path]
-            keep_rows = list(range(len(fed))) + [len(fed) + i for i in path]
-            # the accepted nodes' keys sit between rejected siblings: drop every node and feed the accepted
-            # path again with the next step's pass (no extra forward; only the cache API's crop)
-            state.cache.truncate(past + len(fed))
-            state.cached_tokens.extend(fed)
-        else:
-            x = torch.tensor(draft.tokens, dtype=torch.long, device=device)  # [k]
-            if self.acceptance == STRICT:
-                q = None if draft.probs is None else draft.probs.to(device)
-                verdict = verify(x, q, p, state.generator)
-            else:
-                verdict = verify_typical(x, p, state.generator, *self.typical)
-            n, next_token = verdict.num_accepted, verdict.next_token
-            accepted = draft.tokens[:n]
-            keep_rows = list(range(len(fed) + n))
-            state.cache.truncate(past + len(fed) + n)
-            state.cached_tokens.extend([*fed, *accepted])
-        if self.feature_layers:
-            # hidden states of every committed token but the new pending one, from this same forward; rows of
-            # tokens fed again after a tree step are already recorded
-            rows = out.hidden[keep_rows]
-            state.features.append(rows[len(state.features) - past :])
-        if self.drafter is not None and len(draft):
-            self.drafter.observe(n)
-        t2 = time.perf_counter()
+    def _record_settle(self, state: SequenceState, plan: "StepPlan", accepted: int,
+                       shared_pass_seconds: float | None) -> None:
+        """What the controller learns from a settled step (the pass's cost, the verdict), and its statistics."""
+        seconds = time.perf_counter() - plan.planned_at
         if shared_pass_seconds is None:
-            ctrl.observe_step(len(fed) + len(draft), t2 - t1)
+            self.controller.observe_step(len(plan.tokens), seconds)
         if self.drafter is not None:
-            ctrl.observe_verdict(draft.depth, n, draft.confidence)
-        state.stats.verify_seconds += t2 - t1 if shared_pass_seconds is None else shared_pass_seconds
-        return [*accepted, next_token], draft.depth, n
+            self.controller.observe_verdict(plan.draft.depth, accepted, plan.draft.confidence)
+        state.stats.verify_seconds += seconds if shared_pass_seconds is None else shared_pass_seconds
 
     def _commit(self, state: SequenceState, new_tokens: list[int]) -> str:
         """Append tokens, apply EOS / length / context stops; return the text they release."""
@@ -491,5 +518,4 @@ class SpeculativeDecoder:
 
 
 def _check_k(k) -> None:
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise InvalidRequest(f"k (draft tokens per step) must be a whole number >= 1, got {k!r}")
+    check_whole("k (draft tokens per step)", k)
