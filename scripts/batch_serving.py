@@ -1,6 +1,6 @@
 """Serving throughput with continuous batching: bench-serve against several server configurations, interleaved.
 
-    python scripts/batch_serving.py --out docs/raw/DATE-batching [--levels 1,2,4,8,16] [--requests 16]
+    python scripts/batch_serving.py --out runs/DATE-batching [--levels 1,2,4,8,16] [--requests 16]
 
 Starts one ``verispec serve`` per configuration (all on the built-in model, float32, loopback), waits for them,
 then for every concurrency level runs ``verispec bench-serve`` against each configuration in turn (so a slow

@@ -1,4 +1,5 @@
-"""Does a compiled decoder step beat verispec's eager packed path on this CPU? (an experiment, not a feature yet)
+"""Does a compiled decoder step beat verispec's eager packed path on this CPU? The experiment that led to `--compile`
+(verispec.backends.hf.compiled, the feature, compiles the one-token step only; this script compiles every width).
 
 Compiles the default model with inductor (weights frozen, transformers' StaticCache, fixed shapes) for each pass
 width, then times it against the eager model with prepacked weights and verispec's growing cache, interleaved.

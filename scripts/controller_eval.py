@@ -6,7 +6,7 @@ prompts: dolly_no_context and roleplay prompts (the same sets as scripts/compare
 interleaved per prompt, in a rotating order; the ratio is a method's tokens/s over plain decoding's on the same
 prompt. Greedy, float32, the built-in model.
 
-    python scripts/controller_eval.py --n 8 --out docs/raw/controller.json
+    python scripts/controller_eval.py --n 8 --out runs/controller.json
 """
 
 import argparse

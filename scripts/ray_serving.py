@@ -1,6 +1,6 @@
 """The plain server against the same server on Ray Serve: bench-serve at each concurrency, interleaved, repeated.
 
-    python scripts/ray_serving.py --out docs/raw/DATE-ray [--replicas 2 --replica-cpus 1] [--levels 1,8] [--rounds 3]
+    python scripts/ray_serving.py --out runs/DATE-ray [--replicas 2 --replica-cpus 1] [--levels 1,8] [--rounds 3]
 
 Starts ``verispec serve`` (one process, batched engine) and ``verispec serve --ray`` (a local Ray instance, REPLICAS
 replicas of REPLICA_CPUS CPUs each), both on the built-in model, float32, loopback, the same other options. Then, for

@@ -125,14 +125,19 @@ class BatchEngine:
     def submit(self, decoder: SpeculativeDecoder, request: Request, on_delta: Callable[[str], None] | None = None,
                on_done: Callable[[BatchedSequence], None] | None = None) -> BatchedSequence:
         """Queue a request (from ``decoder.request(...)``); it joins at the next step with room. Thread-safe."""
-        if decoder.target is not self.target:
-            raise InvalidRequest("the decoder runs another target than this batch")
-        if decoder.drafter is not None and decoder.drafter.tree_depth:
-            raise InvalidRequest("token trees verify one sequence per pass; run them unbatched (max batch 1 in "
-                                 "the server) or drop the tree option")
+        self.check_decoder(decoder)
         seq = BatchedSequence(decoder, request, on_delta, on_done)
         self._incoming.put(seq)
         return seq
+
+    def check_decoder(self, decoder: SpeculativeDecoder) -> None:
+        """Refuse a decoder this batch cannot run: another target, or a drafter of token trees (a tree is verified
+        with an attention mask of its own, one sequence per pass)."""
+        if decoder.target is not self.target:
+            raise InvalidRequest("the decoder runs another target than this batch")
+        if decoder.drafter is not None and decoder.drafter.tree_depth:
+            raise InvalidRequest(f"the {decoder.drafter_name} drafter's token trees verify one sequence per pass; run "
+                                 "them unbatched (max batch 1 in the server) or drop the tree option")
 
     def cancel(self, seq: BatchedSequence) -> None:
         """Stop a sequence (its client left); it leaves the batch at the next step. Thread-safe."""

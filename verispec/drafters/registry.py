@@ -113,9 +113,6 @@ class DrafterSpec:
         if target is not None and target.backend not in self.backends:
             raise InvalidRequest(f"the {self.name} drafter runs on {', '.join(self.backends)}, not on the "
                                  f"{target.backend} backend")
-        if target is not None and self.drafts_trees(options) and not target.supports_trees:
-            raise InvalidRequest(f"token trees need the transformers backend (the {target.backend} backend verifies "
-                                 "chains only); drop the tree option or use --backend transformers")
         return self.factory(target, draft_model, **options)
 
 

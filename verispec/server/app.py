@@ -64,15 +64,14 @@ class Server:
             if config.max_concurrency != 1:
                 raise ValueError("max concurrency (threads of unbatched slots) applies with max batch 1 only; with "
                                  "batching, max batch is the number of requests generating at once")
-            for name, factory in config.drafters.items():
-                if factory().tree_depth:
-                    raise ValueError(f"the {name} drafter verifies token trees, one sequence per pass; serve it "
-                                     "with max batch 1 (--max-batch 1) or drop the tree option")
             engine = BatchEngine(target, max_batch=config.max_batch, prefill_chunk=config.prefill_chunk)
-            self.worker = BatchWorker(engine)
-            self.metrics.watch_batch(engine)
         self.pool = SlotPool(self._make_slot, config.max_batch if self.batched else config.max_concurrency,
                              config.max_queue)
+        if self.batched:
+            for decoder in self.pool.peek().values():  # every slot has the same drafters: check one
+                engine.check_decoder(decoder)  # trees cannot share a pass: refused at start, not per request
+            self.worker = BatchWorker(engine)
+            self.metrics.watch_batch(engine)
         self.encoder = SpeculativeDecoder(target)  # checks requests (the engine's own checks); never generates
         self.metrics.queue_depth.set_function(lambda: self.pool.waiting)
         self.token_cap = config.max_tokens_limit or target.context_length

@@ -26,6 +26,10 @@ class SlotPool:
         self.admitted = 0
         self.waiting = 0
 
+    def peek(self) -> dict[str, SpeculativeDecoder]:
+        """One slot, for a look at its decoders (not taken)."""
+        return self._slots[0]
+
     @property
     def size(self) -> int:
         return len(self._slots)
