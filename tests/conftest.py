@@ -1,6 +1,9 @@
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub; must be set before transformers loads
+# measured step costs go to a folder of this run (inherited by the CLI subprocesses), never the user's cache, so
+# no test starts from what an earlier run stored; tests of the store point it elsewhere themselves
+os.environ["VERISPEC_COST_CACHE"] = __import__("tempfile").mkdtemp(prefix="verispec-test-costs-")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -257,6 +257,9 @@ def test_batch_errors_are_clear(tiny_target, eagle_head):
 class LinearCost:
     """A stand-in for the measured cost curve: a pass costs 0.1 s plus ``slope`` s per computed token."""
 
+    key = None  # never stored for another process
+    changed = False
+
     def __init__(self, slope: float) -> None:
         self.slope = slope
 

@@ -394,7 +394,7 @@ def test_bench_and_analyze_with_eagle_methods(small_dir, trained_head_dir, tmp_p
     assert 0.3 < result["teacher_forced_beta"] <= 1.0
     assert len(result["position_acceptance"]) == 4 and result["position_acceptance"][0] > 0.3
     assert main(["bench", "--target", str(small_dir), "--prompts", str(prompts), "--methods", "eagle:k=2:color=3"]) == 2
-    assert "eagle takes a head folder" in capsys.readouterr().err
+    assert "the eagle drafter has no option 'color'; its options: head, tree" in capsys.readouterr().err
 
 
 def test_context_tokens_join_the_draft_vocabulary(small_target, trained_head_dir):

@@ -23,6 +23,7 @@ def test_auto_score_prefers_cheap_wide_passes_only_when_they_pay():
 
 
 def test_auto_times_each_candidate_once_per_cpu_and_remembers(tmp_path, monkeypatch):
+    monkeypatch.setenv("VERISPEC_COST_CACHE", str(tmp_path / "measurements"))
     source = tmp_path / "model.gguf"
     source.write_bytes(b"gguf")
     timings = {"as-is": {"1": 10.0, "2": 17.0, "5": 29.0, "9": 45.0},
@@ -34,9 +35,9 @@ def test_auto_times_each_candidate_once_per_cpu_and_remembers(tmp_path, monkeypa
     chosen = llamacpp.choose_weights(source, "auto", tmp_path / "cache", threads=2)
     assert chosen.name == "f16" and chosen.path == tmp_path / "f16.gguf" and chosen.timings_ms == timings
     assert sorted(timed) == ["as-is", "f16", "f32"]
-    record = json.loads((tmp_path / "cache" / "auto.json").read_text())
-    (entry,) = record.values()
-    assert entry["choice"] == "f16" and "2 threads" in next(iter(record))
+    (path,) = (tmp_path / "measurements").glob("llamacpp-weights-*.json")
+    record = json.loads(path.read_text())
+    assert record["value"]["choice"] == "f16" and record["key"]["threads"] == 2
     again = llamacpp.choose_weights(source, "auto", tmp_path / "cache", threads=2)
     assert again.name == "f16" and len(timed) == 3  # remembered: nothing timed again
     llamacpp.choose_weights(source, "auto", tmp_path / "cache", threads=1)

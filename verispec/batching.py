@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 
 from .backends.base import KVCache, TargetModel, TargetPass
-from .controller import COST, shared_cost_curve
+from .controller import COST, save_cost_curve, shared_cost_curve
 from .engine import Generation, Request, SequenceState, SpeculativeDecoder, StepPlan
 from .errors import InvalidRequest, check_whole
 from .features import FeatureBuffer
@@ -113,7 +113,7 @@ class BatchEngine:
         self.reuse_prefix = reuse_prefix
         self.parked: _Cached | None = None  # the last finished sequence's cache, kept while its row is not needed
         self.group = target.new_kv_group(max_batch)
-        self.costs = shared_cost_curve(target.cost_key)
+        self.costs = shared_cost_curve(target)
         self.counters = BatchCounters()
         self._incoming: queue.SimpleQueue[BatchedSequence] = queue.SimpleQueue()
         self.waiting: deque[BatchedSequence] = deque()  # submitted, no cache yet
@@ -333,8 +333,9 @@ class BatchEngine:
                     seq.on_delta(delta)
                 if seq.state.finish_reason:
                     self._finish(seq)
-            except Exception as exc:  # noqa: BLE001
-                self.running.remove(seq)
+            except Exception as exc:  # noqa: BLE001 - this sequence fails, the others go on
+                if seq in self.running:  # a failure inside _finish comes after it left the running list
+                    self.running.remove(seq)
                 self._fail(seq, exc)
 
     def abort(self, exc: BaseException) -> None:
@@ -360,6 +361,7 @@ class BatchEngine:
             seq.state.cache = None
         self._release(seq)
         seq.result = seq.decoder.result(seq.state, seq.request, seq.start)
+        save_cost_curve(self.costs)  # the padded passes' costs too, for the next process (throttled)
         if seq.on_done is not None:
             seq.on_done(seq)
 

@@ -29,12 +29,17 @@ a ``margin`` of predicted gain (hysteresis), so near-ties do not flap.
 
 from __future__ import annotations
 
+import logging
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Callable
 
 from .analysis import expected_tokens, expected_tokens_by_length
+from .backends import measurements
 from .errors import InvalidRequest
+
+log = logging.getLogger(__name__)
 
 FIXED, COST = "fixed", "cost"
 K_POLICIES = (COST, FIXED)
@@ -66,21 +71,76 @@ class CostCurve:
     from 2 up (least squares, each width weighted by how often it was measured, at most 20), so that one noisy
     width does not bend the curve; never below the one-token time. With one wider width measured, the line goes
     through it and width 1; with none, the extra tokens are assumed to cost ``prior_slope`` of a one-token pass
-    each (an optimistic start that the first measurements correct)."""
+    each (an optimistic start that the first measurements correct).
+
+    A curve may start from one an earlier process measured on the same machine (``seed``): those widths count as
+    ``SEED_WEIGHT`` observations, so this process's own measurements soon outweigh them, and once ``STALE_AFTER``
+    live measurements at a seeded width disagree with it by more than ``STALE_FACTOR`` (another load on the
+    machine, a changed setting the key does not see), every seeded width is dropped and measured again."""
+
+    SEED_WEIGHT = 2.0
+    STALE_AFTER = 3
+    STALE_FACTOR = 1.5
 
     def __init__(self, smoothing: float = 0.1, prior_slope: float = 0.1) -> None:
         self.smoothing = smoothing
         self.prior_slope = prior_slope
         self._means: dict[int, RunningMean] = {}
         self._line: tuple[float, float, float, float] | None = None
+        self._seeded: dict[int, float] = {}  # width -> the stored value it started from
+        self._live: dict[int, list[float]] = {}  # this process's first measurements at seeded widths
+        self.changed = False  # measured since it was last stored
+        self.key: dict | None = None  # what it is stored under (shared_cost_curve); None: never stored
+        self.saved_at = 0.0
 
     def observe(self, width: int, seconds: float) -> None:
         self._line = None
+        self.changed = True
+        if width in self._seeded and self._check_seed(width, seconds):
+            return
         mean = self._means.get(width)
         if mean is None:
             self._means[width] = RunningMean(seconds, 1.0, self.smoothing)
         else:
             mean.add(min(seconds, 3 * mean.value))  # one stall (a page fault, another process) is not the curve
+
+    def seed(self, measured: dict[int, float]) -> None:
+        """Start from ``measured`` (width -> seconds, an earlier process's curve); see the class docstring."""
+        for width, seconds in measured.items():
+            if int(width) >= 1 and float(seconds) > 0:
+                self._means[int(width)] = RunningMean(float(seconds), self.SEED_WEIGHT, self.smoothing)
+                self._seeded[int(width)] = float(seconds)
+        self._line = None
+
+    @property
+    def seeded(self) -> bool:
+        """Some widths still hold values from an earlier process."""
+        return bool(self._seeded)
+
+    def _check_seed(self, width: int, seconds: float) -> bool:
+        """Keep this live measurement aside until there are enough to judge the seeded value; True when the seeded
+        widths were dropped as stale (the live measurements then start the curve anew)."""
+        live = self._live.setdefault(width, [])
+        live.append(seconds)
+        if len(live) < self.STALE_AFTER:
+            self._means[width].add(min(seconds, 3 * self._means[width].value))
+            return False
+        ratio = sorted(live)[len(live) // 2] / self._seeded[width]
+        del self._seeded[width], self._live[width]
+        if 1 / self.STALE_FACTOR <= ratio <= self.STALE_FACTOR:
+            self._means[width].add(min(seconds, 3 * self._means[width].value))
+            return False
+        log.info("stored step costs disagree with this process's (width %d: %.2fx); measuring them again",
+                 width, ratio)
+        stale = set(self._seeded) | {width}
+        for w in stale:
+            self._means.pop(w, None)
+        self._seeded.clear()
+        for w, values in [(width, live), *self._live.items()]:
+            for value in values:
+                self.observe(w, value)
+        self._live.clear()
+        return True
 
     def measured(self) -> dict[int, float]:
         return {w: m.value for w, m in sorted(self._means.items())}
@@ -127,14 +187,33 @@ class CostCurve:
 
 
 _CURVES: "weakref.WeakKeyDictionary[object, CostCurve]" = weakref.WeakKeyDictionary()
+COST_RECORD = "cost-curve"  # the kind of record a curve is stored as (verispec.backends.measurements)
+SAVE_INTERVAL_S = 10.0
 
 
-def shared_cost_curve(model: object) -> CostCurve:
-    """The one cost curve of a target model in this process (every decoder over it measures into it)."""
-    curve = _CURVES.get(model)
+def shared_cost_curve(target) -> CostCurve:
+    """The one cost curve of a target model in this process (every decoder over it measures into it), started from
+    the curve an earlier process stored for the same model, settings and machine (``target.measurement_key``)."""
+    curve = _CURVES.get(target.cost_key)
     if curve is None:
-        curve = _CURVES[model] = CostCurve()
+        curve = _CURVES[target.cost_key] = CostCurve()
+        curve.key = target.measurement_key
+        stored = measurements.load(COST_RECORD, curve.key)
+        if stored:
+            curve.seed({int(w): s for w, s in stored.items()})
+            log.info("step costs of %s from an earlier run: %s", target.name, stored)
     return curve
+
+
+def save_cost_curve(curve: CostCurve, force: bool = False) -> None:
+    """Store what this process measured (at most every SAVE_INTERVAL_S unless ``force``), for the next process."""
+    if curve.key is None or not curve.changed or not curve:
+        return
+    now = time.monotonic()
+    if not force and now - curve.saved_at < SAVE_INTERVAL_S:
+        return
+    curve.saved_at, curve.changed = now, False
+    measurements.save(COST_RECORD, curve.key, {str(w): s for w, s in curve.measured().items()})
 
 
 class Acceptance:

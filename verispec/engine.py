@@ -21,7 +21,7 @@ from typing import Iterator, Sequence
 import torch
 
 from .backends.base import KVCache, TargetModel, TargetPass
-from .controller import COST, Controller, shared_cost_curve
+from .controller import COST, Controller, save_cost_curve, shared_cost_curve
 from .drafters.base import EMPTY_DRAFT, Draft, Drafter
 from .errors import InvalidRequest, check_whole
 from .features import FeatureBuffer
@@ -163,7 +163,7 @@ class SpeculativeDecoder:
         self.acceptance = acceptance
         self.typical = (typical_epsilon, typical_delta)
         self.reuse_prefix = reuse_prefix
-        self.controller = Controller(shared_cost_curve(target.cost_key), policy=k_policy)
+        self.controller = Controller(shared_cost_curve(target), policy=k_policy)
         self._cache: KVCache | None = None
         self._cached_tokens: list[int] = []
         self._features = FeatureBuffer()
@@ -301,6 +301,7 @@ class SpeculativeDecoder:
         stats = state.stats
         if self.controller.costs:
             stats.plain_step_seconds = self.controller.costs(1)
+            save_cost_curve(self.controller.costs)  # for the next process (throttled)
         generated = state.generated
         if state.text.stop_token_count is not None:
             generated = generated[: state.text.stop_token_count]
@@ -376,6 +377,7 @@ class SpeculativeDecoder:
             if i:
                 curve.observe(len(feed), time.perf_counter() - t0)
         state.stats.calibration_seconds = time.perf_counter() - start
+        save_cost_curve(curve, force=True)
 
     def _step(self, state: SequenceState, k: int) -> tuple[list[int], int, int]:
         """One propose -> verify -> roll back -> observe step; returns (tokens to commit, draft depth, accepted draft

@@ -90,6 +90,11 @@ class TargetModel(Protocol):
         """A weak-referenceable object that identifies the weights (the controller keeps one cost curve per key)."""
 
     @property
+    def measurement_key(self) -> dict | None:
+        """Everything a pass's cost depends on (weights, format, dtype, threads, CPU, versions): the key its measured
+        costs are stored under for later processes (``verispec.backends.measurements``); None: never stored."""
+
+    @property
     def embedding_model(self) -> torch.nn.Module:
         """A transformers model with the target's input embedding, lm_head and config (EAGLE heads borrow them)."""
 

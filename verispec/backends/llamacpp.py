@@ -284,6 +284,15 @@ class LlamaCppModel:
         return self
 
     @property
+    def measurement_key(self) -> dict:
+        """What a pass's cost depends on here (``verispec.backends.measurements``)."""
+        from . import measurements
+
+        return {**measurements.machine(), "backend": self.backend, "model": measurements.file_fingerprint(self.path),
+                "weights": self.weights, "threads": self.threads, "features": self.supports_features,
+                "kv_type": self.kv_type, "llama_cpp": self._llama.__version__}
+
+    @property
     def embedding_model(self):
         """A transformers model of the same weights, for drafters that borrow its embeddings and lm_head."""
         if self._embedding_model is None:
@@ -457,28 +466,28 @@ class Weights:
     timings_ms: dict | None = None  # auto's measurements: format -> {width: ms}
 
 
+AUTO_RECORD = "llamacpp-weights"  # the kind of record auto's timings are stored as (verispec.backends.measurements)
+
+
 def choose_weights(source: Path, weights: str, folder: Path, threads: int | None = None) -> Weights:
     """The weight file to run: ``source`` converted to ``weights``, or for ``auto`` the format whose measured
-    pass costs promise the most tokens/s for speculation on this CPU (cached per file, CPU and thread count)."""
+    pass costs promise the most tokens/s for speculation on this CPU (stored per file, CPU, threads and versions,
+    beside the step costs of ``verispec.backends.measurements``; timed again where none is stored)."""
     if weights != "auto":
         return Weights(weights, convert_weights(source, weights, folder))
-    import json
-
-    from .hf.cpu import cpu_info
+    from . import measurements
 
     threads = threads or default_threads()
-    record = folder / "auto.json"
-    info = cpu_info()
-    key = f"{info['model']}|{','.join(info['flags'])}|{threads} threads|v2"
-    known = json.loads(record.read_text()) if record.exists() else {}
-    if key not in known:
+    key = {**measurements.machine(), "model": measurements.file_fingerprint(source), "threads": threads,
+           "candidates": list(AUTO_CANDIDATES), "v": 2}
+    known = measurements.load(AUTO_RECORD, key)
+    if known is None:
         timings = {fmt: time_widths(convert_weights(source, fmt, folder), threads) for fmt in AUTO_CANDIDATES}
-        known[key] = {"timings_ms": timings, "choice": min(timings, key=lambda f: auto_score(timings[f]))}
-        folder.mkdir(parents=True, exist_ok=True)
-        record.write_text(json.dumps(known, indent=1))
-    choice = known[key]["choice"]
-    log.info("weights auto -> %s (%s)", choice, known[key]["timings_ms"])
-    return Weights(choice, convert_weights(source, choice, folder), known[key]["timings_ms"])
+        known = {"timings_ms": timings, "choice": min(timings, key=lambda f: auto_score(timings[f]))}
+        measurements.save(AUTO_RECORD, key, known)
+    choice = known["choice"]
+    log.info("weights auto -> %s (%s)", choice, known["timings_ms"])
+    return Weights(choice, convert_weights(source, choice, folder), known["timings_ms"])
 
 
 def auto_score(ms: dict, alpha: float = AUTO_ACCEPTANCE, prompt_per_output: float = AUTO_PROMPT_PER_OUTPUT) -> float:

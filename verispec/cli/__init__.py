@@ -6,7 +6,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+from pathlib import Path
 
 from ..version import __version__
 from .options import build_decoder, model_options, sampling_options
@@ -124,8 +126,6 @@ def cmd_audit(args) -> int:
 
 
 def cmd_models(args) -> int:
-    import os
-
     import torch
 
     from ..backends.hf.cpu import cpu_info, linear_kernel
@@ -142,7 +142,28 @@ def cmd_models(args) -> int:
     note = "" if pack else f" ({PACK_ENV}={os.environ.get(PACK_ENV)})"
     for dtype in ("float32", "bfloat16"):
         print(f"linear layers in {dtype}: {linear_kernel(getattr(torch, dtype), pack=pack)}{note}")
+    print_measurements()
     return 0
+
+
+def print_measurements() -> None:
+    """What later processes start from: the stored step costs and --weights auto's timings."""
+    import datetime
+
+    from ..backends import measurements
+
+    if not measurements.enabled():
+        print(f"stored measurements: off ({measurements.ENV}={os.environ.get(measurements.ENV)})")
+        return
+    found = measurements.records()
+    print(f"stored measurements: {len(found)} in {measurements.folder()} (--no-cost-cache or "
+          f"{measurements.ENV}=0 turns them off; delete a file to measure again)")
+    for r in found:
+        key = r["key"] or {}
+        saved = datetime.datetime.fromtimestamp(r["saved"] or 0).strftime("%Y-%m-%d %H:%M")
+        what = ", ".join(f"{k} {key[k]}" for k in ("backend", "dtype", "weights", "compiled", "threads")
+                         if k in key)
+        print(f"  {r['kind']:18} {what} · saved {saved} · {Path(r['path']).name}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.command:
         parser.print_help()
         return 2
+    if getattr(args, "no_cost_cache", False):
+        from ..backends.measurements import ENV
+
+        os.environ[ENV] = "0"  # this process and what it starts (Ray replicas get VERISPEC_* variables)
     try:
         return args.func(args)
     except VerispecError as exc:

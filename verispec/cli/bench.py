@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..errors import InvalidRequest
 from ..backends.base import BACKENDS
-from .options import WEIGHT_CHOICES, add_compile_option
+from .options import WEIGHT_CHOICES, add_compile_option, add_cost_cache_option
 from ..backends import BUILTINS, DEFAULT_MODEL, DTYPES
 
 DEFAULT_METHODS = "baseline,ngram,hf:pld"
@@ -47,6 +47,7 @@ def _target_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weights", default="as-is", choices=WEIGHT_CHOICES,
                    help="llamacpp backend: weight format for methods without weights= (default: as-is)")
     add_compile_option(g)
+    add_cost_cache_option(g)
 
 
 def add_parsers(sub) -> None:
@@ -341,7 +342,7 @@ def cmd_analyze(args) -> int:
 
     from ..controller import shared_cost_curve
 
-    result.learned_cost_ms = {w: 1000 * t for w, t in shared_cost_curve(target.cost_key).measured().items()}
+    result.learned_cost_ms = {w: 1000 * t for w, t in shared_cost_curve(target).measured().items()}
     text = _analysis_text(result, target.name, args)
     (out / "analysis.md").write_text(text, encoding="utf-8")
     files = {"table": str(out / "analysis.md"), "json": str(out / "analysis.json"),

@@ -65,6 +65,14 @@ def add_backend_options(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--threads", type=int, default=None,
                    help="llamacpp backend: CPU threads (default: the cores this process may use)")
     add_compile_option(g)
+    add_cost_cache_option(g)
+
+
+def add_cost_cache_option(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--no-cost-cache", action="store_true",
+                   help="measure the target's step costs afresh instead of starting from those an earlier run stored "
+                        "for the same model, settings and CPU (also: VERISPEC_COST_CACHE=0; `verispec models` lists "
+                        "what is stored)")
 
 
 def add_compile_option(g: argparse._ArgumentGroup) -> None:

@@ -11,12 +11,14 @@ import logging
 import os
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from ...errors import InvalidRequest, ModelNotFound
 from ...features import select_layers
 from ...tree import tree_inputs
+from .. import measurements
 from ..base import TargetPass, parse_dtype
 from ..references import BUILTINS, resolve, transformers_progress_bars
 from .cache import BatchKV, RowKV, TorchKV
@@ -70,6 +72,18 @@ class LoadedModel:
     @property
     def kernel(self) -> str:
         return self.linear_kernel
+
+    @property
+    def measurement_key(self) -> dict | None:
+        """What a pass's cost depends on here (``verispec.backends.measurements``); None for a model that was not
+        loaded from a folder or the hub (its costs are never stored)."""
+        source = str(self.model.config._name_or_path or "")
+        if not source:
+            return None
+        model = measurements.file_fingerprint(source) if Path(source).exists() else source
+        return {**measurements.machine(), "backend": self.backend, "model": model, "dtype": str(self.dtype),
+                "device": str(self.device), "compiled": self.step is not None, "kernel": self.linear_kernel,
+                "threads": torch.get_num_threads()}
 
     @property
     def embedding_model(self) -> torch.nn.Module:

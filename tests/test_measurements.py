@@ -1,0 +1,95 @@
+"""Measured step costs outlive the process: stored under a key of everything that changes them, read back by the
+next process (no calibration), dropped when they disagree with what the new process measures, never read under
+another key (CPU flags, model, settings)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from verispec import load_model
+from verispec.backends import measurements
+from verispec.controller import COST_RECORD, CostCurve, save_cost_curve, shared_cost_curve
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    monkeypatch.setenv(measurements.ENV, str(tmp_path / "store"))
+    return tmp_path / "store"
+
+
+def test_a_record_is_read_back_under_exactly_its_key(store):
+    key = {"cpu": "X", "cpu_flags": ["avx2"], "model": "m", "threads": 2}
+    measurements.save("thing", key, {"1": 0.5})
+    assert measurements.load("thing", dict(key)) == {"1": 0.5}
+    assert measurements.load("thing", {**key, "cpu_flags": ["avx2", "avx512f"]}) is None  # another CPU
+    assert measurements.load("thing", {**key, "model": "other"}) is None
+    assert measurements.load("other-kind", key) is None
+    assert [r["kind"] for r in measurements.records()] == ["thing"]
+
+
+def test_the_store_can_be_turned_off(store, monkeypatch):
+    monkeypatch.setenv(measurements.ENV, "0")
+    assert measurements.save("thing", {"a": 1}, 1) is None and measurements.load("thing", {"a": 1}) is None
+    assert not store.exists()
+
+
+def test_a_seeded_curve_follows_the_live_measurements_and_drops_a_stale_seed():
+    curve = CostCurve()
+    curve.seed({1: 0.010, 2: 0.012, 5: 0.020})
+    assert curve.seeded and curve(1) == pytest.approx(0.010)
+    for _ in range(3):
+        curve.observe(1, 0.011)  # agrees (within the stale factor): kept, and moved towards the live value
+    assert 0.010 < curve(1) < 0.011 and curve.measured().keys() == {1, 2, 5}
+    for _ in range(3):
+        curve.observe(2, 0.060)  # five times the stored value: the machine is not what it was
+    assert not curve.seeded
+    assert curve.measured() == pytest.approx({1: curve.measured()[1], 2: 0.060})  # width 5's stored value is gone
+
+
+def test_a_new_process_starts_from_the_stored_curve_and_another_cpu_does_not(store, tiny_dir, monkeypatch):
+    first = load_model(str(tiny_dir))
+    curve = shared_cost_curve(first)
+    curve.observe(1, 0.004)
+    curve.observe(3, 0.006)
+    save_cost_curve(curve, force=True)
+    (record,) = store.glob(f"{COST_RECORD}-*.json")
+    assert json.loads(record.read_text())["key"]["model"] == first.measurement_key["model"]
+
+    again = load_model(str(tiny_dir))  # as the next process would: another model object, the same weights
+    assert shared_cost_curve(again).measured() == pytest.approx({1: 0.004, 3: 0.006})
+    elsewhere = load_model(str(tiny_dir))
+    real = measurements.machine()
+    monkeypatch.setattr(measurements, "machine", lambda: {**real, "cpu_flags": [*real["cpu_flags"], "amx_tile"]})
+    assert not shared_cost_curve(elsewhere)  # another CPU: nothing stored for it
+
+
+def test_models_not_loaded_from_a_folder_are_never_stored(tiny_target, store):
+    assert tiny_target.measurement_key is None
+    curve = shared_cost_curve(tiny_target)
+    curve.observe(1, 0.01)
+    save_cost_curve(curve, force=True)
+    assert not store.exists()
+
+
+def test_a_second_generate_process_skips_calibration_with_the_same_output(store, tiny_dir):
+    def generate():
+        out = subprocess.run([sys.executable, "-m", "verispec.cli", "generate", "w5 w6 w7 w5 w6 w7 w5", "--raw",
+                              "--target", str(tiny_dir), "--json", "--max-new-tokens", "24"],
+                             capture_output=True, text=True, check=True).stdout
+        return json.loads(out)
+
+    first, second = generate(), generate()
+    assert first["stats"]["calibration_seconds"] > 0
+    assert second["stats"]["calibration_seconds"] == 0
+    assert second["token_ids"] == first["token_ids"]
+    off = subprocess.run([sys.executable, "-m", "verispec.cli", "generate", "w5 w6 w7 w5 w6 w7 w5", "--raw",
+                          "--target", str(tiny_dir), "--json", "--max-new-tokens", "24", "--no-cost-cache"],
+                         capture_output=True, text=True, check=True).stdout
+    assert json.loads(off)["stats"]["calibration_seconds"] > 0
+    listing = subprocess.run([sys.executable, "-m", "verispec.cli", "models"], capture_output=True, text=True,
+                             check=True).stdout
+    assert "stored measurements: 1 in" in listing and COST_RECORD in listing
