@@ -111,8 +111,9 @@ def build_method(spec: str, target, load: Callable | None, default_k: int = 8, d
     if policy not in K_POLICIES:
         raise InvalidRequest(f"{spec!r}: policy must be one of {', '.join(K_POLICIES)}, got {policy!r}")
     k = int(_number("k", raw_opts.pop("k", str(default_k))))
-    options = {key: (drafter_spec.option(key) if drafter_spec else _no_options(spec, key)).parse(value, spec)
-               for key, value in raw_opts.items()}
+    if drafter_spec is None and raw_opts:
+        raise InvalidRequest(f"{spec!r}: plain decoding takes k and policy only, not {', '.join(raw_opts)}")
+    options = {key: drafter_spec.option(key).parse(value, spec) for key, value in raw_opts.items()}
     draft = None
     if drafter_spec is not None and drafter_spec.needs_draft_model:
         if len(refs) != 1:
@@ -127,10 +128,6 @@ def build_method(spec: str, target, load: Callable | None, default_k: int = 8, d
     decoder = SpeculativeDecoder(target, drafter, k=k, reuse_prefix=False, k_policy=policy)
     return Method(spec, _verispec_runner(decoder), "verispec", decoder.drafter_name,
                   k if drafter is not None else None, _kernel(target))
-
-
-def _no_options(spec: str, key: str):
-    raise InvalidRequest(f"{spec!r}: plain decoding takes k and policy only, not {key!r}")
 
 
 def _hf_method(spec: str, head: str, refs: list[str], opts: dict, target, load: Callable | None) -> Method:

@@ -42,20 +42,37 @@ class Option:
 
     def parse(self, value: Any, where: str) -> Any:
         """``value`` (a string from a method spec or a config file, or already typed) as this option's type."""
-        if self.type is bool:
-            if isinstance(value, str):
-                if value.lower() not in ("1", "0", "true", "false", "yes", "no"):
-                    raise InvalidRequest(f"{where}: {self.name} is a switch: give 1 or 0, not {value!r}")
-                return value.lower() in ("1", "true", "yes")
-            return bool(value)
-        if self.type is int:
-            if isinstance(value, bool) or not isinstance(value, (int, str)):
-                raise InvalidRequest(f"{where}: {self.name} must be a whole number, got {value!r}")
-            try:
-                return int(value)
-            except ValueError:
-                raise InvalidRequest(f"{where}: {self.name} must be a whole number, got {value!r}") from None
-        return value if value is None else str(value)
+        try:
+            return parse_value(self.name, value, self.type)
+        except InvalidRequest as exc:
+            raise InvalidRequest(f"{where}: {exc}") from None
+
+
+SWITCH_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+
+
+def parse_value(name: Any, value: Any, type_: type) -> Any:
+    """An option's value as ``type_`` (bool, int, float or str): given typed, or as the string a command line,
+    a config file (``serve run ... key=value``) or a bench method spec holds. None stays None."""
+    if value is None:
+        return None
+    if type_ is bool:
+        if isinstance(value, str):
+            if value.lower() not in SWITCH_WORDS:
+                raise InvalidRequest(f"option {name!r} is a switch: give true or false (1 or 0), not {value!r}")
+            return SWITCH_WORDS[value.lower()]
+        return bool(value)
+    if type_ in (int, float):
+        whole = type_ is int
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)) or (whole and isinstance(value, float)):
+            raise InvalidRequest(f"option {name!r}: {value!r} is not a valid {type_.__name__} "
+                                 f"({'a whole number' if whole else 'a number'})")
+        try:
+            return type_(value)
+        except ValueError:
+            raise InvalidRequest(f"option {name!r}: {value!r} is not a valid {type_.__name__} "
+                                 f"({'a whole number' if whole else 'a number'})") from None
+    return str(value)
 
 
 @dataclass(frozen=True)

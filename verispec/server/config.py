@@ -19,7 +19,7 @@ from ..backends.llamacpp import WEIGHT_CHOICES
 from ..batching import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
 from ..controller import COST, K_POLICIES
 from ..drafters import Drafter, drafter_names, drafter_specs, get_spec, options_from
-from ..drafters.registry import NONE, all_options, reads_hidden_states
+from ..drafters.registry import NONE, all_options, parse_value, reads_hidden_states
 from ..errors import InvalidRequest, ModelNotFound
 from ..verify import ACCEPTANCE_MODES, STRICT
 
@@ -95,12 +95,12 @@ class ServeOptions:
             name = str(key).lstrip("-").replace("-", "_")
             if name in drafter_opts:
                 option = drafter_opts[name]
-                drafted[name] = value if value is None else _convert(key, value, option.type)
+                drafted[name] = parse_value(key, value, option.type)
                 continue
             if name not in known:
                 raise InvalidRequest(f"unknown verispec serve option {key!r}; known: {', '.join(sorted(cls.names()))}")
             meta = known[name].metadata
-            value = value if value is None else _convert(key, value, meta["type"])
+            value = parse_value(key, value, meta["type"])
             choices = meta["choices"]() if callable(meta["choices"]) else meta["choices"]
             if choices is not None and value is not None and value not in choices:
                 raise InvalidRequest(f"option {key!r}: {value!r} is not one of {', '.join(map(str, choices))}")
@@ -140,21 +140,6 @@ class ServeOptions:
                 if spec.drafts_trees(options_from(self, spec.name)):
                     flag = "--" + spec.option(spec.tree_option).flag
                     raise InvalidRequest(f"{flag} verifies one sequence per pass; add --max-batch 1 or drop {flag}")
-
-
-def _convert(key: Any, value: Any, type_: type) -> Any:
-    if type_ is bool:
-        if isinstance(value, str):
-            if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                raise InvalidRequest(f"option {key!r} is a switch: give true or false, not {value!r}")
-            return value.lower() in ("true", "1", "yes")
-        return bool(value)
-    if isinstance(value, str) and type_ is not str:
-        try:
-            return type_(value)
-        except (TypeError, ValueError):
-            raise InvalidRequest(f"option {key!r}: {value!r} is not a valid {type_.__name__}") from None
-    return value
 
 
 class LocalSwitch:
