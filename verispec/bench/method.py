@@ -31,3 +31,4 @@ class Method:
     drafter: str = "none"
     k: int | None = None
     kernel: str = ""  # what ran the target's layers, when known (backend, weights, kernel)
+    close: Callable[[], None] | None = None  # releases what the method holds (a server process), when anything

@@ -13,6 +13,8 @@ is a model reference:
     hf:pld  hf:pld:k=10          transformers prompt lookup (``prompt_lookup_num_tokens``, default 10)
     hf:assisted:REF              transformers assisted generation with draft model REF
     llamacpp  llamacpp:lookup     llama-cpp-python's plain generation / prompt lookup (``verispec.bench.llamacpp_peers``)
+    llama-server  llama-server:spec=ngram-mod[:n_max=16]
+                                 llama.cpp's own server, plain or with a speculative type (``verispec.bench.llama_server``)
 
 verispec methods take per-method target options: ``backend=transformers|llamacpp``, on llama.cpp
 ``weights=as-is|f32|f16|q8_0|...`` (e.g. ``ngram:backend=llamacpp:weights=f16``) and on transformers
@@ -67,11 +69,14 @@ def _number(key: str, value: str):
 
 
 def build_method(spec: str, target, load: Callable | None, default_k: int = 8, default_policy: str = COST,
-                 threads: int | None = None) -> Method:
+                 threads: int | None = None, llama_server: str | None = None) -> Method:
     """Build a method from its spec; ``load(ref, pack=None, backend=None, weights=None)`` resolves model references
     (shared between methods; None = the run's defaults). verispec methods take ``policy=cost|fixed`` (the
-    controller's k policy; default ``default_policy``) and ``backend=``/``weights=`` (their own target)."""
+    controller's k policy; default ``default_policy``) and ``backend=``/``weights=`` (their own target).
+    ``llama_server`` is the llama-server binary of ``llama-server`` peers (None: found on PATH or installed)."""
     head, refs, raw_opts = parse_spec(spec)
+    if head == "llama-server":
+        return _llama_server_method(spec, refs, raw_opts, target, load, threads, llama_server)
     if head.startswith(("hf:", "llamacpp")) and "policy" in raw_opts:
         raise InvalidRequest(f"{spec!r}: policy is an option of verispec methods, not of {head}")
     backend, weights, dtype = raw_opts.pop("backend", None), raw_opts.pop("weights", None), raw_opts.pop("dtype", None)
@@ -100,7 +105,7 @@ def build_method(spec: str, target, load: Callable | None, default_k: int = 8, d
     if name not in drafter_names():
         raise InvalidRequest(f"unknown method {spec!r}; choose baseline, {', '.join(drafter_names()[1:])} (verispec's "
                              "drafters, e.g. ngram:k=4, model:REF, eagle[:DIR]), hf:greedy, hf:pld, hf:assisted:REF, "
-                             "llamacpp or llamacpp:lookup")
+                             "llamacpp, llamacpp:lookup or llama-server[:spec=TYPE]")
     drafter_spec = get_spec(name) if name != NONE else None
     hidden = drafter_spec is not None and drafter_spec.hidden_states
     if hidden and not target.supports_features:  # a llama.cpp run: load a copy that gives hidden states
@@ -128,6 +133,23 @@ def build_method(spec: str, target, load: Callable | None, default_k: int = 8, d
     decoder = SpeculativeDecoder(target, drafter, k=k, reuse_prefix=False, k_policy=policy)
     return Method(spec, _verispec_runner(decoder), "verispec", decoder.drafter_name,
                   k if drafter is not None else None, _kernel(target))
+
+
+def _llama_server_method(spec: str, refs: list[str], opts: dict[str, str], target, load: Callable, threads,
+                         binary: str | None) -> Method:
+    from .llama_server import build_llama_server_peer
+
+    if refs:
+        raise InvalidRequest(f"{spec!r}: unexpected part {refs[0]!r}; llama-server takes spec=TYPE, its options, "
+                             "draft=REF and weights= (e.g. llama-server:spec=ngram-mod:n_max=16)")
+    for key in ("backend", "dtype", "compile", "policy", "k"):
+        if key in opts:
+            raise InvalidRequest(f"{spec!r}: {key}= is not an option of llama-server; it takes spec=TYPE, the "
+                                 "type's own options (e.g. n_max=16), draft=REF and weights=")
+    model = load(target.name, backend="llamacpp", weights=opts.pop("weights", None) or "as-is")
+    draft = opts.pop("draft", None)
+    draft_path = load(draft, backend="llamacpp", weights="as-is").path if draft else None
+    return build_llama_server_peer(spec, opts, model.path, threads, target.eos_token_ids, binary, draft_path)
 
 
 def _hf_method(spec: str, head: str, refs: list[str], opts: dict, target, load: Callable | None) -> Method:

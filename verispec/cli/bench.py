@@ -68,11 +68,17 @@ def add_parsers(sub) -> None:
                "  hf:assisted:REF     transformers assisted generation with a draft model\n"
                "  llamacpp[:weights=F]           llama-cpp-python's plain generation on the GGUF file\n"
                "  llamacpp:lookup[:k=10:ngram=2] llama-cpp-python's prompt-lookup decoding\n"
+               "  llama-server[:weights=F]       llama.cpp's own server, plain, on the same GGUF file\n"
+               "  llama-server:spec=TYPE[:n_max=16]   ... with --spec-type TYPE (ngram-simple, ngram-map-k, ngram-mod,\n"
+               "                      ngram-cache; draft-simple with :draft=REF); options drop the --spec-TYPE- prefix\n"
                "  (verispec methods take :backend=transformers|llamacpp, :weights=as-is|f32|f16|q8_0|... and\n"
                "   :dtype=float32|bfloat16 for their own target, e.g. ngram:backend=llamacpp:weights=f32,\n"
                "   baseline:dtype=bfloat16)\n\n"
                "example: verispec bench --categories summarization,rag --limit 5 --methods baseline,ngram,hf:pld")
     b.add_argument("--methods", default=DEFAULT_METHODS, help=f"methods to compare (default: {DEFAULT_METHODS})")
+    b.add_argument("--llama-server", metavar="PATH",
+                   help="llama-server binary for the llama-server methods (default: $VERISPEC_LLAMA_SERVER, "
+                        "llama-server on PATH, or the one verispec[peers] installs)")
     b.add_argument("--k", type=int, default=8, help="default draft length for verispec methods (default: 8)")
     b.add_argument("--k-policy", default="cost", choices=["cost", "fixed"],
                    help="default k policy of verispec methods (a method's :policy= overrides it): cost (default) "
@@ -138,13 +144,7 @@ def _out_dir(args, kind: str) -> Path:
 
 
 def cmd_bench(args) -> int:
-    from tqdm import tqdm
-
-    from ..bench import build_method, markdown, run_benchmark, summarize
-    from ..bench.runner import prompt_encoder
-    from ..bench.environment import environment
-    from ..bench.plots import acceptance_by_position, speedup_by_group
-    from ..engine import SpeculativeDecoder
+    from ..bench import build_method
 
     if args.temperature < 0:
         raise InvalidRequest(f"--temperature must be >= 0, got {args.temperature}")
@@ -153,13 +153,32 @@ def cmd_bench(args) -> int:
         raise InvalidRequest("--methods is empty; e.g. --methods baseline,ngram,hf:pld")
     if len(set(specs)) != len(specs):
         raise InvalidRequest("--methods lists a method twice")
-    questions = _questions(args)
-    target, load = _setup(args)
-    methods = [build_method(s, target, load, default_k=args.k, default_policy=args.k_policy, threads=args.threads)
-               for s in specs]
     reference = args.reference or ("baseline" if "baseline" in specs else specs[0])
     if reference not in specs:
         raise InvalidRequest(f"--reference {reference!r} is not one of --methods")
+    questions = _questions(args)
+    target, load = _setup(args)
+    methods = []
+    try:
+        for s in specs:
+            methods.append(build_method(s, target, load, default_k=args.k, default_policy=args.k_policy,
+                                        threads=args.threads, llama_server=args.llama_server))
+        return _run_bench(args, specs, methods, questions, target, reference)
+    finally:
+        for m in methods:
+            if m.close is not None:
+                m.close()
+
+
+def _run_bench(args, specs, methods, questions, target, reference: str) -> int:
+    from tqdm import tqdm
+
+    from ..bench import markdown, run_benchmark, summarize
+    from ..bench.runner import prompt_encoder
+    from ..bench.environment import environment
+    from ..bench.plots import acceptance_by_position, speedup_by_group
+    from ..engine import SpeculativeDecoder
+
     encode = prompt_encoder(SpeculativeDecoder(target))
     out = _out_dir(args, "bench")
     total = len(methods) * sum(len(q.turns) for q in questions)
