@@ -54,6 +54,16 @@ def require_llama_cpp():
     return pytest.importorskip("llama_cpp", reason='the llamacpp backend needs pip install "verispec[llamacpp]"')
 
 
+def require_openvino(module: str = "openvino"):
+    """openvino (or openvino_genai), or a skip with the install command, except in CI (VERISPEC_REQUIRE_OPENVINO=1),
+    where the test extra installs it and its absence is a failure."""
+    if os.environ.get("VERISPEC_REQUIRE_OPENVINO") == "1":
+        import importlib
+
+        return importlib.import_module(module)
+    return pytest.importorskip(module, reason='the OpenVINO export and peers need pip install "verispec[openvino]"')
+
+
 @pytest.fixture(scope="session")
 def llama_q41():
     """The built-in model's GGUF run as shipped (Q4_1) by the llamacpp backend."""

@@ -13,6 +13,8 @@ is a model reference:
     hf:pld  hf:pld:k=10          transformers prompt lookup (``prompt_lookup_num_tokens``, default 10)
     hf:assisted:REF              transformers assisted generation with draft model REF
     llamacpp  llamacpp:lookup     llama-cpp-python's plain generation / prompt lookup (``verispec.bench.llamacpp_peers``)
+    openvino  openvino:lookup  openvino:draft=REF
+                                 OpenVINO GenAI's pipeline: plain, prompt lookup, draft model (``verispec.bench.openvino_peers``)
     llama-server  llama-server:spec=ngram-mod[:n_max=16]
                                  llama.cpp's own server, plain or with a speculative type (``verispec.bench.llama_server``)
 
@@ -51,8 +53,8 @@ def parse_spec(spec: str) -> tuple[str, list[str], dict[str, str]]:
         if not rest:
             raise InvalidRequest("hf needs a kind: hf:greedy, hf:pld or hf:assisted:REF")
         head, rest = f"hf:{rest[0]}", rest[1:]
-    if head == "llamacpp" and rest and "=" not in rest[0]:
-        head, rest = f"llamacpp:{rest[0]}", rest[1:]
+    if head in ("llamacpp", "openvino") and rest and "=" not in rest[0]:
+        head, rest = f"{head}:{rest[0]}", rest[1:]
     refs = [p for p in rest if "=" not in p]
     opts = dict(p.split("=", 1) for p in rest if "=" in p)
     return head, refs, opts
@@ -77,6 +79,14 @@ def build_method(spec: str, target, load: Callable | None, default_k: int = 8, d
     head, refs, raw_opts = parse_spec(spec)
     if head == "llama-server":
         return _llama_server_method(spec, refs, raw_opts, target, load, threads, llama_server)
+    if head == "openvino" or head.startswith("openvino:"):
+        from .openvino_peers import build_openvino_peer
+
+        if refs:
+            raise InvalidRequest(f"{spec!r}: unexpected part {refs[0]!r}; openvino peers take lookup, draft=REF, "
+                                 "k=, ngram= and weights=")
+        return build_openvino_peer(spec, head.partition(":")[2], raw_opts, target.name, threads,
+                                   target.eos_token_ids)
     if head.startswith(("hf:", "llamacpp")) and "policy" in raw_opts:
         raise InvalidRequest(f"{spec!r}: policy is an option of verispec methods, not of {head}")
     backend, weights, dtype = raw_opts.pop("backend", None), raw_opts.pop("weights", None), raw_opts.pop("dtype", None)
@@ -105,7 +115,8 @@ def build_method(spec: str, target, load: Callable | None, default_k: int = 8, d
     if name not in drafter_names():
         raise InvalidRequest(f"unknown method {spec!r}; choose baseline, {', '.join(drafter_names()[1:])} (verispec's "
                              "drafters, e.g. ngram:k=4, model:REF, eagle[:DIR]), hf:greedy, hf:pld, hf:assisted:REF, "
-                             "llamacpp, llamacpp:lookup or llama-server[:spec=TYPE]")
+                             "llamacpp, llamacpp:lookup, llama-server[:spec=TYPE], openvino, openvino:lookup or "
+                             "openvino:draft=REF")
     drafter_spec = get_spec(name) if name != NONE else None
     hidden = drafter_spec is not None and drafter_spec.hidden_states
     if hidden and not target.supports_features:  # a llama.cpp run: load a copy that gives hidden states

@@ -68,6 +68,8 @@ def add_parsers(sub) -> None:
                "  hf:assisted:REF     transformers assisted generation with a draft model\n"
                "  llamacpp[:weights=F]           llama-cpp-python's plain generation on the GGUF file\n"
                "  llamacpp:lookup[:k=10:ngram=2] llama-cpp-python's prompt-lookup decoding\n"
+               "  openvino[:weights=fp32|int8]   OpenVINO GenAI's pipeline on the model exported to OpenVINO\n"
+               "  openvino:lookup[:k=5:ngram=3]  its prompt lookup; openvino:draft=REF[:k=5] its draft-model mode\n"
                "  llama-server[:weights=F]       llama.cpp's own server, plain, on the same GGUF file\n"
                "  llama-server:spec=TYPE[:n_max=16]   ... with --spec-type TYPE (ngram-simple, ngram-map-k, ngram-mod,\n"
                "                      ngram-cache; draft-simple with :draft=REF); options drop the --spec-TYPE- prefix\n"

@@ -1,0 +1,214 @@
+"""Export a transformers causal LM to OpenVINO IR, once, into verispec's cache.
+
+optimum-intel (the usual exporter) pins transformers below the version verispec runs, so verispec exports with
+OpenVINO's own converter: the model is traced (``openvino.convert_model``) through a wrapper whose inputs are
+``input_ids``, ``attention_mask``, ``position_ids`` and the past keys and values, and whose outputs are the logits and
+the new keys and values; the cache is then moved inside the model (``past_key_values.i.key`` ->
+``present.i.key`` become state variables that start empty, behind a ``beam_idx`` gather), which is the layout
+OpenVINO GenAI's ``LLMPipeline`` loads. The folder also gets the tokenizer as OpenVINO models
+(``openvino_tokenizers``), the transformers config and generation config.
+
+Weight formats: ``fp32`` (as traced), ``fp16`` (weights stored in half precision, computed as the CPU plugin
+chooses) and ``int8`` / ``int4`` (weight-only compression with NNCF, ``pip install nncf``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+
+from ...errors import InvalidRequest
+from ..references import cache_dir, resolve
+
+log = logging.getLogger(__name__)
+
+EXPORT_VERSION = 1  # bump when the exported graph changes: cached exports are then made again
+WEIGHTS = ("fp32", "fp16", "int8", "int4")
+MODEL_XML = "openvino_model.xml"
+INSTALL = 'pip install "verispec[openvino]"'
+
+
+def import_openvino():
+    try:
+        import openvino
+    except ImportError:
+        raise InvalidRequest(f"the OpenVINO backend and peers need openvino; {INSTALL}") from None
+    return openvino
+
+
+def _source_key(folder: Path, weights: str) -> str:
+    """Identifies an export: the source folder's config and weight files (names, sizes, times), the format and
+    the exporter's version."""
+    h = hashlib.sha256(f"{EXPORT_VERSION}:{weights}:{folder.resolve()}".encode())
+    for f in sorted(folder.iterdir()):
+        if f.is_file():
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_size}:{int(st.st_mtime)}".encode())
+    return h.hexdigest()[:16]
+
+
+def export_dir(ref: str, weights: str = "fp32") -> Path:
+    """The cached OpenVINO export of ``ref`` in ``weights``, made on first use (~30 s for the built-in model)."""
+    if weights not in WEIGHTS:
+        raise InvalidRequest(f"unknown OpenVINO weight format {weights!r}; choose one of {', '.join(WEIGHTS)}")
+    folder = resolve(ref)
+    if folder is None:
+        raise InvalidRequest(f"{ref!r} is a hub id; the OpenVINO export needs a local model (a transformers folder, "
+                             "a .gguf file or a built-in name)")
+    name = Path(ref).stem if Path(ref).exists() else ref.replace("/", "--")
+    out = cache_dir() / "openvino" / f"{name}-{weights}-{_source_key(folder, weights)}"
+    if not (out / MODEL_XML).exists():
+        export(folder, out, weights)
+    return out
+
+
+def export(folder: Path, out: Path, weights: str = "fp32") -> Path:
+    """Export the transformers model in ``folder`` to ``out`` (written whole to a temporary folder, then moved)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ov = import_openvino()
+    log.warning("exporting %s to OpenVINO (%s weights), once ...", folder, weights)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ov_model = trace(model)
+    make_stateful(ov_model, model.config.num_hidden_layers)
+    if weights in ("int8", "int4"):
+        ov_model = compress(ov_model, weights)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    try:
+        ov.save_model(ov_model, tmp / MODEL_XML, compress_to_fp16=weights == "fp16")
+        _save_tokenizer(tokenizer, tmp)
+        model.config.save_pretrained(tmp)
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(tmp)
+        for extra in ("chat_template.jinja",):
+            if (folder / extra).exists():
+                shutil.copy(folder / extra, tmp / extra)
+        (tmp / "verispec_export.json").write_text(json.dumps(
+            {"source": str(folder), "weights": weights, "export_version": EXPORT_VERSION}, indent=2))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return out
+
+
+def _past_names(layers: int) -> tuple[list[str], list[str]]:
+    past = [f"past_key_values.{i}.{kv}" for i in range(layers) for kv in ("key", "value")]
+    return past, [n.replace("past_key_values", "present") for n in past]
+
+
+def trace(model):
+    """The model as an OpenVINO graph with the cache as explicit inputs and outputs (stateless)."""
+    import torch
+    from transformers.cache_utils import DynamicCache
+
+    ov = import_openvino()
+    cfg = model.config
+    layers = cfg.num_hidden_layers
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+    class Stateless(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, attention_mask, position_ids, *past):
+            cache = DynamicCache(config=self.inner.config)
+            for i, layer in enumerate(cache.layers[:layers]):
+                # set the past directly: DynamicLayer.update concatenates onto an empty 1-D tensor, which the
+                # converter cannot shape
+                layer.lazy_initialization(past[2 * i], past[2 * i + 1])
+                layer.keys, layer.values = past[2 * i], past[2 * i + 1]
+            out = self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             cache=cache, use_cache=True)
+            present = [t for layer in cache.layers[:layers] for t in (layer.keys, layer.values)]  # grown in place
+            return (out.logits, *present)
+
+    cached, fed = 3, 2
+    example = (torch.ones(1, fed, dtype=torch.long), torch.ones(1, cached + fed, dtype=torch.long),
+               torch.arange(cached, cached + fed).unsqueeze(0),
+               *[torch.zeros(1, heads, cached, head_dim) for _ in range(2 * layers)])
+    import warnings
+
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tracer's warnings about shapes it records as constants
+        ov_model = ov.convert_model(Stateless(model), example_input=example)
+    past, present = _past_names(layers)
+    for port, name in zip(ov_model.inputs, ["input_ids", "attention_mask", "position_ids", *past]):
+        port.get_tensor().set_names({name})
+    for port, name in zip(ov_model.outputs, ["logits", *present]):
+        port.get_tensor().set_names({name})
+    return ov_model
+
+
+def make_stateful(ov_model, layers: int) -> None:
+    """Move the cache inside the model: each past input / present output pair becomes one state variable, read
+    through a gather on a new ``beam_idx`` input (GenAI reorders beams with it; verispec passes 0) and starting as
+    an empty [batch, heads, 0, head_dim] tensor after a reset."""
+    import numpy as np
+    from openvino import opset13 as ops
+    from openvino._offline_transformations import apply_make_stateful_transformation
+
+    ov = import_openvino()
+    past, present = _past_names(layers)
+    batch = ov_model.input("input_ids").get_partial_shape()[0]
+    beam_idx = ops.parameter(name="beam_idx", dtype=ov.Type.i32, shape=ov.PartialShape([batch]))
+    beam_idx.output(0).get_tensor().add_names({"beam_idx"})
+    ov_model.add_parameters([beam_idx])
+    for name in past:
+        port = ov_model.input(name)
+        consumers = port.get_target_inputs()  # before the gather becomes one
+        gathered = ops.gather(port, beam_idx, ops.constant(0))
+        for consumer in consumers:
+            consumer.replace_source_output(gathered.output(0))
+    ov_model.validate_nodes_and_infer_types()
+    apply_make_stateful_transformation(ov_model, dict(zip(past, present)))
+    # the state starts as zeros shaped [batch of input_ids, heads, 0, head_dim]
+    ids_batch = ops.gather(ops.shape_of(ov_model.input("input_ids"), output_type="i64"), ops.constant([0]),
+                           ops.constant(0))
+    for op in ov_model.get_ops():
+        if op.get_type_name() == "ReadValue":
+            dims = [d.min_length for d in op.get_output_partial_shape(0)]
+            parts = [ids_batch if i == 0 else ops.constant(np.array([d], dtype=np.int64)) for i, d in enumerate(dims)]
+            zeros = ops.broadcast(ops.constant(0.0, dtype=op.get_output_element_type(0)), ops.concat(parts, axis=0))
+            op.set_arguments([zeros])
+    ov_model.validate_nodes_and_infer_types()
+
+
+def compress(ov_model, weights: str):
+    """Weight-only compression with NNCF: int8 (asymmetric, per channel) or int4 (symmetric, groups of 128)."""
+    try:
+        import nncf
+    except ImportError:
+        raise InvalidRequest(f"--weights {weights} on OpenVINO compresses with NNCF; {INSTALL} (or pip install "
+                             "nncf)") from None
+    mode = nncf.CompressWeightsMode.INT8_ASYM if weights == "int8" else nncf.CompressWeightsMode.INT4_SYM
+    return nncf.compress_weights(ov_model, mode=mode)
+
+
+def _save_tokenizer(tokenizer, out: Path) -> None:
+    """The tokenizer and detokenizer as OpenVINO models (what GenAI pipelines read), and its transformers files."""
+    ov = import_openvino()
+    tokenizer.save_pretrained(out)
+    try:
+        from openvino_tokenizers import convert_tokenizer
+    except ImportError:
+        log.warning("openvino-tokenizers is not installed: the export has no OpenVINO tokenizer (GenAI needs one)")
+        return
+    try:
+        ov_tok, ov_detok = convert_tokenizer(tokenizer, with_detokenizer=True)
+    except Exception as exc:  # a tokenizer type openvino-tokenizers cannot convert: token ids still work
+        log.warning("openvino-tokenizers could not convert the tokenizer (%s); the export takes token ids only", exc)
+        return
+    ov.save_model(ov_tok, out / "openvino_tokenizer.xml")
+    ov.save_model(ov_detok, out / "openvino_detokenizer.xml")
