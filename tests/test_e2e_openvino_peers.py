@@ -1,0 +1,31 @@
+"""OpenVINO GenAI as bench peers on the real built-in model: exported once by verispec (no optimum-intel), its plain
+and prompt-lookup pipelines run through `verispec bench` beside verispec's own decoding. Marked e2e; CI installs
+the OpenVINO extra (VERISPEC_REQUIRE_OPENVINO=1), so a missing openvino-genai fails there instead of skipping."""
+
+import json
+
+import pytest
+
+from conftest import require_openvino
+from verispec.cli import main
+
+pytestmark = pytest.mark.e2e
+
+
+def test_bench_runs_openvino_genai_plain_and_prompt_lookup(tmp_path, capsys):
+    require_openvino("openvino_genai")
+    out = tmp_path / "bench"
+    methods = "baseline,openvino,openvino:lookup:kv=f32"
+    assert main(["bench", "--methods", methods, "--categories", "summarization", "--limit", "1",
+                 "--max-new-tokens", "48", "--threads", "2", "--out", str(out), "--no-plots"]) == 0
+    records = {r["method"]: r for r in map(json.loads, (out / "records.jsonl").read_text().splitlines())}
+    assert set(records) == {"baseline", "openvino", "openvino:lookup:kv=f32"}
+    for r in records.values():
+        assert r["new_tokens"] > 0 and sum(r["step_tokens"]) == r["new_tokens"]
+    # both start from verispec's prompt ids: the first token (the prompt's prefill) is plain decoding's
+    for name in ("openvino", "openvino:lookup:kv=f32"):
+        assert records[name]["token_ids"][0] == records["baseline"]["token_ids"][0]
+    # a summary repeats its article: prompt lookup commits several tokens in some passes
+    assert max(records["openvino:lookup:kv=f32"]["step_tokens"]) > 1
+    table = capsys.readouterr().out
+    assert "OpenVINO GenAI" in table and "u8 KV cache" in table and "f32 KV cache" in table
