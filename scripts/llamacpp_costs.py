@@ -1,6 +1,7 @@
-"""Pass cost by width and width-dependence of the logits on the llama.cpp backend, per weight format.
+"""Pass cost by width and width-dependence of the logits on the llama.cpp (or OpenVINO) backend, per weight format.
 
     python scripts/llamacpp_costs.py [--formats as-is,q4_0,q8_0,f16,f32] [--context 300] [--repeats 7]
+    python scripts/llamacpp_costs.py --backend openvino --formats fp32,fp16,int8,int4
 
 For each format (converted once from the built-in Q4_1 file, cached): the median ms of one pass over 1/2/5/9/17 new
 tokens after --context cached ones (interleaved, first round dropped), and, on a Spec-Bench prompt, the largest
@@ -38,6 +39,7 @@ def width_dependence(model, prompt_ids: list[int], n: int = 45, width: int = 9) 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--formats", default="as-is,q4_0,q8_0,f16,f32")
+    ap.add_argument("--backend", default="llamacpp", choices=["llamacpp", "openvino"])
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--question", default="241", help="Spec-Bench question id for the width check (default: 241)")
@@ -47,12 +49,13 @@ def main() -> None:
           "argmax differs |")
     print("|---|---|" + "---|" * len(WIDTHS) + "---|---|")
     for fmt in args.formats.split(","):
-        model = load_model("smollm2-135m", backend="llamacpp", weights=fmt)
+        model = load_model("smollm2-135m", backend=args.backend, weights=fmt)
         ms = time_passes(model, args.context, WIDTHS, args.repeats)
         ids = SpeculativeDecoder(model).encode(question.turns[0])
         diff, flips = width_dependence(model, ids)
         cells = " | ".join(f"{ms[w]:.1f}" + ("" if w == 1 else f" ({ms[w] / ms[1]:.2f}x)") for w in WIDTHS)
-        print(f"| {fmt} | {model.kv_type} | {cells} | {diff:.2g} | {flips} / 45 |", flush=True)
+        kv = getattr(model, "kv_type", None) or getattr(model, "kv_precision", "")
+        print(f"| {fmt} | {kv} | {cells} | {diff:.2g} | {flips} / 45 |", flush=True)
         del model
 
 

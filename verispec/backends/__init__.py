@@ -2,6 +2,7 @@
 
     hf          transformers / PyTorch: float32 and bfloat16, token trees, hidden states, a compiled one-token step
     llamacpp    llama.cpp on GGUF files, as CPU users run them (pip install "verispec[llamacpp]")
+    openvino    OpenVINO's CPU plugin on the model exported to OpenVINO IR (pip install "verispec[openvino]"); chains
     references  model references (built-in names, folders, .gguf files, hub ids) and the cache of converted models
 
 ``load_model`` picks the backend; nothing above this package imports a backend module directly.
@@ -13,7 +14,12 @@ import torch
 
 from ..errors import InvalidRequest, ModelNotFound
 from .base import BACKENDS, DTYPES, KVCache, KVGroup, TargetModel, TargetPass, parse_dtype
+from .llamacpp import WEIGHT_CHOICES as _LLAMACPP_WEIGHTS
+from .openvino.export import WEIGHTS as _OPENVINO_WEIGHTS
 from .references import BUILTINS, DEFAULT_MODEL, cache_dir
+
+# what --weights takes: llama.cpp's formats (as-is, auto, f32, f16, q8_0, ...) and OpenVINO's (fp32, int8, ...)
+WEIGHT_CHOICES = (*_LLAMACPP_WEIGHTS, *(w for w in _OPENVINO_WEIGHTS if w not in _LLAMACPP_WEIGHTS))
 
 
 def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", device: str | None = None,
@@ -50,6 +56,17 @@ def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", d
         from .llamacpp import load
 
         return load(ref, weights, threads, features, sequences)
+    if backend == "openvino":
+        if parse_dtype(dtype) != torch.float32 or compiled or features:
+            raise InvalidRequest("the openvino backend takes --weights fp32|fp16|int8|int4 (no --dtype, --compile or "
+                                 "hidden states yet)")
+        from .openvino.model import load as load_openvino
+
+        ov_weights = {"as-is": "fp32", "f32": "fp32", "f16": "fp16"}.get(weights, weights)
+        if ov_weights not in _OPENVINO_WEIGHTS:
+            raise InvalidRequest(f"--weights {weights} is a llama.cpp format; the openvino backend takes "
+                                 f"{', '.join(_OPENVINO_WEIGHTS)}")
+        return load_openvino(ref, ov_weights, threads)
     if weights != "as-is":
         raise InvalidRequest("--weights applies to the llamacpp backend; on transformers choose --dtype")
     from .hf import load
@@ -57,5 +74,5 @@ def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", d
     return load(ref, dtype, device, pack, compiled)
 
 
-__all__ = ["BACKENDS", "BUILTINS", "DEFAULT_MODEL", "DTYPES", "KVCache", "KVGroup", "TargetModel", "TargetPass",
+__all__ = ["BACKENDS", "BUILTINS", "DEFAULT_MODEL", "DTYPES", "WEIGHT_CHOICES", "KVCache", "KVGroup", "TargetModel", "TargetPass",
            "cache_dir", "load_model", "parse_dtype"]

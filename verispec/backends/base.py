@@ -16,7 +16,7 @@ import torch
 
 from ..errors import InvalidRequest
 
-BACKENDS = ("transformers", "llamacpp")
+BACKENDS = ("transformers", "llamacpp", "openvino")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

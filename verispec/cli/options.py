@@ -7,7 +7,7 @@ import argparse
 
 from ..backends import BUILTINS, DEFAULT_MODEL, DTYPES
 from ..backends.base import BACKENDS
-from ..backends.llamacpp import WEIGHT_CHOICES
+from ..backends import WEIGHT_CHOICES
 from ..drafters import drafter_names, drafter_specs, get_spec, make_drafter, options_from
 from ..drafters.registry import NONE, reads_hidden_states
 
@@ -55,13 +55,14 @@ def sampling_options(p: argparse.ArgumentParser, temperature: float) -> None:
 
 def add_backend_options(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--backend", default="transformers", choices=BACKENDS,
-                   help="what runs the target: transformers (default; PyTorch, every drafter, token trees) or "
+                   help="what runs the target: transformers (default; PyTorch, every drafter, token trees), "
                         "llamacpp (llama.cpp on the GGUF file, as CPU users run it; every drafter, chains only; "
-                        "needs pip install \"verispec[llamacpp]\")")
+                        "needs pip install \"verispec[llamacpp]\") or openvino (OpenVINO on the model exported once; "
+                        "ngram and model drafters, chains only; needs pip install \"verispec[openvino]\")")
     g.add_argument("--weights", default="as-is", choices=WEIGHT_CHOICES,
                    help="llamacpp backend: the GGUF's weight format; as-is (default) runs the file as shipped, f32/f16/"
                         "q8_0/... convert it once (cached), auto times the candidates on this CPU once and picks the "
-                        "fastest for speculation")
+                        "fastest for speculation; openvino backend: fp32 (as-is), fp16, int8 or int4 (NNCF)")
     g.add_argument("--threads", type=int, default=None,
                    help="llamacpp backend: CPU threads (default: the cores this process may use)")
     add_compile_option(g)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from ..backends.base import BACKENDS
 from ..errors import InvalidRequest
 from .base import Drafter
 
@@ -94,7 +95,7 @@ class DrafterSpec:
     hidden_states: bool = False
     trees: Callable[[dict[str, Any]], bool] | None = None
     tree_option: str = ""  # the option that turns trees on (named in messages)
-    backends: tuple[str, ...] = ("transformers", "llamacpp")
+    backends: tuple[str, ...] = BACKENDS
     reference_option: str = ""  # the option a bench spec's bare reference sets (eagle:DIR -> head=DIR)
     # options that let more drafters of a server reuse what the first one loaded (weights), given that first one
     share: Callable[[Drafter], dict[str, Any]] | None = None
@@ -130,6 +131,9 @@ class DrafterSpec:
         if target is not None and target.backend not in self.backends:
             raise InvalidRequest(f"the {self.name} drafter runs on {', '.join(self.backends)}, not on the "
                                  f"{target.backend} backend")
+        if target is not None and self.hidden_states and not target.supports_features:
+            raise InvalidRequest(f"the {self.name} drafter reads the target's hidden states, which the "
+                                 f"{target.backend} backend does not return here; use --backend transformers")
         return self.factory(target, draft_model, **options)
 
 

@@ -15,7 +15,7 @@ from typing import Any, Callable, Mapping
 
 from ..backends import DEFAULT_MODEL, DTYPES
 from ..backends.base import BACKENDS, TargetModel
-from ..backends.llamacpp import WEIGHT_CHOICES
+from ..backends import WEIGHT_CHOICES
 from ..batching import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
 from ..controller import COST, K_POLICIES
 from ..drafters import Drafter, drafter_names, drafter_specs, get_spec, options_from

@@ -1,0 +1,97 @@
+"""The OpenVINO backend on the tiny random model: logits equal to transformers' at any pass width, rollback by masking
+(and compaction) equal to a fresh cache, prefix copies, speculative greedy output equal to plain, the exact
+distribution test's premise (per-position probabilities equal to the transformers target's), and clear refusals of
+what it does not run yet (trees, hidden states)."""
+
+import pytest
+import torch
+
+from conftest import require_openvino
+
+require_openvino()
+
+from verispec import SpeculativeDecoder, load_model, make_drafter  # noqa: E402
+from verispec.errors import InvalidRequest  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ov_target(tiny_dir, tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VERISPEC_CACHE", str(tmp_path_factory.mktemp("ov-cache")))
+        target = load_model(str(tiny_dir), backend="openvino", threads=1)
+    target.eos_token_ids = frozenset()  # random weights: answers run to the limit
+    return target
+
+
+def _ids(n, seed=0):
+    return torch.randint(3, 32, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_logits_match_transformers_at_every_width_and_after_rollback(ov_target, tiny_target):
+    seq = _ids(40)
+    with torch.no_grad():
+        want = tiny_target.model(torch.tensor([seq])).logits[0]
+    kv = ov_target.new_kv()
+    done = 0
+    for width in (6, 1, 3, 9):
+        got = ov_target.forward(kv, seq[done:done + width]).logits
+        torch.testing.assert_close(got, want[done:done + width], atol=1e-4, rtol=1e-4)
+        done += width
+        # a rejected draft: three wrong tokens fed, then rolled back
+        ov_target.forward(kv, [5, 6, 7])
+        kv.truncate(done)
+        assert len(kv) == done
+    # enough dead positions to compact the state; the next pass must not notice
+    for _ in range(30):
+        ov_target.forward(kv, [8, 9, 10, 11])
+        kv.truncate(done)
+    got = ov_target.forward(kv, seq[done:done + 5]).logits
+    torch.testing.assert_close(got, want[done:done + 5], atol=1e-4, rtol=1e-4)
+    assert kv.physical < done + 5 + 4 * 30  # compaction ran
+    last = ov_target.forward(kv, seq[done + 5:done + 7], last_only=True).logits
+    torch.testing.assert_close(last, want[done + 6:done + 7], atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError):
+        kv.truncate(len(kv) + 1)
+
+
+def test_prefix_copy_gives_the_same_continuation(ov_target):
+    seq = _ids(20, seed=1)
+    group = ov_target.new_kv_group(2)
+    a, b = group.new_kv(), group.new_kv()
+    ov_target.forward(a, seq[:12])
+    ov_target.forward(a, [3, 4])
+    a.truncate(12)
+    group.copy_prefix(a, b, 10)
+    assert len(b) == 10
+    torch.testing.assert_close(ov_target.forward(b, seq[10:14]).logits, _fresh(ov_target, seq[:14])[10:14],
+                               atol=1e-5, rtol=1e-5)
+
+
+def _fresh(target, tokens):
+    return target.forward(target.new_kv(), tokens).logits
+
+
+def test_speculative_greedy_equals_plain_on_both_drafters(ov_target, tiny_dir):
+    draft = load_model(str(tiny_dir))
+    prompt = [1, 5, 9, 5, 9, 5, 9, 12, 5, 9]
+    plain = SpeculativeDecoder(ov_target).generate(prompt, max_new_tokens=40)
+    for drafter in (make_drafter("ngram", target=ov_target), make_drafter("model", target=ov_target,
+                                                                          draft_model=draft)):
+        out = SpeculativeDecoder(ov_target, drafter, k=4).generate(prompt, max_new_tokens=40)
+        assert out.token_ids == plain.token_ids
+        assert sum(out.stats.step_accepted) > 0  # drafts were accepted, and rejected ones rolled back
+    batch = ov_target.forward_batch([(ov_target.new_kv(), prompt), (ov_target.new_kv(), prompt[:4])])
+    torch.testing.assert_close(batch[1].logits, _fresh(ov_target, prompt[:4]), atol=1e-5, rtol=1e-5)
+
+
+def test_refuses_trees_and_hidden_states_before_any_work(ov_target):
+    kv = ov_target.new_kv()
+    with pytest.raises(InvalidRequest, match="chains only"):
+        ov_target.forward(kv, [1, 2, 3], parents=[-1, 0])
+    with pytest.raises(InvalidRequest, match="hidden states"):
+        ov_target.forward(kv, [1, 2], feature_layers=[1])
+    assert len(kv) == 0
+    with pytest.raises(InvalidRequest, match="hidden states"):
+        make_drafter("eagle", target=ov_target)
+    with pytest.raises(InvalidRequest, match="--weights fp32"):
+        load_model("smollm2-135m", backend="openvino", dtype="bfloat16")

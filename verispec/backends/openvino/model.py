@@ -1,0 +1,218 @@
+"""The OpenVINO backend: the target exported once to OpenVINO IR (``export``), run by OpenVINO's CPU plugin.
+
+Each sequence owns an infer request, whose state holds its keys and values (f32 by default: OpenVINO's own default,
+u8, rounds the cache and is lossy). Rollback never copies the cache: rejected positions stay in the state but are
+masked out of attention (``attention_mask`` 0) while the positions fed to the model (``position_ids``) stay logical,
+so the next pass sees exactly the kept prefix. When masked positions outgrow the live ones the state is compacted
+(one gather, amortized over many steps). Chains only for now: token trees and hidden states (EAGLE heads) are
+refused before any work, with the backend that runs them.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ...errors import InvalidRequest
+from ..base import TargetPass
+from .export import MODEL_XML, export_dir, import_openvino
+
+KV_PRECISIONS = ("f32", "f16", "bf16", "u8")
+
+
+class OpenVINOKV:
+    """One sequence's cache: an infer request's state plus which of its physical positions are alive."""
+
+    def __init__(self, model: "OpenVINOModel") -> None:
+        self.model = model
+        self.request = model.compiled.create_infer_request()
+        self.alive: list[int] = []  # physical index of each logical position
+        self.mask = np.zeros(64, dtype=np.int64)  # 1 where a physical position is alive
+        self.physical = 0
+
+    def __len__(self) -> int:
+        return len(self.alive)
+
+    def truncate(self, length: int) -> None:
+        if length > len(self.alive):
+            raise ValueError(f"cannot keep {length} positions of a cache holding {len(self.alive)}")
+        self.mask[self.alive[length:]] = 0
+        del self.alive[length:]
+
+    def close(self) -> None:
+        self.request = None
+        self.alive, self.physical = [], 0
+
+    def _grow(self, n: int) -> np.ndarray:
+        """The attention mask for a pass of ``n`` new positions (marked alive)."""
+        need = self.physical + n
+        if need > len(self.mask):
+            self.mask = np.concatenate([self.mask, np.zeros(max(need, 2 * len(self.mask)) - len(self.mask), np.int64)])
+        self.mask[self.physical:need] = 1
+        self.alive.extend(range(self.physical, need))
+        self.physical = need
+        return self.mask[:need][None]
+
+    def _compact(self) -> None:
+        """Drop the masked positions from the state (a gather of the live ones)."""
+        keep = np.asarray(self.alive, dtype=np.int64)
+        ov = self.model.ov
+        for state in self.request.query_state():
+            data = state.state.data
+            state.state = ov.Tensor(np.ascontiguousarray(data[:, :, keep]))
+        self.physical = len(keep)
+        self.alive = list(range(self.physical))
+        self.mask[:] = 0
+        self.mask[:self.physical] = 1
+
+
+class OpenVINOKVGroup:
+    def __init__(self, model: "OpenVINOModel", capacity: int) -> None:
+        self.model, self.capacity = model, capacity
+
+    def new_kv(self) -> OpenVINOKV:
+        return self.model.new_kv()
+
+    def copy_prefix(self, source: OpenVINOKV, target: OpenVINOKV, length: int) -> None:
+        if len(target):
+            raise ValueError("copy_prefix needs an empty target cache")
+        if length > len(source):
+            raise ValueError(f"the source holds {len(source)} positions, not {length}")
+        keep = np.asarray(source.alive[:length], dtype=np.int64)
+        ov = self.model.ov
+        states = {s.name: s for s in target.request.query_state()}
+        for state in source.request.query_state():
+            states[state.name].state = ov.Tensor(np.ascontiguousarray(state.state.data[:, :, keep]))
+        target._grow(length)
+
+
+class OpenVINOModel:
+    backend = "openvino"
+    supports_trees = False
+    supports_features = False
+    dtype = torch.float32
+
+    def __init__(self, folder: Path, tokenizer, config, name: str, weights: str, threads: int,
+                 kv_precision: str = "f32", eos_token_ids=frozenset(), embedding_model_loader=None) -> None:
+        self.ov = import_openvino()
+        self.folder, self.tokenizer, self.config, self.name = folder, tokenizer, config, name
+        self.weights, self.threads, self.kv_precision = weights, threads, kv_precision
+        self.eos_token_ids = frozenset(eos_token_ids)
+        core = self.ov.Core()
+        self.compiled = core.compile_model(str(folder / MODEL_XML), "CPU", {
+            "INFERENCE_NUM_THREADS": threads, "KV_CACHE_PRECISION": kv_precision,
+            "PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1})
+        self.inference_precision = self.compiled.get_property("INFERENCE_PRECISION_HINT").to_string()
+        self._lock = threading.Lock()
+        self._embedding_model, self._embedding_model_loader = None, embedding_model_loader
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
+
+    @property
+    def context_length(self) -> int | None:
+        return getattr(self.config, "max_position_embeddings", None)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def kernel(self) -> str:
+        from openvino import get_version
+
+        return (f"OpenVINO {get_version().split('-')[0]} ({self.weights} weights, {self.inference_precision} "
+                f"inference, {self.kv_precision} KV cache, {self.threads} threads)")
+
+    @property
+    def cost_key(self) -> object:
+        return self
+
+    @property
+    def measurement_key(self) -> dict:
+        from openvino import get_version
+
+        from .. import measurements
+
+        return {**measurements.machine(), "backend": self.backend, "model": self.folder.name, "weights": self.weights,
+                "threads": self.threads, "kv": self.kv_precision, "openvino": get_version()}
+
+    @property
+    def embedding_model(self):
+        if self._embedding_model is None:
+            if self._embedding_model_loader is None:
+                raise InvalidRequest(f"no transformers copy of {self.name} is available for its embeddings")
+            self._embedding_model = self._embedding_model_loader()
+        return self._embedding_model
+
+    def new_kv(self) -> OpenVINOKV:
+        return OpenVINOKV(self)
+
+    def new_kv_group(self, capacity: int) -> OpenVINOKVGroup:
+        return OpenVINOKVGroup(self, capacity)
+
+    def pass_width(self, widths) -> int:
+        """Rows of a batch run one after another here (one infer request each): the tokens computed in all."""
+        return sum(widths)
+
+    def forward(self, kv: OpenVINOKV, tokens, *, parents=None, last_only: bool = False,
+                feature_layers=()) -> TargetPass:
+        if parents is not None:
+            raise InvalidRequest("the openvino backend verifies chains only; token trees need --backend transformers")
+        if feature_layers:
+            raise InvalidRequest("the openvino backend returns no hidden states yet; EAGLE heads need --backend "
+                                 "transformers or llamacpp")
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            raise ValueError("forward needs at least one token")
+        start = len(kv)
+        if self.context_length and start + len(tokens) > self.context_length:
+            raise InvalidRequest(f"{start + len(tokens)} positions exceed the model's context of {self.context_length}")
+        with self._lock:
+            if kv.physical - start > max(64, start):
+                kv._compact()
+            mask = kv._grow(len(tokens))
+            out = kv.request.infer({
+                "input_ids": np.asarray([tokens], dtype=np.int64), "attention_mask": mask,
+                "position_ids": np.arange(start, start + len(tokens), dtype=np.int64)[None],
+                "beam_idx": np.zeros(1, dtype=np.int32)})
+            logits = torch.from_numpy(np.array(out["logits"][0], dtype=np.float32))
+        return TargetPass(logits[-1:] if last_only else logits)
+
+    def forward_batch(self, items, *, feature_layers=()) -> list[TargetPass]:
+        return [self.forward(kv, tokens, feature_layers=feature_layers) for kv, tokens in items]
+
+
+def load(ref: str, weights: str = "fp32", threads: int | None = None, kv_precision: str = "f32") -> OpenVINOModel:
+    """A model reference exported once to OpenVINO (see ``verispec.load_model``)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from ..hf import _eos_ids
+    from ..llamacpp import default_threads
+    from ..references import transformers_progress_bars
+
+    if kv_precision not in KV_PRECISIONS:
+        raise InvalidRequest(f"unknown KV precision {kv_precision!r}; choose one of {', '.join(KV_PRECISIONS)}")
+    folder = export_dir(ref, weights)
+    with transformers_progress_bars(False):
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        config = AutoConfig.from_pretrained(folder)
+    from transformers import GenerationConfig
+
+    try:
+        generation = GenerationConfig.from_pretrained(folder)
+    except OSError:
+        generation = None
+    holder = type("Holder", (), {"generation_config": generation, "config": config})()
+
+    def embedding_model():
+        from ..hf import load as load_transformers
+
+        return load_transformers(ref, pack=False).model
+
+    return OpenVINOModel(folder, tokenizer, config, ref, weights, threads or default_threads(), kv_precision,
+                         _eos_ids(holder, tokenizer), embedding_model)
