@@ -45,7 +45,8 @@ def _target_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", default="transformers", choices=BACKENDS,
                    help="backend of verispec methods without backend= (default: transformers)")
     g.add_argument("--weights", default="as-is", choices=WEIGHT_CHOICES,
-                   help="llamacpp backend: weight format for methods without weights= (default: as-is)")
+                   help="llamacpp / openvino backends: weight format for methods without weights= (default: as-is; "
+                        "fp32 on openvino)")
     add_compile_option(g)
     add_cost_cache_option(g)
 
@@ -117,7 +118,7 @@ def _setup(args):
     def load(ref: str, pack: bool | None = None, backend: str | None = None, weights: str | None = None,
              features: bool = False, dtype: str | None = None, compiled: bool | None = None):
         backend = backend or getattr(args, "backend", "transformers")
-        weights = (weights or getattr(args, "weights", "as-is")) if backend == "llamacpp" else "as-is"
+        weights = (weights or getattr(args, "weights", "as-is")) if backend in ("llamacpp", "openvino") else "as-is"
         features = features and backend == "llamacpp"  # transformers always gives hidden states
         dtype = (dtype or args.dtype) if backend == "transformers" else "float32"
         if compiled is None:  # the run's --compile, for verispec's own passes on the transformers backend
