@@ -49,10 +49,13 @@ class EagleDrafter(DrafterBase):
         check_whole("eagle tree depth", depth)
         check_whole("eagle tree width", width)
         self.tree, self.depth, self.width = bool(tree), depth, width
-        if not target.supports_features:
+        if not target.supports_features and target.backend == "llamacpp":
             raise InvalidRequest(f"the eagle drafter reads the target's hidden states, which this {target.backend} "
                                  "model was loaded without; load it with features=True (the CLI does for "
                                  "--drafter eagle) or use --backend transformers")
+        if not target.supports_features:
+            raise InvalidRequest(f"the eagle drafter reads the target's hidden states, which the {target.backend} "
+                                 "backend does not return; use --backend transformers or llamacpp")
         if lookup and not tree:
             raise InvalidRequest("the eagle drafter's lookup branch needs tree mode (tree=True / --eagle-tree)")
         # in a tree the extra nodes ride on a pass that is wide anyway, so the lookup branch always proposes

@@ -131,9 +131,6 @@ class DrafterSpec:
         if target is not None and target.backend not in self.backends:
             raise InvalidRequest(f"the {self.name} drafter runs on {', '.join(self.backends)}, not on the "
                                  f"{target.backend} backend")
-        if target is not None and self.hidden_states and not target.supports_features:
-            raise InvalidRequest(f"the {self.name} drafter reads the target's hidden states, which the "
-                                 f"{target.backend} backend does not return here; use --backend transformers")
         return self.factory(target, draft_model, **options)
 
 
