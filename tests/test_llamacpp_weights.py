@@ -66,7 +66,8 @@ def test_missing_llama_cpp_python_names_the_install_command(monkeypatch):
 
 
 def test_every_weight_format_is_offered_on_the_command_line():
+    from verispec.backends.openvino.export import WEIGHTS as OPENVINO_WEIGHTS
     from verispec.cli.options import WEIGHT_CHOICES
 
-    assert set(WEIGHT_CHOICES) == set(llamacpp.WEIGHT_FORMATS) | {"auto"}
+    assert set(WEIGHT_CHOICES) == set(llamacpp.WEIGHT_FORMATS) | {"auto"} | set(OPENVINO_WEIGHTS)
     assert llamacpp.WEIGHT_FORMATS["bf16"] == 32  # LLAMA_FTYPE_MOSTLY_BF16 (llama.h)
