@@ -28,6 +28,24 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+class BorrowedEmbeddings:
+    """For backends whose weights are not a transformers model: ``embedding_model`` loads a transformers copy of the
+    same weights on first use (drafters such as EAGLE heads borrow its embeddings and lm_head). The backend sets
+    ``_embedding_model_loader`` (None: no copy available) and ``_embedding_model = None``."""
+
+    name: str
+    _embedding_model = None
+    _embedding_model_loader = None
+
+    @property
+    def embedding_model(self):
+        if self._embedding_model is None:
+            if self._embedding_model_loader is None:
+                raise InvalidRequest(f"no transformers copy of {self.name} is available for its embeddings")
+            self._embedding_model = self._embedding_model_loader()
+        return self._embedding_model
+
+
 class TargetPass(NamedTuple):
     logits: torch.Tensor  # [rows, vocab] float32: a row per fed token (only the last one when last_only)
     hidden: torch.Tensor | None = None  # [rows, layers, hidden] at the requested layers, or None

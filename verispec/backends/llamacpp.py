@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..errors import InvalidRequest, ModelNotFound
-from .base import TargetPass
+from .base import BorrowedEmbeddings, TargetPass
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ class LlamaKV:
         self._finalizer()  # the sequence goes back to the context's free list (once)
 
 
-class LlamaCppModel:
+class LlamaCppModel(BorrowedEmbeddings):
     """A GGUF model run by llama.cpp: the llamacpp backend of ``verispec.backends.base.TargetModel``."""
 
     backend = "llamacpp"
@@ -291,15 +291,6 @@ class LlamaCppModel:
         return {**measurements.machine(), "backend": self.backend, "model": measurements.file_fingerprint(self.path),
                 "weights": self.weights, "threads": self.threads, "features": self.supports_features,
                 "kv_type": self.kv_type, "llama_cpp": self._llama.__version__}
-
-    @property
-    def embedding_model(self):
-        """A transformers model of the same weights, for drafters that borrow its embeddings and lm_head."""
-        if self._embedding_model is None:
-            if self._embedding_model_loader is None:
-                raise InvalidRequest(f"no transformers copy of {self.name} is available for its embeddings")
-            self._embedding_model = self._embedding_model_loader()
-        return self._embedding_model
 
     # ------------------------------------------------------------ KV sequences
     def new_kv(self) -> LlamaKV:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ...errors import InvalidRequest
-from ..base import TargetPass
+from ..base import BorrowedEmbeddings, TargetPass
 from .export import MODEL_XML, export_dir, import_openvino
 
 KV_PRECISIONS = ("f32", "f16", "bf16", "u8")
@@ -89,7 +89,7 @@ class OpenVINOKVGroup:
         target._grow(length)
 
 
-class OpenVINOModel:
+class OpenVINOModel(BorrowedEmbeddings):
     backend = "openvino"
     supports_trees = False
     supports_features = False
@@ -140,14 +140,6 @@ class OpenVINOModel:
 
         return {**measurements.machine(), "backend": self.backend, "model": self.folder.name, "weights": self.weights,
                 "threads": self.threads, "kv": self.kv_precision, "openvino": get_version()}
-
-    @property
-    def embedding_model(self):
-        if self._embedding_model is None:
-            if self._embedding_model_loader is None:
-                raise InvalidRequest(f"no transformers copy of {self.name} is available for its embeddings")
-            self._embedding_model = self._embedding_model_loader()
-        return self._embedding_model
 
     def new_kv(self) -> OpenVINOKV:
         return OpenVINOKV(self)
