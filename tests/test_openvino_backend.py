@@ -1,7 +1,7 @@
 """The OpenVINO backend on the tiny random model: logits equal to transformers' at any pass width, rollback by masking
 (and compaction) equal to a fresh cache, prefix copies, speculative greedy output equal to plain, the exact
-distribution test's premise (per-position probabilities equal to the transformers target's), and clear refusals of
-what it does not run yet (trees, hidden states)."""
+distribution test's premise (per-position probabilities equal to the transformers target's), token trees and hidden
+states equal to the transformers backend's, tree and EAGLE drafters equal to plain decoding."""
 
 import pytest
 import torch
@@ -10,7 +10,8 @@ from conftest import require_openvino
 
 require_openvino()
 
-from verispec import SpeculativeDecoder, load_model, make_drafter  # noqa: E402
+from verispec import EagleDrafter, SpeculativeDecoder, load_model, make_drafter  # noqa: E402
+from verispec.eagle.head import EagleHead, head_config_for  # noqa: E402
 from verispec.errors import InvalidRequest  # noqa: E402
 
 
@@ -84,14 +85,43 @@ def test_speculative_greedy_equals_plain_on_both_drafters(ov_target, tiny_dir):
     torch.testing.assert_close(batch[1].logits, _fresh(ov_target, prompt[:4]), atol=1e-5, rtol=1e-5)
 
 
-def test_refuses_trees_and_hidden_states_before_any_work(ov_target):
-    kv = ov_target.new_kv()
-    with pytest.raises(InvalidRequest, match="chains only"):
-        ov_target.forward(kv, [1, 2, 3], parents=[-1, 0])
-    with pytest.raises(InvalidRequest, match="hidden states"):
-        ov_target.forward(kv, [1, 2], feature_layers=[1])
-    assert len(kv) == 0
-    with pytest.raises(InvalidRequest, match="hidden states"):
-        make_drafter("eagle", target=ov_target)
+def test_tree_pass_and_hidden_states_equal_the_transformers_backends(ov_target, tiny_dir):
+    hf = load_model(str(tiny_dir))
+    seq = _ids(15, seed=2)
+    parents = [-1, 0, 0, -1, 3, 1]  # two roots, a node with two children, a chain under the second root
+    tree = [7, 8, 9, 10, 11, 12]
+    ov_kv, hf_kv = ov_target.new_kv(), hf.new_kv()
+    for target, kv in ((ov_target, ov_kv), (hf, hf_kv)):
+        target.forward(kv, seq[:10])
+        target.forward(kv, [4, 4, 4])  # a rejected draft first: the tree must not see it
+        kv.truncate(10)
+    got = ov_target.forward(ov_kv, seq[10:12] + tree, parents=parents, feature_layers=(0, 2, 1))
+    want = hf.forward(hf_kv, seq[10:12] + tree, parents=parents, feature_layers=(0, 2, 1))
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
+    assert got.hidden.shape == want.hidden.shape == (8, 3, hf.model.config.hidden_size)
+    torch.testing.assert_close(got.hidden, want.hidden, atol=1e-4, rtol=1e-4)
+    # the engine drops a tree's nodes after verifying it and feeds the accepted path again
+    ov_kv.truncate(12)
+    hf_kv.truncate(12)
+    torch.testing.assert_close(ov_target.forward(ov_kv, [8, 12]).logits, hf.forward(hf_kv, [8, 12]).logits,
+                               atol=1e-4, rtol=1e-4)
+    assert ov_target.forward(ov_target.new_kv(), seq[:3], last_only=True, feature_layers=(1,)).hidden is not None
+
+
+def test_tree_and_eagle_drafters_equal_plain_decoding(ov_target):
+    prompt = [1, 5, 9, 5, 9, 5, 9, 12, 5, 9]
+    plain = SpeculativeDecoder(ov_target).generate(prompt, max_new_tokens=40)
+    torch.manual_seed(0)
+    embedding = ov_target.embedding_model
+    head = EagleHead(head_config_for(embedding, ov_target.name, [1, 2], ov_target.vocab_size)).attach(embedding).eval()
+    for drafter in (make_drafter("ngram", target=ov_target, branches=3),
+                    EagleDrafter(ov_target, head), EagleDrafter(ov_target, head, tree=True, depth=3, width=2)):
+        out = SpeculativeDecoder(ov_target, drafter, k=4).generate(prompt, max_new_tokens=40)
+        assert out.token_ids == plain.token_ids, drafter.name
+
+
+def test_refuses_what_it_does_not_take(ov_target):
     with pytest.raises(InvalidRequest, match="--weights fp32"):
         load_model("smollm2-135m", backend="openvino", dtype="bfloat16")
+    with pytest.raises(InvalidRequest, match="compile"):
+        load_model("smollm2-135m", backend="openvino", compiled=True)

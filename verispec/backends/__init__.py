@@ -2,7 +2,7 @@
 
     hf          transformers / PyTorch: float32 and bfloat16, token trees, hidden states, a compiled one-token step
     llamacpp    llama.cpp on GGUF files, as CPU users run them (pip install "verispec[llamacpp]")
-    openvino    OpenVINO's CPU plugin on the model exported to OpenVINO IR (pip install "verispec[openvino]"); chains
+    openvino    OpenVINO's CPU plugin on the model exported to OpenVINO IR (pip install "verispec[openvino]")
     references  model references (built-in names, folders, .gguf files, hub ids) and the cache of converted models
 
 ``load_model`` picks the backend; nothing above this package imports a backend module directly.
@@ -57,9 +57,9 @@ def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", d
 
         return load(ref, weights, threads, features, sequences)
     if backend == "openvino":
-        if parse_dtype(dtype) != torch.float32 or compiled or features:
-            raise InvalidRequest("the openvino backend takes --weights fp32|fp16|int8|int4 (no --dtype, --compile or "
-                                 "hidden states yet)")
+        if parse_dtype(dtype) != torch.float32 or compiled:
+            raise InvalidRequest("the openvino backend takes --weights fp32|fp16|int8|int4 (no --dtype or --compile; "
+                                 "its hidden states need no flag)")
         from .openvino.model import load as load_openvino
 
         ov_weights = {"as-is": "fp32", "f32": "fp32", "f16": "fp16"}.get(weights, weights)

@@ -4,12 +4,14 @@
     openvino:lookup[:k=5:ngram=3]  its prompt-lookup decoding (``prompt_lookup=True``; k = num_assistant_tokens,
                                    ngram = max_ngram_size)
     openvino:draft=REF[:k=5]       its speculative decoding with draft model REF (exported the same way)
-    ...:weights=fp32|fp16|int8|int4  the export's weight format (default fp32; int8/int4 compress with NNCF)
+    ...:weights=fp32|bf16|fp16|int8|int4  the export's weight format (default fp32; bf16 computes the fp32 export in
+                                   bfloat16; int8/int4 compress with NNCF)
     ...:kv=f32|f16|u8              the precision of its KV cache (default: OpenVINO's, u8 on CPUs: lossy, recorded)
 
 The target is exported once into verispec's cache by ``verispec.backends.openvino.export`` (optimum-intel pins an
 older transformers). Each peer gets verispec's prompt token ids, starts from an empty cache (a fresh ``generate``,
-not chat mode), runs with the run's thread count and OpenVINO's default inference precision on this CPU (recorded),
+not chat mode), runs with the run's thread count and the inference precision verispec's backend pins for the same
+weights (f32, or bf16 for ``weights=bf16``; OpenVINO's own default is bf16 on CPUs that have it),
 stops at the target's end tokens and reports its tokens through a streamer, one call per target step.
 """
 
@@ -31,7 +33,7 @@ def _type_name(t) -> str:
 def build_openvino_peer(spec: str, kind: str, opts: dict[str, str], target_ref: str, threads: int | None,
                         eos_ids) -> Method:
     from ..backends.llamacpp import default_threads
-    from ..backends.openvino.export import WEIGHTS, export_dir, import_openvino
+    from ..backends.openvino.export import WEIGHTS, export_dir, import_openvino, inference_precision
 
     if kind not in KINDS:
         raise InvalidRequest(f"unknown OpenVINO peer {spec!r}; choose openvino, openvino:lookup or openvino:draft=REF")
@@ -59,7 +61,9 @@ def build_openvino_peer(spec: str, kind: str, opts: dict[str, str], target_ref: 
         raise InvalidRequest(f"{spec!r}: unknown option(s) {', '.join(opts)}; openvino peers take weights=, kv=, "
                              "k=, ngram= (lookup) and draft=REF")
     n_threads = threads or default_threads()
-    props = {"INFERENCE_NUM_THREADS": n_threads, **({"KV_CACHE_PRECISION": kv} if kv else {})}
+    precision = inference_precision(weights)
+    props = {"INFERENCE_NUM_THREADS": n_threads, "INFERENCE_PRECISION_HINT": precision,
+             **({"KV_CACHE_PRECISION": kv} if kv else {})}
     if kind == "lookup":
         props["prompt_lookup"] = True
     if draft:
@@ -68,7 +72,6 @@ def build_openvino_peer(spec: str, kind: str, opts: dict[str, str], target_ref: 
     pipe = genai.LLMPipeline(str(folder), "CPU", **props)
     eos = sorted(eos_ids)
     core = ov.Core()
-    precision = core.get_property("CPU", "INFERENCE_PRECISION_HINT")
     kv_name = kv or _type_name(core.get_property("CPU", "KV_CACHE_PRECISION"))
 
     class Arrivals(genai.StreamerBase):
@@ -117,5 +120,5 @@ def build_openvino_peer(spec: str, kind: str, opts: dict[str, str], target_ref: 
     what = (f"prompt lookup (k={k}, ngram={ngram})" if kind == "lookup" else
             f"draft {draft} (k={k})" if draft else "plain")
     kernel = (f"OpenVINO GenAI {genai.__version__.split('-')[0]}: {folder.name}, {n_threads} threads, "
-              f"{_type_name(precision)} inference, {kv_name} KV cache, {what}")
+              f"{precision} inference, {kv_name} KV cache, {what}")
     return Method(spec, run, "openvino", "lookup" if kind else ("model" if draft else "none"), k, kernel)

@@ -58,7 +58,7 @@ def add_backend_options(g: argparse._ArgumentGroup) -> None:
                    help="what runs the target: transformers (default; PyTorch, every drafter, token trees), "
                         "llamacpp (llama.cpp on the GGUF file, as CPU users run it; every drafter, chains only; "
                         "needs pip install \"verispec[llamacpp]\") or openvino (OpenVINO on the model exported once; "
-                        "ngram and model drafters, chains only; needs pip install \"verispec[openvino]\")")
+                        "every drafter, trees included; needs pip install \"verispec[openvino]\")")
     g.add_argument("--weights", default="as-is", choices=WEIGHT_CHOICES,
                    help="llamacpp backend: the GGUF's weight format; as-is (default) runs the file as shipped, f32/f16/"
                         "q8_0/... convert it once (cached), auto times the candidates on this CPU once and picks the "

@@ -8,8 +8,13 @@ the new keys and values; the cache is then moved inside the model (``past_key_va
 OpenVINO GenAI's ``LLMPipeline`` loads. The folder also gets the tokenizer as OpenVINO models
 (``openvino_tokenizers``), the transformers config and generation config.
 
-Weight formats: ``fp32`` (as traced), ``fp16`` (weights stored in half precision, computed as the CPU plugin
-chooses) and ``int8`` / ``int4`` (weight-only compression with NNCF, ``pip install nncf``).
+verispec's own backend runs a second graph of the same weights, ``verispec_model.xml``: its ``attention_mask`` is
+the 4-D additive mask itself ([1, 1, fed, cached + fed], built by the caller: rolled-back positions masked out, token
+trees as ``verispec.tree`` lays them out) and it also returns ``hidden_states`` [1, fed, layers + 1, hidden], every
+layer's output (what EAGLE heads read). GenAI's 2-D graph stays as it was for the peers.
+
+Weight formats: ``fp32`` (as traced), ``bf16`` (the fp32 export computed in bfloat16, where the CPU has it),
+``fp16`` (weights stored in half precision) and ``int8`` / ``int4`` (weight-only compression with NNCF, ``pip install nncf``).
 """
 
 from __future__ import annotations
@@ -26,9 +31,24 @@ from ..references import cache_dir, resolve
 
 log = logging.getLogger(__name__)
 
-EXPORT_VERSION = 1  # bump when the exported graph changes: cached exports are then made again
-WEIGHTS = ("fp32", "fp16", "int8", "int4")
-MODEL_XML = "openvino_model.xml"
+EXPORT_VERSION = 2  # bump when the exported graph changes: cached exports are then made again
+WEIGHTS = ("fp32", "bf16", "fp16", "int8", "int4")
+STORED = {"bf16": "fp32"}  # the formats that run another one's export
+
+
+def inference_precision(weights: str) -> str:
+    """What the CPU plugin computes in for ``weights``: pinned, because OpenVINO's own default is bf16 on CPUs that
+    have it (a different model than the f32 one on other CPUs) and f32 elsewhere. ``bf16`` on a CPU without bf16
+    instructions is refused."""
+    if weights != "bf16":
+        return "f32"
+    ov = import_openvino()
+    if "BF16" not in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"):
+        raise InvalidRequest("--weights bf16 needs a CPU with bf16 instructions (AVX-512 BF16 or AMX); this one has "
+                             "none: choose fp32, int8 or int4")
+    return "bf16"
+MODEL_XML = "openvino_model.xml"  # 2-D mask, logits: what OpenVINO GenAI loads
+VERISPEC_XML = "verispec_model.xml"  # 4-D mask, logits and hidden states: what verispec's backend runs
 INSTALL = 'pip install "verispec[openvino]"'
 
 
@@ -55,13 +75,14 @@ def export_dir(ref: str, weights: str = "fp32") -> Path:
     """The cached OpenVINO export of ``ref`` in ``weights``, made on first use (~30 s for the built-in model)."""
     if weights not in WEIGHTS:
         raise InvalidRequest(f"unknown OpenVINO weight format {weights!r}; choose one of {', '.join(WEIGHTS)}")
+    weights = STORED.get(weights, weights)
     folder = resolve(ref)
     if folder is None:
         raise InvalidRequest(f"{ref!r} is a hub id; the OpenVINO export needs a local model (a transformers folder, "
                              "a .gguf file or a built-in name)")
     name = Path(ref).stem if Path(ref).exists() else ref.replace("/", "--")
     out = cache_dir() / "openvino" / f"{name}-{weights}-{_source_key(folder, weights)}"
-    if not (out / MODEL_XML).exists():
+    if not (out / MODEL_XML).exists() or not (out / VERISPEC_XML).exists():
         export(folder, out, weights)
     return out
 
@@ -75,14 +96,16 @@ def export(folder: Path, out: Path, weights: str = "fp32") -> Path:
     log.warning("exporting %s to OpenVINO (%s weights), once ...", folder, weights)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    ov_model = trace(model)
-    make_stateful(ov_model, model.config.num_hidden_layers)
-    if weights in ("int8", "int4"):
-        ov_model = compress(ov_model, weights)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
     try:
-        ov.save_model(ov_model, tmp / MODEL_XML, compress_to_fp16=weights == "fp16")
+        for xml, custom_mask in ((MODEL_XML, False), (VERISPEC_XML, True)):
+            ov_model = trace(model, custom_mask)
+            make_stateful(ov_model, model.config.num_hidden_layers)
+            if weights in ("int8", "int4"):
+                ov_model = compress(ov_model, weights)
+            ov.save_model(ov_model, tmp / xml, compress_to_fp16=weights == "fp16")
+            del ov_model
         _save_tokenizer(tokenizer, tmp)
         model.config.save_pretrained(tmp)
         if model.generation_config is not None:
@@ -106,8 +129,9 @@ def _past_names(layers: int) -> tuple[list[str], list[str]]:
     return past, [n.replace("past_key_values", "present") for n in past]
 
 
-def trace(model):
-    """The model as an OpenVINO graph with the cache as explicit inputs and outputs (stateless)."""
+def trace(model, custom_mask: bool = False):
+    """The model as an OpenVINO graph with the cache as explicit inputs and outputs (stateless). ``custom_mask``:
+    the mask input is 4-D and additive, and every layer's hidden states are a second output."""
     import torch
     from transformers.cache_utils import DynamicCache
 
@@ -130,12 +154,17 @@ def trace(model):
                 layer.lazy_initialization(past[2 * i], past[2 * i + 1])
                 layer.keys, layer.values = past[2 * i], past[2 * i + 1]
             out = self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             cache=cache, use_cache=True)
+                             cache=cache, use_cache=True, output_hidden_states=custom_mask)
             present = [t for layer in cache.layers[:layers] for t in (layer.keys, layer.values)]  # grown in place
+            if custom_mask:
+                return (out.logits, torch.stack(out.hidden_states, dim=2), *present)
             return (out.logits, *present)
 
     cached, fed = 3, 2
-    example = (torch.ones(1, fed, dtype=torch.long), torch.ones(1, cached + fed, dtype=torch.long),
+    mask = (torch.zeros(1, 1, fed, cached + fed).masked_fill_(torch.ones(fed, cached + fed).triu(cached + 1).bool(),
+                                                              torch.finfo(torch.float32).min)
+            if custom_mask else torch.ones(1, cached + fed, dtype=torch.long))
+    example = (torch.ones(1, fed, dtype=torch.long), mask,
                torch.arange(cached, cached + fed).unsqueeze(0),
                *[torch.zeros(1, heads, cached, head_dim) for _ in range(2 * layers)])
     import warnings
@@ -146,7 +175,8 @@ def trace(model):
     past, present = _past_names(layers)
     for port, name in zip(ov_model.inputs, ["input_ids", "attention_mask", "position_ids", *past]):
         port.get_tensor().set_names({name})
-    for port, name in zip(ov_model.outputs, ["logits", *present]):
+    outputs = ["logits", "hidden_states"] if custom_mask else ["logits"]
+    for port, name in zip(ov_model.outputs, [*outputs, *present]):
         port.get_tensor().set_names({name})
     return ov_model
 

@@ -1,11 +1,12 @@
 """The OpenVINO backend: the target exported once to OpenVINO IR (``export``), run by OpenVINO's CPU plugin.
 
 Each sequence owns an infer request, whose state holds its keys and values (f32 by default: OpenVINO's own default,
-u8, rounds the cache and is lossy). Rollback never copies the cache: rejected positions stay in the state but are
-masked out of attention (``attention_mask`` 0) while the positions fed to the model (``position_ids``) stay logical,
-so the next pass sees exactly the kept prefix. When masked positions outgrow the live ones the state is compacted
-(one gather, amortized over many steps). Chains only for now: token trees and hidden states (EAGLE heads) are
-refused before any work, with the backend that runs them.
+u8, rounds the cache and is lossy). The graph run is the export's ``verispec_model.xml``: it takes the 4-D additive
+attention mask itself and returns every layer's hidden states beside the logits. Rollback never copies the cache:
+rejected positions stay in the state but are masked out of attention while the positions fed to the model
+(``position_ids``) stay logical, so the next pass sees exactly the kept prefix. When masked positions outgrow the
+live ones the state is compacted (one gather, amortized over many steps). A token tree is the same mask with each
+node seeing its ancestors only (``verispec.tree``); hidden states (EAGLE heads) are read from the second output.
 """
 
 from __future__ import annotations
@@ -17,8 +18,11 @@ import numpy as np
 import torch
 
 from ...errors import InvalidRequest
+from ...tree import tree_inputs
 from ..base import BorrowedEmbeddings, TargetPass
-from .export import MODEL_XML, export_dir, import_openvino
+from .export import VERISPEC_XML, export_dir, import_openvino, inference_precision
+
+MASKED = np.float32(np.finfo(np.float32).min)  # the additive mask's value for a position not attended to
 
 KV_PRECISIONS = ("f32", "f16", "bf16", "u8")
 
@@ -30,7 +34,7 @@ class OpenVINOKV:
         self.model = model
         self.request = model.compiled.create_infer_request()
         self.alive: list[int] = []  # physical index of each logical position
-        self.mask = np.zeros(64, dtype=np.int64)  # 1 where a physical position is alive
+        self.mask = np.full(64, MASKED, dtype=np.float32)  # 0 where a physical position is alive, else MASKED
         self.physical = 0
 
     def __len__(self) -> int:
@@ -39,22 +43,29 @@ class OpenVINOKV:
     def truncate(self, length: int) -> None:
         if length > len(self.alive):
             raise ValueError(f"cannot keep {length} positions of a cache holding {len(self.alive)}")
-        self.mask[self.alive[length:]] = 0
+        self.mask[self.alive[length:]] = MASKED
         del self.alive[length:]
 
     def close(self) -> None:
         self.request = None
         self.alive, self.physical = [], 0
 
-    def _grow(self, n: int) -> np.ndarray:
-        """The attention mask for a pass of ``n`` new positions (marked alive)."""
-        need = self.physical + n
+    def _grow(self, block: np.ndarray) -> np.ndarray:
+        """The 4-D additive attention mask for a pass of ``n`` new positions whose mask among themselves is
+        ``block`` [n, n] (causal, or a tree's); the new positions are marked alive."""
+        n = block.shape[0]
+        past, need = self.physical, self.physical + n
         if need > len(self.mask):
-            self.mask = np.concatenate([self.mask, np.zeros(max(need, 2 * len(self.mask)) - len(self.mask), np.int64)])
-        self.mask[self.physical:need] = 1
-        self.alive.extend(range(self.physical, need))
+            grown = np.full(max(need, 2 * len(self.mask)), MASKED, dtype=np.float32)
+            grown[:len(self.mask)] = self.mask
+            self.mask = grown
+        mask = np.empty((1, 1, n, need), dtype=np.float32)
+        mask[0, 0, :, :past] = self.mask[:past]
+        mask[0, 0, :, past:] = block
+        self.mask[past:need] = 0
+        self.alive.extend(range(past, need))
         self.physical = need
-        return self.mask[:need][None]
+        return mask
 
     def _compact(self) -> None:
         """Drop the masked positions from the state (a gather of the live ones)."""
@@ -65,8 +76,8 @@ class OpenVINOKV:
             state.state = ov.Tensor(np.ascontiguousarray(data[:, :, keep]))
         self.physical = len(keep)
         self.alive = list(range(self.physical))
-        self.mask[:] = 0
-        self.mask[:self.physical] = 1
+        self.mask[:] = MASKED
+        self.mask[:self.physical] = 0
 
 
 class OpenVINOKVGroup:
@@ -86,13 +97,13 @@ class OpenVINOKVGroup:
         states = {s.name: s for s in target.request.query_state()}
         for state in source.request.query_state():
             states[state.name].state = ov.Tensor(np.ascontiguousarray(state.state.data[:, :, keep]))
-        target._grow(length)
+        target._grow(np.zeros((length, length), dtype=np.float32))
 
 
 class OpenVINOModel(BorrowedEmbeddings):
     backend = "openvino"
-    supports_trees = False
-    supports_features = False
+    supports_trees = True
+    supports_features = True
     dtype = torch.float32
 
     def __init__(self, folder: Path, tokenizer, config, name: str, weights: str, threads: int,
@@ -102,8 +113,9 @@ class OpenVINOModel(BorrowedEmbeddings):
         self.weights, self.threads, self.kv_precision = weights, threads, kv_precision
         self.eos_token_ids = frozenset(eos_token_ids)
         core = self.ov.Core()
-        self.compiled = core.compile_model(str(folder / MODEL_XML), "CPU", {
+        self.compiled = core.compile_model(str(folder / VERISPEC_XML), "CPU", {
             "INFERENCE_NUM_THREADS": threads, "KV_CACHE_PRECISION": kv_precision,
+            "INFERENCE_PRECISION_HINT": inference_precision(weights),
             "PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1})
         self.inference_precision = self.compiled.get_property("INFERENCE_PRECISION_HINT").to_string()
         self._lock = threading.Lock()
@@ -153,30 +165,45 @@ class OpenVINOModel(BorrowedEmbeddings):
 
     def forward(self, kv: OpenVINOKV, tokens, *, parents=None, last_only: bool = False,
                 feature_layers=()) -> TargetPass:
-        if parents is not None:
-            raise InvalidRequest("the openvino backend verifies chains only; token trees need --backend transformers")
-        if feature_layers:
-            raise InvalidRequest("the openvino backend returns no hidden states yet; EAGLE heads need --backend "
-                                 "transformers or llamacpp")
         tokens = [int(t) for t in tokens]
         if not tokens:
             raise ValueError("forward needs at least one token")
-        start = len(kv)
-        if self.context_length and start + len(tokens) > self.context_length:
-            raise InvalidRequest(f"{start + len(tokens)} positions exceed the model's context of {self.context_length}")
+        start, n = len(kv), len(tokens)
+        if self.context_length and start + n > self.context_length:
+            raise InvalidRequest(f"{start + n} positions exceed the model's context of {self.context_length}")
+        if parents is None:
+            block = _causal(n)
+            positions = np.arange(start, start + n, dtype=np.int64)[None]
+        else:
+            fed = n - len(parents)
+            tree_positions, tree_mask = tree_inputs(0, fed, list(parents), torch.float32)
+            block = tree_mask[0, 0].numpy()
+            positions = tree_positions.numpy().astype(np.int64) + start
         with self._lock:
             if kv.physical - start > max(64, start):
                 kv._compact()
-            mask = kv._grow(len(tokens))
             out = kv.request.infer({
-                "input_ids": np.asarray([tokens], dtype=np.int64), "attention_mask": mask,
-                "position_ids": np.arange(start, start + len(tokens), dtype=np.int64)[None],
-                "beam_idx": np.zeros(1, dtype=np.int32)})
-            logits = torch.from_numpy(np.array(out["logits"][0], dtype=np.float32))
-        return TargetPass(logits[-1:] if last_only else logits)
+                "input_ids": np.asarray([tokens], dtype=np.int64), "attention_mask": kv._grow(block),
+                "position_ids": positions, "beam_idx": np.zeros(1, dtype=np.int32)})
+            logits = out["logits"][0]
+            logits = torch.from_numpy(np.array(logits[-1:] if last_only else logits, dtype=np.float32))
+            hidden = None
+            if feature_layers:
+                hidden = torch.from_numpy(np.array(out["hidden_states"][0][:, list(feature_layers)], dtype=np.float32))
+        return TargetPass(logits, hidden)
 
     def forward_batch(self, items, *, feature_layers=()) -> list[TargetPass]:
         return [self.forward(kv, tokens, feature_layers=feature_layers) for kv, tokens in items]
+
+
+_CAUSAL: dict[int, np.ndarray] = {}
+
+
+def _causal(n: int) -> np.ndarray:
+    """The additive causal mask among ``n`` new positions."""
+    if n not in _CAUSAL:
+        _CAUSAL[n] = np.where(np.tri(n, dtype=bool), np.float32(0), MASKED).astype(np.float32)
+    return _CAUSAL[n]
 
 
 def load(ref: str, weights: str = "fp32", threads: int | None = None, kv_precision: str = "f32") -> OpenVINOModel:
