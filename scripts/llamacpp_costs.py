@@ -16,7 +16,7 @@ import torch
 
 from verispec import SpeculativeDecoder, load_model
 from verispec.bench.prompts import load_questions
-from verispec.backends.llamacpp import time_passes
+from verispec.backends.timing import time_passes
 
 WIDTHS = (1, 2, 5, 9, 17)
 

@@ -125,3 +125,48 @@ def test_refuses_what_it_does_not_take(ov_target):
         load_model("smollm2-135m", backend="openvino", dtype="bfloat16")
     with pytest.raises(InvalidRequest, match="compile"):
         load_model("smollm2-135m", backend="openvino", compiled=True)
+
+
+def test_weights_auto_times_fp32_and_bf16_once_and_remembers(tiny_dir, tmp_path, monkeypatch):
+    import json
+
+    from verispec.backends import timing
+    from verispec.backends.openvino import model as ov_model
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("VERISPEC_COST_CACHE", str(tmp_path / "measurements"))
+    timings = {"fp32": {"1": 20.0, "2": 21.0, "5": 23.0, "9": 26.0, "prefill": 1.0},
+               "bf16": {"1": 12.0, "2": 13.0, "5": 14.0, "9": 16.0, "prefill": 0.5}}
+    timed = []
+    monkeypatch.setattr(ov_model, "auto_candidates", lambda: ("fp32", "bf16"))
+    monkeypatch.setattr(ov_model, "load", lambda ref, fmt, threads, kv: fmt)  # the "model" is its format's name
+    monkeypatch.setattr(timing, "time_widths", lambda model: timed.append(model) or timings[model])
+    assert ov_model.choose_weights(str(tiny_dir), 2, "f32") == ("bf16", timings)
+    assert sorted(timed) == ["bf16", "fp32"]
+    (record,) = (tmp_path / "measurements").glob("openvino-weights-*.json")
+    assert json.loads(record.read_text())["value"]["choice"] == "bf16"
+    assert ov_model.choose_weights(str(tiny_dir), 2, "f32")[0] == "bf16" and len(timed) == 2  # remembered
+    ov_model.choose_weights(str(tiny_dir), 1, "f32")
+    assert len(timed) == 4  # another thread count is another measurement
+
+
+def test_weights_auto_without_bf16_runs_fp32_untimed(tiny_dir, tmp_path, monkeypatch):
+    from verispec.backends.openvino import model as ov_model
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(ov_model, "auto_candidates", lambda: ("fp32",))
+    model = load_model(str(tiny_dir), backend="openvino", weights="auto", threads=1)
+    assert model.weights == "fp32" and model.weight_timings_ms is None and "f32 inference" in model.kernel
+
+
+def test_bf16_runs_in_bfloat16_where_the_cpu_has_it_and_is_refused_elsewhere(tiny_dir, tmp_path, monkeypatch):
+    from verispec.backends.openvino.model import auto_candidates
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    if "bf16" in auto_candidates():
+        model = load_model(str(tiny_dir), backend="openvino", weights="bf16", threads=1)
+        assert "bf16 inference" in model.kernel and model.folder.name.startswith(tiny_dir.name + "-fp32-")
+        assert model.forward(model.new_kv(), [1, 2, 3]).logits.shape == (3, model.vocab_size)
+    else:
+        with pytest.raises(InvalidRequest, match="bf16 instructions"):
+            load_model(str(tiny_dir), backend="openvino", weights="bf16", threads=1)

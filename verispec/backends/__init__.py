@@ -63,9 +63,9 @@ def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", d
         from .openvino.model import load as load_openvino
 
         ov_weights = {"as-is": "fp32", "f32": "fp32", "f16": "fp16"}.get(weights, weights)
-        if ov_weights not in _OPENVINO_WEIGHTS:
+        if ov_weights not in (*_OPENVINO_WEIGHTS, "auto"):
             raise InvalidRequest(f"--weights {weights} is a llama.cpp format; the openvino backend takes "
-                                 f"{', '.join(_OPENVINO_WEIGHTS)}")
+                                 f"{', '.join(_OPENVINO_WEIGHTS)} or auto")
         return load_openvino(ref, ov_weights, threads)
     if weights != "as-is":
         raise InvalidRequest("--weights applies to the llamacpp backend; on transformers choose --dtype")

@@ -27,7 +27,9 @@ import numpy as np
 import torch
 
 from ..errors import InvalidRequest, ModelNotFound
+from . import timing
 from .base import BorrowedEmbeddings, TargetPass
+from .timing import AUTO_CONTEXT, AUTO_PREFILL, AUTO_WIDTHS, auto_score, time_passes  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -441,13 +443,6 @@ def _free_llama(llama_cpp, batch, ctx, model) -> None:
 
 # ------------------------------------------------------------------ choosing the weight format
 AUTO_CANDIDATES = ("as-is", "f16", "f32")
-AUTO_ACCEPTANCE = 0.6  # per-token acceptance auto assumes for a drafter it has not seen (alpha, geometric model)
-AUTO_WIDTHS = (1, 2, 5, 9)
-# prompt tokens per generated token auto weighs prefill with (Spec-Bench's mean here: 291 prompt, 191 new tokens);
-# prefill cost differs a lot by format (512 tokens on the AVX-512 EPYC: Q4_1 2.2 s, F16 1.0 s)
-AUTO_PROMPT_PER_OUTPUT = 1.5
-AUTO_PREFILL = 256  # prompt tokens auto times a prefill with
-AUTO_CONTEXT = 256  # cached positions when auto times the passes
 
 
 @dataclass
@@ -481,51 +476,10 @@ def choose_weights(source: Path, weights: str, folder: Path, threads: int | None
     return Weights(choice, convert_weights(source, choice, folder), known["timings_ms"])
 
 
-def auto_score(ms: dict, alpha: float = AUTO_ACCEPTANCE, prompt_per_output: float = AUTO_PROMPT_PER_OUTPUT) -> float:
-    """Estimated ms per generated token: decoding at the best measured width (a pass over n + 1 tokens, n drafts,
-    commits E(n) = (1 - alpha^(n+1)) / (1 - alpha) tokens when each draft is accepted with probability alpha) plus
-    the prefill of ``prompt_per_output`` prompt tokens (``ms["prefill"]`` per prompt token, when measured)."""
-    decode = min(t / ((1 - alpha ** int(w)) / (1 - alpha)) for w, t in ms.items() if w.isdigit())
-    return decode + prompt_per_output * ms.get("prefill", 0.0)
-
-
 def time_widths(path: Path, threads: int, widths=AUTO_WIDTHS, repeats: int = 5) -> dict[str, float]:
-    """Median ms of a pass over each width after AUTO_CONTEXT cached positions, and ms per prompt token of an
-    AUTO_PREFILL-token prefill ("prefill"), for the weights at ``path``."""
-    import statistics
-    import time
-
+    """``timing.time_widths`` for the weights at ``path``."""
     model = LlamaCppModel(path, None, path.name, threads=threads, context=AUTO_CONTEXT + 64, sequences=2)
-    timings = {str(w): ms for w, ms in time_passes(model, AUTO_CONTEXT, widths, repeats).items()}
-    prefill = []
-    for _ in range(3):
-        kv = model.new_kv()
-        t0 = time.perf_counter()
-        model.forward(kv, [(13 * i) % model.vocab_size for i in range(AUTO_PREFILL)], last_only=True)
-        prefill.append(1000 * (time.perf_counter() - t0) / AUTO_PREFILL)
-        del kv
-    timings["prefill"] = statistics.median(prefill)
-    return timings
-
-
-def time_passes(model, context: int, widths, repeats: int) -> dict[int, float]:
-    """Median ms of one pass over each width after ``context`` cached positions (any target backend); widths are
-    interleaved within each round, the first round warms up and is dropped."""
-    import statistics
-    import time
-
-    kv = model.new_kv()
-    vocab = model.vocab_size
-    model.forward(kv, [(7 * i) % vocab for i in range(context)], last_only=True)
-    times: dict[int, list[float]] = {w: [] for w in widths}
-    for r in range(repeats + 1):
-        for w in widths:
-            t0 = time.perf_counter()
-            model.forward(kv, [(11 * i + r) % vocab for i in range(w)])
-            kv.truncate(context)
-            if r:
-                times[w].append(1000 * (time.perf_counter() - t0))
-    return {w: statistics.median(v) for w, v in times.items()}
+    return timing.time_widths(model, widths, AUTO_CONTEXT, AUTO_PREFILL, repeats)
 
 
 def load(ref: str, weights: str = "as-is", threads: int | None = None, features: bool = False,

@@ -103,7 +103,7 @@ def export(folder: Path, out: Path, weights: str = "fp32") -> Path:
             ov_model = trace(model, custom_mask)
             make_stateful(ov_model, model.config.num_hidden_layers)
             if weights in ("int8", "int4"):
-                ov_model = compress(ov_model, weights)
+                ov_model = compress(ov_model, weights, group_size(model.config))
             ov.save_model(ov_model, tmp / xml, compress_to_fp16=weights == "fp16")
             del ov_model
         _save_tokenizer(tokenizer, tmp)
@@ -215,15 +215,24 @@ def make_stateful(ov_model, layers: int) -> None:
     ov_model.validate_nodes_and_infer_types()
 
 
-def compress(ov_model, weights: str):
-    """Weight-only compression with NNCF: int8 (asymmetric, per channel) or int4 (symmetric, groups of 128)."""
+def group_size(config) -> int:
+    """int4's group: 128 (NNCF's default) where every input width divides by it, else 64 or 32 (SmolLM2-135M's
+    hidden size is 576)."""
+    widths = [config.hidden_size, getattr(config, "intermediate_size", config.hidden_size)]
+    return next((g for g in (128, 64, 32) if all(w % g == 0 for w in widths)), -1)  # -1: per channel
+
+
+def compress(ov_model, weights: str, group: int = 128):
+    """Weight-only compression with NNCF: int8 (asymmetric, per channel) or int4 (symmetric, in groups of
+    ``group`` input channels)."""
     try:
         import nncf
     except ImportError:
         raise InvalidRequest(f"--weights {weights} on OpenVINO compresses with NNCF; {INSTALL} (or pip install "
                              "nncf)") from None
-    mode = nncf.CompressWeightsMode.INT8_ASYM if weights == "int8" else nncf.CompressWeightsMode.INT4_SYM
-    return nncf.compress_weights(ov_model, mode=mode)
+    if weights == "int8":
+        return nncf.compress_weights(ov_model, mode=nncf.CompressWeightsMode.INT8_ASYM)
+    return nncf.compress_weights(ov_model, mode=nncf.CompressWeightsMode.INT4_SYM, group_size=group)
 
 
 def _save_tokenizer(tokenizer, out: Path) -> None:

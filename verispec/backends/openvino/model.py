@@ -11,6 +11,7 @@ node seeing its ancestors only (``verispec.tree``); hidden states (EAGLE heads) 
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from ...tree import tree_inputs
 from ..base import BorrowedEmbeddings, TargetPass
 from .export import VERISPEC_XML, export_dir, import_openvino, inference_precision
 
+log = logging.getLogger(__name__)
 MASKED = np.float32(np.finfo(np.float32).min)  # the additive mask's value for a position not attended to
 
 KV_PRECISIONS = ("f32", "f16", "bf16", "u8")
@@ -206,8 +208,45 @@ def _causal(n: int) -> np.ndarray:
     return _CAUSAL[n]
 
 
+AUTO_RECORD = "openvino-weights"  # the kind of record auto's timings are stored as (verispec.backends.measurements)
+
+
+def auto_candidates() -> tuple[str, ...]:
+    """What ``auto`` chooses between: the formats that keep the exported weights (fp32, and bf16 compute where the
+    CPU has it); int8 and int4 quantize further and stay an explicit choice."""
+    from .export import import_openvino
+
+    has_bf16 = "BF16" in import_openvino().Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+    return ("fp32", "bf16") if has_bf16 else ("fp32",)
+
+
+def choose_weights(ref: str, threads: int, kv_precision: str) -> tuple[str, dict | None]:
+    """``--weights auto`` on OpenVINO: the candidate whose measured pass costs promise the most tokens/s for
+    speculation here (``timing.auto_score``), stored per model, CPU, threads and versions; timed where none is."""
+    from openvino import get_version
+
+    from .. import measurements, timing
+
+    candidates = auto_candidates()
+    if len(candidates) == 1:
+        return candidates[0], None
+    key = {**measurements.machine(), "model": export_dir(ref, "fp32").name, "threads": threads, "kv": kv_precision,
+           "openvino": get_version(), "candidates": list(candidates), "v": 1}
+    known = measurements.load(AUTO_RECORD, key)
+    if known is None:
+        timings = {}
+        for fmt in candidates:
+            model = load(ref, fmt, threads, kv_precision)
+            timings[fmt] = timing.time_widths(model)
+            del model
+        known = {"timings_ms": timings, "choice": min(timings, key=lambda f: timing.auto_score(timings[f]))}
+        measurements.save(AUTO_RECORD, key, known)
+    return known["choice"], known["timings_ms"]
+
+
 def load(ref: str, weights: str = "fp32", threads: int | None = None, kv_precision: str = "f32") -> OpenVINOModel:
-    """A model reference exported once to OpenVINO (see ``verispec.load_model``)."""
+    """A model reference exported once to OpenVINO (see ``verispec.load_model``); ``weights="auto"`` times fp32
+    and bf16 (where the CPU has it) once and runs the faster for speculation."""
     from transformers import AutoConfig, AutoTokenizer
 
     from ..hf import _eos_ids
@@ -216,6 +255,11 @@ def load(ref: str, weights: str = "fp32", threads: int | None = None, kv_precisi
 
     if kv_precision not in KV_PRECISIONS:
         raise InvalidRequest(f"unknown KV precision {kv_precision!r}; choose one of {', '.join(KV_PRECISIONS)}")
+    threads = threads or default_threads()
+    timings = None
+    if weights == "auto":
+        weights, timings = choose_weights(ref, threads, kv_precision)
+        log.info("weights auto -> %s (%s)", weights, timings)
     folder = export_dir(ref, weights)
     with transformers_progress_bars(False):
         tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -233,5 +277,7 @@ def load(ref: str, weights: str = "fp32", threads: int | None = None, kv_precisi
 
         return load_transformers(ref, pack=False).model
 
-    return OpenVINOModel(folder, tokenizer, config, ref, weights, threads or default_threads(), kv_precision,
-                         _eos_ids(holder, tokenizer), embedding_model)
+    model = OpenVINOModel(folder, tokenizer, config, ref, weights, threads, kv_precision, _eos_ids(holder, tokenizer),
+                          embedding_model)
+    model.weight_timings_ms = timings
+    return model
