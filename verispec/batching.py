@@ -30,7 +30,7 @@ from typing import Callable
 
 import torch
 
-from .backends.base import KVCache, TargetModel, TargetPass
+from .backends.base import KVCache, TargetModel, TargetPass, host_threads, torch_threads
 from .controller import COST, save_cost_curve, shared_cost_curve
 from .engine import Generation, Request, SequenceState, SpeculativeDecoder, StepPlan
 from .errors import InvalidRequest, check_whole
@@ -159,12 +159,13 @@ class BatchEngine:
         while not self._incoming.empty():
             self.waiting.append(self._incoming.get())
         self._drop_cancelled()
-        while self.waiting and self.size < self.max_batch:
-            self._admit(self.waiting.popleft())
-        if self.prefilling:
-            self._prefill_chunk(self.prefilling[0])
-        if self.running:
-            self._decode()
+        with torch_threads(host_threads(self.target)):
+            while self.waiting and self.size < self.max_batch:
+                self._admit(self.waiting.popleft())
+            if self.prefilling:
+                self._prefill_chunk(self.prefilling[0])
+            if self.running:
+                self._decode()
 
     def run(self) -> None:
         """Step until every submitted sequence has finished."""

@@ -20,7 +20,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .backends.base import KVCache, TargetModel, TargetPass
+from .backends.base import KVCache, TargetModel, TargetPass, host_threads, torch_threads
 from .controller import COST, Controller, save_cost_curve, shared_cost_curve
 from .drafters.base import EMPTY_DRAFT, Draft, Drafter
 from .errors import InvalidRequest, check_whole
@@ -318,13 +318,16 @@ class SpeculativeDecoder:
         start = time.perf_counter()
         state = self.new_state(request)
         k = request.k
-        self._prefill(state)
-        self.begin(state, k)
+        threads = host_threads(self.target)
+        with torch_threads(threads):
+            self._prefill(state)
+            self.begin(state, k)
         try:
             while not state.finish_reason:
                 t0 = time.perf_counter()
-                new_tokens, drafted, accepted = self._step(state, k)
-                delta = self.advance(state, new_tokens, drafted, accepted, time.perf_counter() - t0)
+                with torch_threads(threads):
+                    new_tokens, drafted, accepted = self._step(state, k)
+                    delta = self.advance(state, new_tokens, drafted, accepted, time.perf_counter() - t0)
                 if delta:
                     yield delta
             tail = state.text.finish()

@@ -206,6 +206,7 @@ class LlamaCppModel(BorrowedEmbeddings):
 
     backend = "llamacpp"
     supports_trees = False
+    host_threads = 1  # torch's share while this backend's own threads run passes (base.host_threads)
     supports_features = False
     dtype = torch.float32  # logits come as float32; the weights' format is ``weights``
 

@@ -105,6 +105,7 @@ class OpenVINOKVGroup:
 class OpenVINOModel(BorrowedEmbeddings):
     backend = "openvino"
     supports_trees = True
+    host_threads = 1  # torch's share while this backend's own threads run passes (base.host_threads)
     supports_features = True
     dtype = torch.float32
 

@@ -1,0 +1,84 @@
+"""The openvino backend on the real built-in model (exported once by verispec): logits and hidden states equal to the
+transformers backend's, speculation with every drafter (n-gram chains and trees, EAGLE chains and trees with the
+shipped head) identical to its own plain decoding, rollback, the audit and the CLI. Marked e2e; CI installs the
+OpenVINO extra (VERISPEC_REQUIRE_OPENVINO=1), so a missing openvino fails there instead of skipping."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import require_openvino
+from verispec import SpeculativeDecoder, load_model, make_drafter
+from verispec.audit import run_audit
+from verispec.cli import main
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = [
+    "Repeat this list exactly, one item per line: alpha beta gamma delta epsilon zeta eta theta iota kappa",
+    "Summarize in one sentence: The committee met on Tuesday to review the budget. The committee approved the "
+    "budget for roads and schools, and the committee postponed the vote on the new library until next month.",
+    "Write a short poem about the sea.",
+]
+
+
+@pytest.fixture(scope="module")
+def ov_fp32():
+    require_openvino()
+    return load_model("smollm2-135m", backend="openvino", weights="fp32")
+
+
+def test_logits_and_hidden_states_equal_the_transformers_backends(ov_fp32, default_model):
+    ids = default_model.tokenizer("The quick brown fox jumps over the lazy dog, then naps in the sun.")["input_ids"]
+    layers = (0, 2, 15, 28, 30)
+    ref = default_model.forward(default_model.new_kv(), ids, feature_layers=layers)
+    kv = ov_fp32.new_kv()
+    head = ov_fp32.forward(kv, ids[:5], feature_layers=layers)
+    tail = ov_fp32.forward(kv, ids[5:], feature_layers=layers)
+    hidden = torch.cat([head.hidden, tail.hidden])
+    assert hidden.shape == ref.hidden.shape
+    scale = ref.hidden.abs().amax(dim=(0, 2), keepdim=True)
+    assert float(((hidden - ref.hidden).abs() / scale).max()) < 1e-4
+    torch.testing.assert_close(torch.cat([head.logits, tail.logits]), ref.logits, atol=2e-3, rtol=0)
+    assert "f32 inference" in ov_fp32.kernel  # pinned: OpenVINO's own default is bf16 on CPUs that have it
+
+
+@pytest.mark.parametrize("drafter, options", [("ngram", {}), ("ngram", {"branches": 3}), ("eagle", {}),
+                                              ("eagle", {"tree": True})])
+def test_speculation_is_identical_to_plain_decoding(ov_fp32, drafter, options):
+    plain = SpeculativeDecoder(ov_fp32)
+    spec = SpeculativeDecoder(ov_fp32, make_drafter(drafter, target=ov_fp32, **options), k=6, k_policy="fixed")
+    accepted = 0
+    for prompt in PROMPTS:
+        a = plain.generate(prompt, max_new_tokens=48)
+        b = spec.generate(prompt, max_new_tokens=48)
+        assert b.token_ids == a.token_ids, prompt
+        accepted += b.stats.accepted
+    assert accepted > 0
+
+
+def test_rollback_leaves_the_cache_of_a_fresh_prefill(ov_fp32):
+    decoder = SpeculativeDecoder(ov_fp32, make_drafter("ngram"), k=8, k_policy="fixed")
+    g = decoder.generate(PROMPTS[1], max_new_tokens=40)
+    assert g.stats.drafted > g.stats.accepted  # rejections, so rollbacks
+    cached = decoder._cached_tokens
+    mine = ov_fp32.forward(decoder._cache, [504]).logits[-1]
+    ref = ov_fp32.forward(ov_fp32.new_kv(), [*cached, 504], last_only=True).logits[-1]
+    torch.testing.assert_close(mine, ref, atol=1e-3, rtol=0)
+
+
+def test_audit_passes_on_the_openvino_backend(ov_fp32):
+    decoder = SpeculativeDecoder(ov_fp32, make_drafter("ngram"), k=4, k_policy="fixed")
+    prompt = decoder.encode("one two three four five one two three four five one two", raw=True)
+    report = run_audit(decoder, prompt, temperature=1.0, samples=200, positions=3, seed=0)
+    assert report.drafted > 0
+    assert report.passed, report.to_dict()
+
+
+def test_generate_cli_on_openvino_with_the_eagle_head(capsys, ov_fp32):
+    assert main(["generate", PROMPTS[0], "--backend", "openvino", "--drafter", "eagle", "--max-new-tokens", "24",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    plain = SpeculativeDecoder(ov_fp32).generate(PROMPTS[0], max_new_tokens=24)
+    assert out["token_ids"] == plain.token_ids and out["stats"]["drafter"] == "eagle"
