@@ -10,8 +10,10 @@ OpenVINO GenAI's ``LLMPipeline`` loads. The folder also gets the tokenizer as Op
 
 verispec's own backend runs a second graph of the same weights, ``verispec_model.xml``: its ``attention_mask`` is
 the 4-D additive mask itself ([1, 1, fed, cached + fed], built by the caller: rolled-back positions masked out, token
-trees as ``verispec.tree`` lays them out) and it also returns ``hidden_states`` [1, fed, layers + 1, hidden], every
-layer's output (what EAGLE heads read). GenAI's 2-D graph stays as it was for the peers.
+trees as ``verispec.tree`` lays them out) it computes logits only at the rows of its ``logit_rows`` input (a prefill asks
+for its last row and skips the lm_head over the prompt: 769 prompt tokens took 0.79 s with every row's logits); and
+it also returns ``hidden_states`` [1, fed, layers + 1, hidden], every layer's output (what EAGLE heads read). GenAI's
+2-D graph stays as it was for the peers.
 
 Weight formats: ``fp32`` (as traced), ``bf16`` (the fp32 export computed in bfloat16, where the CPU has it),
 ``fp16`` (weights stored in half precision) and ``int8`` / ``int4`` (weight-only compression with NNCF, ``pip install nncf``).
@@ -31,7 +33,7 @@ from ..references import cache_dir, resolve
 
 log = logging.getLogger(__name__)
 
-EXPORT_VERSION = 2  # bump when the exported graph changes: cached exports are then made again
+EXPORT_VERSION = 3  # bump when the exported graph changes: cached exports are then made again
 WEIGHTS = ("fp32", "bf16", "fp16", "int8", "int4")
 STORED = {"bf16": "fp32"}  # the formats that run another one's export
 
@@ -146,15 +148,17 @@ def trace(model, custom_mask: bool = False):
             super().__init__()
             self.inner = inner
 
-        def forward(self, input_ids, attention_mask, position_ids, *past):
+        def forward(self, input_ids, attention_mask, position_ids, *rest):
+            logit_rows, past = (rest[0], rest[1:]) if custom_mask else (None, rest)
             cache = DynamicCache(config=self.inner.config)
             for i, layer in enumerate(cache.layers[:layers]):
                 # set the past directly: DynamicLayer.update concatenates onto an empty 1-D tensor, which the
                 # converter cannot shape
                 layer.lazy_initialization(past[2 * i], past[2 * i + 1])
                 layer.keys, layer.values = past[2 * i], past[2 * i + 1]
+            extra = {"logits_to_keep": logit_rows, "output_hidden_states": True} if custom_mask else {}
             out = self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             cache=cache, use_cache=True, output_hidden_states=custom_mask)
+                             cache=cache, use_cache=True, **extra)
             present = [t for layer in cache.layers[:layers] for t in (layer.keys, layer.values)]  # grown in place
             if custom_mask:
                 return (out.logits, torch.stack(out.hidden_states, dim=2), *present)
@@ -165,7 +169,7 @@ def trace(model, custom_mask: bool = False):
                                                               torch.finfo(torch.float32).min)
             if custom_mask else torch.ones(1, cached + fed, dtype=torch.long))
     example = (torch.ones(1, fed, dtype=torch.long), mask,
-               torch.arange(cached, cached + fed).unsqueeze(0),
+               torch.arange(cached, cached + fed).unsqueeze(0), *([torch.arange(fed)] if custom_mask else []),
                *[torch.zeros(1, heads, cached, head_dim) for _ in range(2 * layers)])
     import warnings
 
@@ -173,7 +177,8 @@ def trace(model, custom_mask: bool = False):
         warnings.simplefilter("ignore")  # the tracer's warnings about shapes it records as constants
         ov_model = ov.convert_model(Stateless(model), example_input=example)
     past, present = _past_names(layers)
-    for port, name in zip(ov_model.inputs, ["input_ids", "attention_mask", "position_ids", *past]):
+    inputs = ["input_ids", "attention_mask", "position_ids", *(["logit_rows"] if custom_mask else [])]
+    for port, name in zip(ov_model.inputs, [*inputs, *past]):
         port.get_tensor().set_names({name})
     outputs = ["logits", "hidden_states"] if custom_mask else ["logits"]
     for port, name in zip(ov_model.outputs, [*outputs, *present]):

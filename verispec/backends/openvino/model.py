@@ -185,11 +185,12 @@ class OpenVINOModel(BorrowedEmbeddings):
         with self._lock:
             if kv.physical - start > max(64, start):
                 kv._compact()
+            # outputs shared, not copied: only the rows asked for are copied out below
             out = kv.request.infer({
                 "input_ids": np.asarray([tokens], dtype=np.int64), "attention_mask": kv._grow(block),
-                "position_ids": positions, "beam_idx": np.zeros(1, dtype=np.int32)})
-            logits = out["logits"][0]
-            logits = torch.from_numpy(np.array(logits[-1:] if last_only else logits, dtype=np.float32))
+                "position_ids": positions, "logit_rows": _rows(n, last_only), "beam_idx": np.zeros(1, dtype=np.int32)},
+                share_outputs=True)
+            logits = torch.from_numpy(np.array(out["logits"][0], dtype=np.float32))
             hidden = None
             if feature_layers:
                 hidden = torch.from_numpy(np.array(out["hidden_states"][0][:, list(feature_layers)], dtype=np.float32))
@@ -197,6 +198,11 @@ class OpenVINOModel(BorrowedEmbeddings):
 
     def forward_batch(self, items, *, feature_layers=()) -> list[TargetPass]:
         return [self.forward(kv, tokens, feature_layers=feature_layers) for kv, tokens in items]
+
+
+def _rows(n: int, last_only: bool) -> np.ndarray:
+    """The rows the graph computes logits at: the last one, or all ``n``."""
+    return np.array([n - 1], dtype=np.int64) if last_only else np.arange(n, dtype=np.int64)
 
 
 _CAUSAL: dict[int, np.ndarray] = {}
