@@ -81,3 +81,8 @@ def test_genai_peers_answer_as_verispec_plain_decoding(exported, tiny_dir, tiny_
         build_method("openvino:beam=2", target, None)
     with pytest.raises(InvalidRequest, match="weights= takes"):
         build_method("openvino:weights=q4", target, None)
+    from verispec.backends.openvino.model import auto_candidates
+
+    # bf16 compute: GenAI's kernel keeps a bf16 cache only (said before any pipeline is built); no bf16 here: said too
+    with pytest.raises(InvalidRequest, match="kv=bf16" if "bf16" in auto_candidates() else "bf16 instructions"):
+        build_method("openvino:weights=bf16:kv=f32", target, None)

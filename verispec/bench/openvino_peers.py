@@ -6,7 +6,8 @@
     openvino:draft=REF[:k=5]       its speculative decoding with draft model REF (exported the same way)
     ...:weights=fp32|bf16|fp16|int8|int4  the export's weight format (default fp32; bf16 computes the fp32 export in
                                    bfloat16; int8/int4 compress with NNCF)
-    ...:kv=f32|f16|u8              the precision of its KV cache (default: OpenVINO's, u8 on CPUs: lossy, recorded)
+    ...:kv=f32|f16|bf16|u8         the precision of its KV cache (default: OpenVINO's, u8 on CPUs: lossy, recorded;
+                                   bf16 with weights=bf16, the only one its kernel takes there)
 
 The target is exported once into verispec's cache by ``verispec.backends.openvino.export`` (optimum-intel pins an
 older transformers). Each peer gets verispec's prompt token ids, starts from an empty cache (a fresh ``generate``,
@@ -62,6 +63,9 @@ def build_openvino_peer(spec: str, kind: str, opts: dict[str, str], target_ref: 
                              "k=, ngram= (lookup) and draft=REF")
     n_threads = threads or default_threads()
     precision = inference_precision(weights)
+    if precision == "bf16" and kv not in (None, "bf16"):  # its paged-attention kernel checks this mid-generate
+        raise InvalidRequest(f"{spec!r}: OpenVINO GenAI computing in bf16 keeps a bf16 KV cache only; drop kv= or "
+                             "write kv=bf16")
     props = {"INFERENCE_NUM_THREADS": n_threads, "INFERENCE_PRECISION_HINT": precision,
              **({"KV_CACHE_PRECISION": kv} if kv else {})}
     if kind == "lookup":
@@ -72,7 +76,7 @@ def build_openvino_peer(spec: str, kind: str, opts: dict[str, str], target_ref: 
     pipe = genai.LLMPipeline(str(folder), "CPU", **props)
     eos = sorted(eos_ids)
     core = ov.Core()
-    kv_name = kv or _type_name(core.get_property("CPU", "KV_CACHE_PRECISION"))
+    kv_name = kv or ("bf16" if precision == "bf16" else _type_name(core.get_property("CPU", "KV_CACHE_PRECISION")))
 
     class Arrivals(genai.StreamerBase):
         def __init__(self):
