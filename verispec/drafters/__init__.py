@@ -10,8 +10,9 @@ from .base import EMPTY_DRAFT, Draft, Drafter, DrafterBase
 from .registry import NONE, DrafterSpec, Option, drafter_names, drafter_specs, get_spec, make_drafter, options_from
 # each import registers a drafter, in the order the command line lists them
 from .ngram import NgramDrafter  # noqa: E402  (isort: skip)
+from .suffix import SuffixDrafter  # noqa: E402
 from .model import ModelDrafter  # noqa: E402
 from .eagle import EagleDrafter  # noqa: E402
 
 __all__ = ["Draft", "Drafter", "DrafterBase", "DrafterSpec", "EMPTY_DRAFT", "EagleDrafter", "ModelDrafter", "NONE",
-           "NgramDrafter", "Option", "drafter_names", "drafter_specs", "get_spec", "make_drafter", "options_from"]
+           "NgramDrafter", "Option", "SuffixDrafter", "drafter_names", "drafter_specs", "get_spec", "make_drafter", "options_from"]

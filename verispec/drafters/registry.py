@@ -27,14 +27,16 @@ NONE = "none"  # plain decoding: no drafter (the off switch), listed with the re
 
 @dataclass(frozen=True)
 class Option:
-    """One option of a drafter: its factory keyword ``name``, its type (int, bool or str), default and help; ``flag``
-    is its command-line name without dashes (default: DRAFTER-NAME)."""
+    """One option of a drafter: its factory keyword ``name``, its type (int, float, bool or str), default and help;
+    ``flag`` is its command-line name without dashes (default: DRAFTER-NAME); ``choices`` the values a str option
+    takes (empty: any)."""
 
     name: str
     type: type
     default: Any
     help: str
     flag: str = ""
+    choices: tuple = ()
 
     @property
     def dest(self) -> str:
@@ -44,9 +46,13 @@ class Option:
     def parse(self, value: Any, where: str) -> Any:
         """``value`` (a string from a method spec or a config file, or already typed) as this option's type."""
         try:
-            return parse_value(self.name, value, self.type)
+            parsed = parse_value(self.name, value, self.type)
         except InvalidRequest as exc:
             raise InvalidRequest(f"{where}: {exc}") from None
+        if self.choices and parsed is not None and parsed not in self.choices:
+            raise InvalidRequest(f"{where}: option {self.name!r} takes {', '.join(map(str, self.choices))}, "
+                                 f"not {parsed!r}")
+        return parsed
 
 
 SWITCH_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
@@ -103,7 +109,7 @@ class DrafterSpec:
     def __post_init__(self) -> None:
         # every option gets a command-line name: NAME-OPTION unless it says otherwise
         options = tuple(o if o.flag else Option(o.name, o.type, o.default, o.help, f"{self.name}-{o.name}".replace(
-            "_", "-")) for o in self.options)
+            "_", "-"), o.choices) for o in self.options)
         object.__setattr__(self, "options", options)
 
     def option(self, name: str) -> Option:
