@@ -95,3 +95,14 @@ def test_bad_options_name_the_fix():
     with pytest.raises(InvalidRequest, match="takes process, request"):
         get_spec("suffix").option("scope").parse("global", "suffix:scope=global")
     assert get_spec("suffix").drafts_trees({"tree": True}) and not get_spec("suffix").drafts_trees({})
+
+
+def test_bench_methods_draft_from_their_own_answers_only(tiny_target):
+    from verispec.bench import build_method
+
+    a, b = (build_method(spec, tiny_target, None) for spec in ("suffix", "suffix:tree=true"))
+    prompt = [3, 7, 11, 4, 9, 13, 6]
+    first = a.run(prompt, 20)
+    second = b.run(prompt, 20)  # the same answer: it would be drafted whole from a's if they shared a store
+    assert first.token_ids == second.token_ids
+    assert sum(second.step_tokens) == 20 and max(second.step_tokens) <= 2

@@ -140,6 +140,8 @@ def build_method(spec: str, target, load: Callable | None, default_k: int = 8, d
             raise InvalidRequest(f"{spec!r}: unexpected part {refs[-1]!r} (options are written key=value)")
         options[drafter_spec.reference_option] = refs[0]
     drafter = make_drafter(name, target=target, draft_model=draft, **options)
+    if hasattr(drafter, "isolate"):  # drafts from earlier answers: this method's own only, not another method's
+        drafter.isolate()
     # no prefix reuse: transformers' generate starts every prompt from an empty cache, so must we
     decoder = SpeculativeDecoder(target, drafter, k=k, reuse_prefix=False, k_policy=policy)
     return Method(spec, _verispec_runner(decoder), "verispec", decoder.drafter_name,

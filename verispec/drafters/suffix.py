@@ -159,6 +159,12 @@ class SuffixDrafter(DrafterBase):
         self._length = 0  # tokens of the current sequence already in the store
         self._last = -1
 
+    def isolate(self) -> None:
+        """Draft from a store of this drafter's own (its earlier sequences), not the process's: bench methods side by
+        side must not draft from each other's answers to the same question."""
+        self._finish()
+        self.store = SuffixStore(self.store.n, self.store.max_tokens, self.store.per_key)
+
     def reset(self, sampling: SamplingParams | None = None, generator: torch.Generator | None = None) -> None:
         self._finish()
         if self.scope == "request":
