@@ -1,0 +1,48 @@
+"""The suffix drafter on the real built-in model: greedy output identical to plain decoding on the transformers and
+llama.cpp (F32) backends, drafts from an earlier request's answer (a repeated request is mostly drafted), and the
+bench over the shipped repetition workload. Marked e2e; run in CI."""
+
+import json
+
+import pytest
+
+from conftest import require_llama_cpp
+from verispec import SpeculativeDecoder, load_model
+from verispec.cli import main
+from verispec.drafters.suffix import SuffixDrafter, SuffixStore
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = [
+    "Extract the name, the date and the amount as JSON from: On March 24, 2024, Peter Costa paid $2535.36 for dues.",
+    "Extract the name, the date and the amount as JSON from: Invoice from Lars Sharma, dated October 2, 2023: $60.91.",
+]
+
+
+@pytest.mark.parametrize("backend", ["transformers", "llamacpp"])
+def test_suffix_drafts_are_identical_to_plain_and_learn_from_earlier_answers(backend, default_model):
+    if backend == "llamacpp":
+        require_llama_cpp()
+        target = load_model("smollm2-135m", backend="llamacpp", weights="f32")
+    else:
+        target = default_model
+    plain = SpeculativeDecoder(target)
+    spec = SpeculativeDecoder(target, SuffixDrafter(store=SuffixStore()), k=8, k_policy="fixed")
+    runs = []
+    for prompt in [PROMPTS[0], PROMPTS[1], PROMPTS[0]]:
+        got = spec.generate(prompt, max_new_tokens=40)
+        assert got.token_ids == plain.generate(prompt, max_new_tokens=40).token_ids, prompt
+        runs.append(got)
+    # the third request repeats the first: its answer is drafted from the first's
+    assert runs[2].stats.accepted >= 0.6 * len(runs[2].token_ids) > runs[0].stats.accepted
+
+
+def test_bench_on_the_repetition_workload(tmp_path, capsys):
+    from verispec.bench.prompts import PACKAGED
+
+    workload = PACKAGED.parent.parent / "repetition" / "extract.jsonl"
+    assert main(["bench", "--prompts", str(workload), "--limit", "4", "--max-new-tokens", "48", "--methods",
+                 "baseline,suffix", "--out", str(tmp_path), "--no-plots"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    overall = result["overall"]
+    assert overall["suffix"]["identical"] == 1.0 and overall["suffix"]["drafted"] > 0
