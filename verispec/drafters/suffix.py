@@ -36,7 +36,7 @@ SCOPES = ("process", "request")
 class SuffixStore:
     """Token sequences and where each ``n``-gram occurs in them, bounded by ``max_tokens``; thread-safe."""
 
-    def __init__(self, n: int = 2, max_tokens: int = 500_000, per_key: int = 64) -> None:
+    def __init__(self, n: int = 2, max_tokens: int = 200_000, per_key: int = 64) -> None:
         self.n, self.max_tokens, self.per_key = n, max_tokens, per_key
         self.sequences: OrderedDict[int, list[int]] = OrderedDict()  # oldest first
         self.active: set[int] = set()  # sequences a drafter is still writing (never evicted)
