@@ -37,11 +37,11 @@ def repeat_registered(monkeypatch):
 
 
 def test_the_shipped_drafters_are_registered_in_order():
-    assert drafter_names() == ("none", "ngram", "model", "eagle")
+    assert drafter_names() == ("none", "ngram", "suffix", "model", "eagle")
     for spec in drafter_specs():
         assert spec.summary and all(o.flag.startswith(spec.name) for o in spec.options), spec.name
         for o in spec.options:
-            assert o.help and o.type in (int, bool, str)
+            assert o.help and o.type in (int, float, bool, str)
 
 
 def test_every_registered_option_is_a_flag_of_generate_audit_and_serve():
