@@ -406,6 +406,46 @@ def generate_batch(decoders: list[SpeculativeDecoder], prompts: list, max_batch:
     return [seq.result for seq in seqs]
 
 
+def sample_seeds(seed: int | None, n: int) -> list[int | None]:
+    """The seeds of ``n`` samples of one request: ``seed + i`` (within 63 bits) when a seed is given, else each its
+    own random seed (None: ``SpeculativeDecoder.request`` draws one)."""
+    return [None if seed is None else (seed + i) % 2**63 for i in range(n)]
+
+
+def join_siblings(decoders: list[SpeculativeDecoder], group: dict | None) -> None:
+    """Make the decoders' drafters draft their next requests as samples of one request (each from the others'
+    text, where the drafter can: ``Drafter.join_siblings``), or, with None, as requests of their own."""
+    for decoder in decoders:
+        hook = getattr(decoder.drafter, "join_siblings", None)
+        if hook is not None:
+            hook(group)
+
+
+def generate_samples(decoders: list[SpeculativeDecoder], prompt, seed: int | None = None,
+                     max_batch: int | None = None, **options) -> list[Generation]:
+    """``len(decoders)`` samples of one prompt as rows of one batch (OpenAI's ``n``; ``max_batch`` rows at a time,
+    default all): the prompt is prefilled once
+    and copied to the other rows, sample i is seeded ``seed + i``, and each drafts from its siblings' text as they
+    write it (the suffix drafter). Lossless jointly: every sample's tokens are distributed as the target's given
+    its own prefix, whatever its siblings wrote (docs/serving.md). Options as ``SpeculativeDecoder.generate``."""
+    if not decoders:
+        raise InvalidRequest("generate_samples needs one decoder per sample, got none")
+    if len({id(d) for d in decoders}) != len(decoders):
+        raise InvalidRequest("give every sample its own decoder (drafters keep per-sequence state)")
+    engine = BatchEngine(decoders[0].target, max_batch=max_batch or len(decoders))
+    join_siblings(decoders, {})
+    try:
+        seqs = [engine.submit(d, d.request(prompt, seed=s, **options))
+                for d, s in zip(decoders, sample_seeds(seed, len(decoders)))]
+        engine.run()
+    finally:
+        join_siblings(decoders, None)
+    for seq in seqs:
+        if seq.error is not None:
+            raise seq.error
+    return [seq.result for seq in seqs]
+
+
 class BatchWorker:
     """A thread that steps a ``BatchEngine`` while it has work (the server's generation loop). ``submit`` and
     ``cancel`` from any thread; callbacks run on the worker thread."""

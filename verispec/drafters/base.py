@@ -92,3 +92,8 @@ class DrafterBase:
 
     def observe(self, num_accepted: int) -> None:
         pass
+
+    def join_siblings(self, group: dict | None) -> None:
+        """Draft the next requests as one of several samples of one request (``n`` > 1), sharing what this drafter
+        keeps with the others through ``group`` (one dict all the samples' drafters are given); None leaves the
+        group. Optional (the engine checks for it); by default a drafter shares nothing."""

@@ -155,6 +155,7 @@ class SuffixDrafter(DrafterBase):
         self.tree, self.max_match, self.min_share, self.scope = bool(tree), max_match, min_share, scope
         self.store = store or (shared_store() if scope == "process" else SuffixStore())
         self.tree_depth = 64 if self.tree else None
+        self._group: dict | None = None  # the samples of one request: they draft from one store
         self._sid: int | None = None
         self._length = 0  # tokens of the current sequence already in the store
         self._last = -1
@@ -163,12 +164,24 @@ class SuffixDrafter(DrafterBase):
         """Draft from a store of this drafter's own (its earlier sequences), not the process's: bench methods side by
         side must not draft from each other's answers to the same question."""
         self._finish()
-        self.store = SuffixStore(self.store.n, self.store.max_tokens, self.store.per_key)
+        self.store = self._new_store()
+
+    def join_siblings(self, group: dict | None) -> None:
+        """Samples of one request draft from each other's text as it is written: they share one store (scope
+        ``request``: a new one for the group; scope ``process``: the first sibling's, normally the process's)."""
+        self._group = group
 
     def reset(self, sampling: SamplingParams | None = None, generator: torch.Generator | None = None) -> None:
         self._finish()
-        if self.scope == "request":
-            self.store = SuffixStore(self.store.n, self.store.max_tokens, self.store.per_key)
+        group = self._group
+        if group is not None:
+            fresh = self.scope == "request" and "suffix-store" not in group
+            self.store = group.setdefault("suffix-store", self._new_store() if fresh else self.store)
+        elif self.scope == "request":
+            self.store = self._new_store()
+
+    def _new_store(self) -> SuffixStore:
+        return SuffixStore(self.store.n, self.store.max_tokens, self.store.per_key)
 
     def _finish(self) -> None:
         if self._sid is not None:
