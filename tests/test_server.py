@@ -89,6 +89,33 @@ def test_completions_sampling_is_reproducible_by_seed(server, client, chat_dir):
     assert a.model_extra["verispec"]["seed"] == 11
 
 
+def test_n_choices_are_samples_seeded_seed_plus_i(server, client, chat_dir):
+    kwargs = dict(model=str(chat_dir), prompt=PROMPT, max_tokens=16, temperature=1.0)
+    many = client.completions.create(n=3, seed=11, **kwargs)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    meta = many.model_extra["verispec"]["choices"]
+    assert [m["seed"] for m in meta] == [11, 12, 13]
+    singles = [client.completions.create(seed=11 + i, **kwargs) for i in range(3)]
+    assert [c.text for c in many.choices] == [one.choices[0].text for one in singles]
+    assert many.usage.completion_tokens == sum(m["new_tokens"] for m in meta)
+    assert many.usage.prompt_tokens == singles[0].usage.prompt_tokens  # one prompt, counted once
+
+
+def test_n_choices_stream_interleaved_with_one_end_each(server, client, chat_dir):
+    kwargs = dict(model=str(chat_dir), messages=[{"role": "user", "content": PROMPT}], temperature=0, max_tokens=20)
+    one = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(n=2, stream=True, stream_options={"include_usage": True},
+                                                 **kwargs))
+    texts = {0: "", 1: ""}
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == {0: one.choices[0].message.content, 1: one.choices[0].message.content}
+    finals = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(f.index for f in finals) == [0, 1]
+    assert chunks[-1].usage.completion_tokens == 2 * one.usage.completion_tokens
+
+
 def test_request_can_turn_speculation_off(server, client, chat_dir):
     resp = client.completions.create(model=str(chat_dir), prompt=PROMPT, max_tokens=12, temperature=0,
                                      extra_body={"verispec": {"speculation": False}})
@@ -110,7 +137,7 @@ def malformed_requests(model):
         {"max_tokens": 0}, {"max_tokens": -1}, {"max_tokens": "ten"}, {"max_tokens": 1.5}, {"max_tokens": True},
         {"temperature": -0.1}, {"temperature": 2.5}, {"temperature": "hot"}, {"temperature": True},
         {"top_p": 0}, {"top_p": 1.5}, {"top_p": "x"}, {"seed": -1}, {"seed": "abc"}, {"seed": 1.5},
-        {"stop": 5}, {"stop": [""]}, {"stop": ["a", "b", "c", "d", "e"]}, {"stream": "yes"}, {"n": 2},
+        {"stop": 5}, {"stop": [""]}, {"stop": ["a", "b", "c", "d", "e"]}, {"stream": "yes"}, {"n": 0}, {"n": 65}, {"n": "two"}, {"n": 1.5},
         {"logprobs": True}, {"presence_penalty": 1}, {"frequency_penalty": 0.5},
         {"tools": [{"type": "function", "function": {"name": "f"}}]}, {"response_format": {"type": "json_object"}},
         {"unknown_param": 1}, {"verispec": {"drafter": "eagle"}}, {"verispec": {"k": 0}},
@@ -148,9 +175,10 @@ def test_specific_statuses_and_messages(server, chat_dir):
         assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
         r = http.post("/v1/completions", json={"model": str(chat_dir), "prompt": "w3 " * 400})
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-        r = http.post("/v1/chat/completions", json={"model": str(chat_dir), "n": 3,
+        r = http.post("/v1/chat/completions", json={"model": str(chat_dir), "n": 9,
                                                      "messages": [{"role": "user", "content": "x"}]})
-        assert r.status_code == 400 and "'n'" in r.json()["error"]["message"]
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "n" and "--max-batch 9" in err["message"]
         r = http.post("/v1/chat/completions", content="{", headers={"content-type": "application/json"})
         assert "not valid JSON" in r.json()["error"]["message"]
 
@@ -214,6 +242,9 @@ def test_unbatched_server_gives_the_same_answers(server, client, chat_dir):
             b = s.client(timeout=60).completions.create(model=str(chat_dir), prompt=prompt, max_tokens=24,
                                                         temperature=0)
             assert a.choices[0].text == b.choices[0].text
+        two = s.client(timeout=60).completions.create(model=str(chat_dir), prompt=prompt, max_tokens=24,
+                                                      temperature=0, n=2)  # one slot, one sample after the other
+        assert [c.text for c in two.choices] == [a.choices[0].text] * 2
         assert httpx.get(s.url + "/health").json()["max_batch"] == 1
         assert "verispec_batch_passes_total" not in httpx.get(s.url + "/metrics").text  # no batch engine there
     finally:

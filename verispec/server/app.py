@@ -28,7 +28,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from ..version import __version__
-from ..batching import BatchEngine, BatchWorker
+from ..batching import BatchEngine, BatchWorker, join_siblings, sample_seeds
 from ..drafters import NONE
 from ..engine import SpeculativeDecoder
 from ..errors import InvalidRequest
@@ -75,6 +75,8 @@ class Server:
         self.encoder = SpeculativeDecoder(target)  # checks requests (the engine's own checks); never generates
         self.metrics.queue_depth.set_function(lambda: self.pool.waiting)
         self.token_cap = config.max_tokens_limit or target.context_length
+        # the most choices (n) per request: its samples are rows of one batch, or, unbatched, admitted generations
+        self.n_cap = config.max_batch if self.batched else self.pool.capacity
 
     def _make_slot(self) -> dict[str, SpeculativeDecoder]:
         config = self.config
@@ -89,9 +91,9 @@ class Server:
         return enabled
 
     # ------------------------------------------------------------- generation
-    def prepare(self, req, prompt, raw: bool, endpoint: str, speculation: bool) -> Job:
-        """The job a request becomes, checked: the model and drafter it names, then the engine's own checks of the
-        prompt and options (a 400 naming the parameter)."""
+    def prepare(self, req, prompt, raw: bool, endpoint: str, speculation: bool) -> list[Job]:
+        """The jobs a request becomes (one per sample, ``n``), checked: the model and drafter it names, then the
+        engine's own checks of the prompt and options (a 400 naming the parameter)."""
         config = self.config
         if req.model not in self.model_names:
             raise APIError(404, f"model '{req.model}' does not exist; this server serves "
@@ -101,6 +103,12 @@ class Server:
         if opts.drafter is not None and opts.drafter not in self.drafter_names:
             raise APIError(400, f"drafter '{opts.drafter}' is not available; this server has: "
                                 f"{', '.join(self.drafter_names)}", param="verispec.drafter")
+        n = req.n
+        if n > self.n_cap:
+            how = (f"decodes at once (max batch {config.max_batch}); ask for at most {self.n_cap} choices or start "
+                   f"the server with --max-batch {n}" if self.batched else
+                   f"admits at once ({self.n_cap}); ask for at most {self.n_cap} choices or raise --max-queue")
+            raise APIError(400, f"n = {n} is more than this server {how}", param="n")
         disabled_by = None
         if not speculation:
             name, disabled_by = NONE, "server"
@@ -123,50 +131,85 @@ class Server:
             if param == "prompt" and endpoint == "chat":
                 param = "messages"
             raise APIError(400, str(exc), param=param, code=exc.code) from None
-        return Job(endpoint, name, checked.ids, options, disabled_by)
+        return [Job(endpoint, name, checked.ids, {**options, "seed": seed}, disabled_by, i)
+                for i, seed in enumerate(sample_seeds(req.seed, n))]
 
-    def admit(self) -> None:
+    def admit(self, n: int) -> None:
         pool = self.pool
-        if not pool.reserve():
-            raise APIError(429, f"server busy: {pool.admitted} requests are running or queued (limit "
+        if not pool.reserve(n):
+            raise APIError(429, f"server busy: {pool.admitted} generations are running or queued (limit "
                                 f"{pool.capacity}); retry after a short wait", "rate_limit_error",
                            code="rate_limit_exceeded")
 
-    async def deltas(self, job: Job, request: Request) -> AsyncIterator[str]:
-        """Text deltas of one admitted job, stepped by the batch worker (or, unbatched, in a worker thread of its
-        own); stops when the client leaves. Metrics move with every delta."""
+    async def deltas(self, jobs: list[Job], request: Request) -> AsyncIterator[tuple[int, str]]:
+        """``(sample index, text delta)`` of an admitted request's jobs, then ``(index, DONE)`` as each ends, stepped by the batch worker (its samples as
+        rows of one batch) or, unbatched, in a worker thread (its samples one after another); stops when the client
+        leaves. Metrics move with every delta."""
         metrics, pool = self.metrics, self.pool
         arrived = time.perf_counter()
-        slot = await pool.acquire()
-        gone = False
-        metrics.running.inc()
-        run = BatchedRun(self.worker, slot, pool) if self.batched else ThreadedRun(slot, pool)
+        slots = await pool.acquire(len(jobs) if self.batched else 1)
+        decoders = [slot[job.decoder_name] for slot, job in zip(slots, jobs)]
+        join_siblings(decoders, {} if len(jobs) > 1 else None)  # samples draft from each other's text
+        gone, first = False, True
+        metrics.running.inc(len(jobs))
+        metrics.prompt_tokens.inc(len(jobs[0].prompt_ids))  # prefilled once; the other samples copy it
+        runs: list = []
         try:
-            job.stream = run
-            await run.start(job)
-            metrics.prompt_tokens.inc(len(job.prompt_ids))
-            seen, first = 0, True
-            while True:
-                delta = await run.next()
-                seen = metrics.observe_steps(run.stats, seen)
-                if delta is DONE:
-                    break
-                if first:
-                    metrics.first_token.observe(time.perf_counter() - arrived)
-                    first = False
-                if await request.is_disconnected():
-                    gone = True
-                    return
-                yield delta
-            metrics.request_latency.labels(job.endpoint).observe(time.perf_counter() - arrived)
+            steps = self._batched(jobs, slots, runs) if self.batched else self._threaded(jobs, slots[0], runs)
+            seen = [0] * len(jobs)
+            async with aclosing(steps) as deltas:
+                async for i, delta in deltas:
+                    seen[i] = metrics.observe_steps(runs[i].stats, seen[i])
+                    if delta is DONE:  # sample i has finished (its result is set)
+                        yield i, delta
+                        continue
+                    if first:
+                        metrics.first_token.observe(time.perf_counter() - arrived)
+                        first = False
+                    if await request.is_disconnected():
+                        gone = True
+                        return
+                    yield i, delta
+            metrics.request_latency.labels(jobs[0].endpoint).observe(time.perf_counter() - arrived)
         except (asyncio.CancelledError, GeneratorExit):  # the server noticed the client leave first
             gone = True
             raise
         finally:
             if gone:
                 metrics.disconnects.inc()
-            metrics.running.dec()
-            run.close()  # gives the slot back once the engine no longer uses its decoders
+            metrics.running.dec(len(jobs))
+            for run in runs:
+                run.close()  # a batched run gives its slot back once the engine no longer uses its decoders
+            if not self.batched:
+                pool.release(slots[0])
+
+    async def _batched(self, jobs: list[Job], slots, runs: list) -> AsyncIterator[tuple[int, Any]]:
+        queue: asyncio.Queue = asyncio.Queue()
+        # every slot gets its run before any starts: closing a run that never started gives its slot back
+        runs += [BatchedRun(self.worker, slot, self.pool, queue, job.index) for job, slot in zip(jobs, slots)]
+        for job, run in zip(jobs, runs):
+            job.stream = run
+            await run.start(job)
+        live = len(jobs)
+        while live:
+            i, item = await queue.get()
+            if item is DONE:
+                if runs[i].seq.error is not None:
+                    raise runs[i].seq.error
+                live -= 1
+            yield i, item
+
+    async def _threaded(self, jobs: list[Job], slot, runs: list) -> AsyncIterator[tuple[int, Any]]:
+        for job in jobs:
+            run = ThreadedRun(slot)
+            runs.append(run)
+            job.stream = run
+            await run.start(job)
+            while True:
+                delta = await run.next()
+                yield job.index, delta
+                if delta is DONE:
+                    break
 
     @staticmethod
     def meta(job: Job) -> dict:
@@ -175,11 +218,20 @@ class Server:
         d.update(speculation=job.decoder_name != NONE, speculation_disabled_by=job.disabled_by, seed=result.seed)
         return d
 
+    @classmethod
+    def meta_of(cls, jobs: list[Job]) -> dict:
+        """The ``verispec`` field: one sample's stats, or with ``n`` > 1 each sample's under ``choices``."""
+        if len(jobs) == 1:
+            return cls.meta(jobs[0])
+        job = jobs[0]
+        return {"speculation": job.decoder_name != NONE, "speculation_disabled_by": job.disabled_by,
+                "choices": [cls.meta(j) for j in jobs]}
+
     @staticmethod
-    def usage(job: Job) -> dict:
-        n = len(job.stream.result.token_ids)
-        return {"prompt_tokens": len(job.prompt_ids), "completion_tokens": n,
-                "total_tokens": len(job.prompt_ids) + n}
+    def usage(jobs: list[Job]) -> dict:
+        prompt = len(jobs[0].prompt_ids)  # once: the samples share the prompt
+        n = sum(len(job.stream.result.token_ids) for job in jobs)
+        return {"prompt_tokens": prompt, "completion_tokens": n, "total_tokens": prompt + n}
 
     def _base(self, endpoint: str, chunk: bool) -> dict:
         chat = endpoint == "chat"
@@ -187,51 +239,62 @@ class Server:
         return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "object": kind,
                 "created": int(time.time()), "model": self.served, "system_fingerprint": f"verispec-{__version__}"}
 
-    async def complete(self, job: Job, request: Request) -> JSONResponse:
-        self.admit()
+    @staticmethod
+    def _finished(jobs: list[Job]) -> bool:
+        return all(job.stream is not None and job.stream.result is not None for job in jobs)
+
+    async def complete(self, jobs: list[Job], request: Request) -> JSONResponse:
+        self.admit(len(jobs))
         try:
-            async with aclosing(self.deltas(job, request)) as steps:
+            async with aclosing(self.deltas(jobs, request)) as steps:
                 async for _ in steps:
                     pass
         except InvalidRequest as exc:
             raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
         finally:
-            self.pool.unreserve()
-        if job.stream is None or job.stream.result is None:  # the client left; nobody reads this
+            self.pool.unreserve(len(jobs))
+        if not self._finished(jobs):  # the client left; nobody reads this
             return error_response(499, "client closed the request", "client_closed_request")
-        r = job.stream.result
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": r.finish_reason}
-        if job.endpoint == "chat":
-            choice["message"] = {"role": "assistant", "content": r.text}
-        else:
-            choice["text"] = r.text
-        return JSONResponse({**self._base(job.endpoint, False), "choices": [choice], "usage": self.usage(job),
-                             "verispec": self.meta(job)})
+        choices = []
+        for job in jobs:
+            r = job.stream.result
+            choice: dict[str, Any] = {"index": job.index, "logprobs": None, "finish_reason": r.finish_reason}
+            if job.endpoint == "chat":
+                choice["message"] = {"role": "assistant", "content": r.text}
+            else:
+                choice["text"] = r.text
+            choices.append(choice)
+        return JSONResponse({**self._base(jobs[0].endpoint, False), "choices": choices, "usage": self.usage(jobs),
+                             "verispec": self.meta_of(jobs)})
 
-    async def stream_events(self, job: Job, request: Request, include_usage: bool) -> AsyncIterator[str]:
-        chat = job.endpoint == "chat"
-        base = self._base(job.endpoint, True)
+    async def stream_events(self, jobs: list[Job], request: Request, include_usage: bool) -> AsyncIterator[str]:
+        chat = jobs[0].endpoint == "chat"
+        base = self._base(jobs[0].endpoint, True)
         extra = {"usage": None} if include_usage else {}
 
-        def chunk(text: str | None, finish: str | None = None, role: bool = False) -> dict:
+        def chunk(i: int, text: str | None, finish: str | None = None, role: bool = False) -> dict:
             if chat:
                 delta = ({"role": "assistant", "content": ""} if role else {} if text is None else {"content": text})
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": i, "text": text or "", "logprobs": None, "finish_reason": finish}
             return {**base, "choices": [choice], **extra}
 
         try:
             if chat:
-                yield sse(chunk(None, role=True))
-            async with aclosing(self.deltas(job, request)) as steps:
-                async for delta in steps:
-                    yield sse(chunk(delta))
-            if job.stream is None or job.stream.result is None:
+                for job in jobs:
+                    yield sse(chunk(job.index, None, role=True))
+            async with aclosing(self.deltas(jobs, request)) as steps:
+                async for i, delta in steps:
+                    if delta is DONE:  # this sample is finished: its last chunk, with its stats
+                        job = jobs[i]
+                        yield sse({**chunk(i, None, job.stream.result.finish_reason), "verispec": self.meta(job)})
+                    else:
+                        yield sse(chunk(i, delta))
+            if not self._finished(jobs):
                 return  # client gone
-            yield sse({**chunk(None, job.stream.result.finish_reason), "verispec": self.meta(job)})
             if include_usage:
-                yield sse({**base, "choices": [], "usage": self.usage(job)})
+                yield sse({**base, "choices": [], "usage": self.usage(jobs)})
             yield "data: [DONE]\n\n"
         except InvalidRequest as exc:
             yield sse({"error": {"message": str(exc), "type": "invalid_request_error", "param": exc.param,
@@ -244,12 +307,13 @@ class Server:
             yield "data: [DONE]\n\n"
 
     async def respond(self, req, prompt, raw: bool, endpoint: str, request: Request):
-        job = self.prepare(req, prompt, raw, endpoint, await self.speculation_on())
+        jobs = self.prepare(req, prompt, raw, endpoint, await self.speculation_on())
         if not req.stream:
-            return await self.complete(job, request)
-        self.admit()
+            return await self.complete(jobs, request)
+        self.admit(len(jobs))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return GuardedStream(self.stream_events(job, request, include_usage), self.pool.unreserve)
+        n = len(jobs)
+        return GuardedStream(self.stream_events(jobs, request, include_usage), lambda: self.pool.unreserve(n))
 
     def authorize(self, request: Request) -> None:
         token = self.config.admin_token
@@ -389,15 +453,15 @@ def create_app(config: ServerConfig) -> FastAPI:
     app.state.config, app.state.metrics, app.state.pool, app.state.worker = (config, server.metrics, server.pool,
                                                                              server.worker)
     app.openapi = lambda: _openapi(app, sorted(server.model_names), server.drafter_names, server.token_cap,
-                                   server.target.vocab_size)
+                                   server.target.vocab_size, server.n_cap)
     return app
 
 
 def _openapi(app: FastAPI, model_names: list[str], drafters: list[str], token_cap: int | None,
-             vocab_size: int) -> dict:
+             vocab_size: int, n_cap: int) -> dict:
     """FastAPI's schema plus the request bodies: the handlers read the body themselves (so that every error keeps
     OpenAI's shape and names its parameter), so the models are declared here, with the limits of this server
-    (the model ids it serves, the most tokens per request)."""
+    (the model ids it serves, the most tokens and choices per request)."""
     if app.openapi_schema:
         return app.openapi_schema
     from fastapi.openapi.utils import get_openapi
@@ -425,6 +489,8 @@ def _openapi(app: FastAPI, model_names: list[str], drafters: list[str], token_ca
                 for option in prop.get("anyOf", [prop]):
                     if option.get("type") == "integer":
                         option["maximum"] = token_cap
+        if "n" in props:
+            props["n"]["maximum"] = min(props["n"].get("maximum", n_cap), n_cap)
         for option in props.get("prompt", {}).get("anyOf", []):  # token ids: within the vocabulary
             if option.get("type") == "array" and option.get("items", {}).get("type") == "integer":
                 option["items"]["maximum"] = vocab_size - 1

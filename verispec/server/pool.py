@@ -1,9 +1,11 @@
 """Generation slots and fair admission.
 
 A slot owns one decoder per drafter (decoders and drafters carry per-sequence state, so concurrent
-generations never share them; the target's weights are shared). Requests wait for a free slot in FIFO
-order (asyncio.Queue serves waiters first come, first served). At most ``slots + max_queue`` requests are
-admitted at once; the next one is refused at once (HTTP 429) instead of waiting without bound.
+generations never share them; the target's weights are shared). Requests wait for free slots in FIFO
+order (asyncio.Queue serves waiters first come, first served); a request for several samples (``n`` > 1) takes its
+slots together, one request at a time, so two such requests never each hold part of what they need. At most
+``slots + max_queue`` samples are admitted at once; the next request is refused at once (HTTP 429) instead of
+waiting without bound.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ class SlotPool:
             raise ValueError(f"max queue must be >= 0, got {max_queue}")
         self._slots = [make_slot() for _ in range(slots)]
         self._free: asyncio.Queue | None = None
+        self._taking: asyncio.Lock | None = None
         self.capacity = slots + max_queue
         self.admitted = 0
         self.waiting = 0
@@ -46,20 +49,34 @@ class SlotPool:
                 self._free.put_nowait(slot)
         return self._free
 
-    def reserve(self) -> bool:
-        """Admit one more request if there is room (no await between check and update: atomic in the loop)."""
-        if self.admitted >= self.capacity:
+    def reserve(self, n: int = 1) -> bool:
+        """Admit a request of ``n`` samples if there is room (no await between check and update: atomic in the
+        loop)."""
+        if self.admitted + n > self.capacity:
             return False
-        self.admitted += 1
+        self.admitted += n
         return True
 
-    def unreserve(self) -> None:
-        self.admitted -= 1
+    def unreserve(self, n: int = 1) -> None:
+        self.admitted -= n
 
-    async def acquire(self) -> dict[str, SpeculativeDecoder]:
+    async def acquire(self, n: int = 1) -> list[dict[str, SpeculativeDecoder]]:
+        """``n`` slots, taken together (requests in arrival order)."""
+        if n > self.size:
+            raise ValueError(f"{n} slots asked of a pool of {self.size}")
+        if self._taking is None:
+            self._taking = asyncio.Lock()
         self.waiting += 1
+        taken: list[dict[str, SpeculativeDecoder]] = []
         try:
-            return await self._queue().get()
+            async with self._taking:
+                while len(taken) < n:
+                    taken.append(await self._queue().get())
+            return taken
+        except BaseException:
+            for slot in taken:  # cancelled while waiting: give back what was taken
+                self.release(slot)
+            raise
         finally:
             self.waiting -= 1
 

@@ -25,14 +25,16 @@ class Job:
     prompt_ids: list[int]
     options: dict[str, Any]
     disabled_by: str | None
+    index: int = 0  # which of the request's samples (``n`` > 1)
     stream: Any = None
 
 
 class ThreadedRun:
-    """An unbatched generation: the decoder's own stream, stepped in a worker thread."""
+    """An unbatched generation: the decoder's own stream, stepped in a worker thread. Its slot is the caller's to
+    give back (after ``close``)."""
 
-    def __init__(self, slot: dict[str, SpeculativeDecoder], pool: SlotPool) -> None:
-        self.slot, self.pool = slot, pool
+    def __init__(self, slot: dict[str, SpeculativeDecoder]) -> None:
+        self.slot = slot
         self.stream = None
         self.stats = None
 
@@ -51,14 +53,17 @@ class ThreadedRun:
     def close(self) -> None:
         if self.stream is not None and self.stream.result is None:
             self.stream.close()  # not executing: the worker thread has returned
-        self.pool.release(self.slot)
 
 
 class BatchedRun:
-    """A generation inside the batch engine: deltas arrive from the worker thread through an asyncio queue."""
+    """A generation inside the batch engine: deltas arrive from the worker thread through an asyncio queue as
+    ``(index, delta)``, then ``(index, DONE)`` (the samples of one request share one queue). Gives its slot back
+    once the engine has dropped the sequence."""
 
-    def __init__(self, worker: BatchWorker, slot: dict[str, SpeculativeDecoder], pool: SlotPool) -> None:
+    def __init__(self, worker: BatchWorker, slot: dict[str, SpeculativeDecoder], pool: SlotPool,
+                 queue: asyncio.Queue, index: int = 0) -> None:
         self.worker, self.slot, self.pool = worker, slot, pool
+        self.queue, self.index = queue, index
         self.seq = None
         self.stats = None
         self._released = False
@@ -72,22 +77,16 @@ class BatchedRun:
         request = decoder.request(job.prompt_ids, **job.options)  # InvalidRequest: a 400, before joining
         self.stats = request.stats
         loop = asyncio.get_running_loop()
-        self._queue: asyncio.Queue = asyncio.Queue()
+        queue, index = self.queue, self.index
 
         def put(item) -> None:
-            loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            loop.call_soon_threadsafe(queue.put_nowait, (index, item))
 
         def done(seq) -> None:
             put(DONE)
             loop.call_soon_threadsafe(self._release)
 
         self.seq = self.worker.submit(decoder, request, on_delta=put, on_done=done)
-
-    async def next(self):
-        item = await self._queue.get()
-        if item is DONE and self.seq.error is not None:
-            raise self.seq.error
-        return item
 
     def _release(self) -> None:
         if not self._released:

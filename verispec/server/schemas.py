@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible API, validated by pydantic.
 
 Parameters OpenAI defines but verispec does not implement are accepted only at their no-op values
-(``n: 1``, ``logprobs: false``, penalties 0, ...) and rejected otherwise, so a client never gets a silently
+(``best_of: 1``, ``logprobs: false``, penalties 0, ...) and rejected otherwise, so a client never gets a silently
 different answer from what it asked for. Unknown parameters are rejected too.
 """
 
@@ -47,7 +47,6 @@ Stop = Annotated[str, Field(min_length=1)]
 
 # name -> the values at which the parameter changes nothing (then it is accepted and ignored)
 UNSUPPORTED_UNLESS = {
-    "n": (1,),
     "best_of": (1,),
     "logprobs": (False, None),
     "top_logprobs": (0, None),
@@ -112,11 +111,13 @@ class _Common(BaseModel):
     top_p: Number = Field(1.0, gt=0.0, le=1.0)
     seed: int | None = Field(None, ge=0, lt=2**63)
     stop: Stop | Annotated[list[Stop], Field(max_length=4)] | None = None
+    n: int = Field(1, ge=1, le=64, description="choices to generate: samples of the same prompt, prefilled once, "
+                                             "decoded as rows of one batch, each drafting from the others' text")
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     verispec: SpeculationOptions = Field(default_factory=SpeculationOptions)
 
-    _common_integers = field_validator("max_tokens", "seed", mode="before")(lambda v: _integral(v))
+    _common_integers = field_validator("max_tokens", "seed", "n", mode="before")(lambda v: _integral(v))
 
     @field_validator("stop")
     @classmethod
