@@ -17,6 +17,9 @@ is a model reference:
                                  OpenVINO GenAI's pipeline: plain, prompt lookup, draft model (``verispec.bench.openvino_peers``)
     llama-server  llama-server:spec=ngram-mod[:n_max=16]
                                  llama.cpp's own server, plain or with a speculative type (``verispec.bench.llama_server``)
+    arctic:suffix  arctic:suffix:tree=1:k=16
+                                 arctic-inference's SuffixDecoding trees drafting for verispec's engine
+                                 (``verispec.bench.arctic_peer``; where arctic-inference installs)
 
 verispec methods take per-method target options: ``backend=transformers|llamacpp``, on llama.cpp
 ``weights=as-is|f32|f16|q8_0|...`` (e.g. ``ngram:backend=llamacpp:weights=f16``) and on transformers
@@ -53,7 +56,7 @@ def parse_spec(spec: str) -> tuple[str, list[str], dict[str, str]]:
         if not rest:
             raise InvalidRequest("hf needs a kind: hf:greedy, hf:pld or hf:assisted:REF")
         head, rest = f"hf:{rest[0]}", rest[1:]
-    if head in ("llamacpp", "openvino") and rest and "=" not in rest[0]:
+    if head in ("llamacpp", "openvino", "arctic") and rest and "=" not in rest[0]:
         head, rest = f"{head}:{rest[0]}", rest[1:]
     refs = [p for p in rest if "=" not in p]
     opts = dict(p.split("=", 1) for p in rest if "=" in p)
@@ -111,12 +114,18 @@ def build_method(spec: str, target, load: Callable | None, default_k: int = 8, d
         return build_llamacpp_peer(spec, head.partition(":")[2], opts, model.path, threads, target.eos_token_ids)
     if head.startswith("hf:"):
         return _hf_method(spec, head, refs, {key: _number(key, v) for key, v in raw_opts.items()}, target, load)
+    if head == "arctic" or head.startswith("arctic:"):
+        if refs:
+            raise InvalidRequest(f"{spec!r}: unexpected part {refs[0]!r} (options are written key=value)")
+        if backend or weights or dtype or compiled is not None:
+            target = load(target.name, backend=backend, weights=weights, dtype=dtype, compiled=compiled)
+        return _arctic_method(spec, head.partition(":")[2], raw_opts, target, default_k, default_policy)
     name = NONE if head == "baseline" else head
     if name not in drafter_names():
         raise InvalidRequest(f"unknown method {spec!r}; choose baseline, {', '.join(drafter_names()[1:])} (verispec's "
                              "drafters, e.g. ngram:k=4, model:REF, eagle[:DIR]), hf:greedy, hf:pld, hf:assisted:REF, "
-                             "llamacpp, llamacpp:lookup, llama-server[:spec=TYPE], openvino, openvino:lookup or "
-                             "openvino:draft=REF")
+                             "llamacpp, llamacpp:lookup, llama-server[:spec=TYPE], openvino, openvino:lookup, "
+                             "openvino:draft=REF or arctic:suffix")
     drafter_spec = get_spec(name) if name != NONE else None
     hidden = drafter_spec is not None and drafter_spec.hidden_states
     if hidden and not target.supports_features:  # a llama.cpp run: load a copy that gives hidden states
@@ -146,6 +155,19 @@ def build_method(spec: str, target, load: Callable | None, default_k: int = 8, d
     decoder = SpeculativeDecoder(target, drafter, k=k, reuse_prefix=False, k_policy=policy)
     return Method(spec, _verispec_runner(decoder), "verispec", decoder.drafter_name,
                   k if drafter is not None else None, _kernel(target))
+
+
+def _arctic_method(spec: str, kind: str, opts: dict[str, str], target, default_k: int, default_policy: str) -> Method:
+    """arctic-inference's suffix trees drafting for verispec's engine (``verispec.bench.arctic_peer``)."""
+    from .arctic_peer import arctic_drafter
+
+    policy = opts.pop("policy", default_policy)
+    if policy not in K_POLICIES:
+        raise InvalidRequest(f"{spec!r}: policy must be one of {', '.join(K_POLICIES)}, got {policy!r}")
+    k = int(_number("k", opts.pop("k", str(default_k))))
+    drafter = arctic_drafter(spec, kind, opts)
+    decoder = SpeculativeDecoder(target, drafter, k=k, reuse_prefix=False, k_policy=policy)
+    return Method(spec, _verispec_runner(decoder), "arctic-inference", drafter.name, k, _kernel(target))
 
 
 def _llama_server_method(spec: str, refs: list[str], opts: dict[str, str], target, load: Callable, threads,
