@@ -46,3 +46,20 @@ def test_bench_on_the_repetition_workload(tmp_path, capsys):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     overall = result["overall"]
     assert overall["suffix"]["identical"] == 1.0 and overall["suffix"]["drafted"] > 0
+
+
+def test_samples_of_one_prompt_draft_from_each_other(default_model):
+    """n = 3 on the real model: greedy samples all equal plain decoding; sampled ones (temperature 0.7) draft from
+    the siblings' text (scope request: only theirs), each with its own seed."""
+    from verispec.batching import generate_samples
+
+    prompt = PROMPTS[0]
+    plain = SpeculativeDecoder(default_model).generate(prompt, max_new_tokens=40).token_ids
+    decoders = [SpeculativeDecoder(default_model, SuffixDrafter(scope="request"), k=8, k_policy="fixed")
+                for _ in range(3)]
+    greedy = generate_samples(decoders, prompt, max_new_tokens=40, temperature=0.0)
+    assert [g.token_ids for g in greedy] == [plain] * 3
+    sampled = generate_samples(decoders, prompt, max_new_tokens=40, temperature=0.7, seed=5)
+    assert [g.seed for g in sampled] == [5, 6, 7]
+    assert sum(g.stats.accepted for g in sampled[1:]) > 0
+    assert all(g.stats.reused_prompt_tokens > 0 for g in sampled[1:])  # the prompt was prefilled once
