@@ -29,8 +29,8 @@ from .prefix import reusable_prefix
 from .sampling import SamplingParams, probabilities
 from .stats import GenerationStats
 from .text import TextAssembler, has_text
-from .verify import (ACCEPTANCE_MODES, LOSSY_MODES, STRICT, TorchCoins, verify, verify_tree, verify_tree_greedy,
-                     verify_typical)
+from .verify import (ACCEPTANCE_MODES, LOSSY_MODES, STRICT, verify, verify_positional, verify_tree_greedy,
+                     verify_tree_positional, verify_typical)
 
 Prompt = str | Sequence[dict] | Sequence[int]
 
@@ -72,6 +72,7 @@ class SequenceState:
     cached_tokens: list[int] = field(default_factory=list)  # exactly the tokens whose keys/values are cached
     features: FeatureBuffer = field(default_factory=FeatureBuffer)  # target hidden states of cached_tokens
     finish_reason: str = ""
+    seed: int = 0  # the request's: with one-hot drafts, position i's token is drawn with the uniform of (seed, i)
 
     @property
     def generated(self) -> list[int]:
@@ -277,6 +278,7 @@ class SpeculativeDecoder:
             tokens=list(request.ids), prompt_len=len(request.ids), max_new_tokens=request.max_new_tokens,
             sampling=request.sampling, generator=generator,
             text=TextAssembler(self.target.tokenizer, request.stops), stats=request.stats, cache=None,
+            seed=request.seed,
         )
 
     def begin(self, state: SequenceState, k: int, calibrate: bool = True) -> None:
@@ -460,10 +462,16 @@ class SpeculativeDecoder:
 
     def _verify_chain(self, state: SequenceState, draft: Draft, p: torch.Tensor) -> tuple[int, int]:
         """(accepted draft tokens, correction or bonus token) by the acceptance rule (strict unless lossy is asked)."""
+        if self.acceptance == STRICT and draft.probs is None:  # plain steps and one-hot drafts
+            if state.sampling.greedy:  # p is one-hot on the argmax: accept while the draft is the argmax
+                best = p.argmax(dim=-1).tolist()
+                n = next((i for i, x in enumerate(draft.tokens) if x != best[i]), len(draft.tokens))
+                return n, best[n]
+            verdict = verify_positional(draft.tokens, p, state.seed, len(state.tokens))  # position-keyed draws
+            return verdict.num_accepted, verdict.next_token
         x = torch.tensor(draft.tokens, dtype=torch.long, device=self.target.device)  # [k]
         if self.acceptance == STRICT:
-            q = None if draft.probs is None else draft.probs.to(self.target.device)
-            verdict = verify(x, q, p, state.generator)
+            verdict = verify(x, draft.probs.to(self.target.device), p, state.generator)
         else:
             verdict = verify_typical(x, p, state.generator, *self.typical)
         return verdict.num_accepted, verdict.next_token
@@ -472,7 +480,7 @@ class SpeculativeDecoder:
         """(accepted path of node indices, correction or bonus token) for a tree of deterministic candidates."""
         if state.sampling.greedy:
             return verify_tree_greedy(draft.tokens, draft.parents, p.argmax(dim=-1).tolist())
-        return verify_tree(draft.tokens, draft.parents, p, TorchCoins(state.generator))
+        return verify_tree_positional(draft.tokens, draft.parents, p, state.seed, len(state.tokens))
 
     @staticmethod
     def _keep(state: SequenceState, past: int, uncached: list[int], accepted: list[int]) -> None:

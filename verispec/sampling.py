@@ -76,11 +76,33 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """Draw one token id from a 1-D distribution (any non-negative weights) by inverting its cumulative sum with one
-    uniform number: the first id whose cumulative mass exceeds u * total. The sums are float64, and an id with zero
-    probability can never be drawn (its cumulative mass equals its predecessor's). A one-hot distribution always
-    gives its index. ``torch.multinomial`` took ~1.1 ms per draw over a 49152-token vocabulary here (11% of a
-    llama.cpp decoding step); this takes a few tens of microseconds."""
+    """Draw one token id from a 1-D distribution (any non-negative weights) with one uniform number from
+    ``generator`` (``sample_at``). ``torch.multinomial`` took ~1.1 ms per draw over a 49152-token vocabulary here (11%
+    of a llama.cpp decoding step); this takes a few tens of microseconds."""
+    return sample_at(probs, float(torch.rand((), generator=generator, dtype=torch.float64, device=probs.device)))
+
+
+def sample_at(probs: torch.Tensor, u: float) -> int:
+    """The token id whose share of the cumulative mass holds ``u`` in [0, 1): the first id whose cumulative mass
+    exceeds u * total (the inverse CDF). The sums are float64, and an id with zero probability can never be drawn
+    (its cumulative mass equals its predecessor's). A one-hot distribution always gives its index."""
     cdf = torch.cumsum(probs.detach(), 0, dtype=torch.float64)  # accumulates in float64 without a converted copy
-    u = torch.rand((), generator=generator, dtype=torch.float64, device=cdf.device) * cdf[-1]
-    return min(int(torch.searchsorted(cdf, u, right=True)), probs.numel() - 1)
+    return min(int(torch.searchsorted(cdf, u * cdf[-1], right=True)), probs.numel() - 1)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """SplitMix64's finalizer: a bijection of 64-bit integers whose outputs look independent for nearby inputs."""
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EB & _MASK64
+    return x ^ (x >> 31)
+
+
+def position_uniform(seed: int, position: int) -> float:
+    """The uniform number in [0, 1) of one sequence position under one seed: a hash of both, so the draw that
+    decides the token at a position does not depend on how many draws came before it (drafts, their length, the
+    batch). Each (seed, position) pair gets its own value; distinct pairs look independent."""
+    h = _mix64((seed * 0x9E3779B97F4A7C15 + _mix64(position + 0x632BE59BD9B4E019)) & _MASK64)
+    return (h >> 11) * 2.0**-53

@@ -15,6 +15,11 @@ distributed exactly as if the target had sampled every token itself.
 Drafts without probabilities (n-gram lookup) are the one-hot case q_i = onehot(x_i): accept with
 probability p_i(x_i); the residual is p_i with x_i removed, renormalised. Greedy decoding is the case
 p_i = onehot(argmax) (see ``sampling.probabilities``): accept while x_i is the argmax, then the argmax.
+
+The engine runs the one-hot case as ``verify_positional`` (and trees of candidates as ``verify_tree_positional``):
+the same acceptance and residual, with the randomness of each sequence position fixed by (seed, position), so that
+the committed tokens are those plain sampling with the same seed draws. ``verify`` with a generator remains the
+rule for drafts with a distribution q (draft models, sampled heads).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import sample
+from .sampling import position_uniform, sample, sample_at
 
 STRICT = "strict"
 TYPICAL = "typical"
@@ -76,6 +81,50 @@ def verify(
         # A rejection has probability zero when p_n == q_n; guard against rounding making one happen anyway.
         residual, total = p[n], p[n].sum()
     return Verdict(n, sample(residual / total, generator))
+
+
+def verify_positional(draft_tokens: list[int], p: torch.Tensor, seed: int, position: int) -> Verdict:
+    """The strict rule for one-hot drafts (q_i = onehot(x_i)) with each position's randomness fixed in advance.
+
+    The target's token t_i at each position is drawn from p_i by ``sample_at`` with the uniform of
+    (``seed``, ``position`` + i) (``sampling.position_uniform``); x_i is accepted iff x_i = t_i, and the first t_i
+    that differs is the correction (or, with every draft accepted, t_k the bonus). P(accept x_i) = p_i(x_i) and
+    P(t_i = y | t_i != x_i) = p_i(y) / (1 - p_i(x_i)): the strict rule's acceptance and residual for one-hot q, so
+    the output is the target's. And since t_i is what plain sampling with the same seed draws at that position, the
+    committed tokens are the same whatever was drafted, however long the draft, whatever shares the batch: seeded
+    output equals plain seeded output token for token. ``p`` [k+1, V]; rows after the first mismatch are not read."""
+    k = len(draft_tokens)
+    if p.shape[0] != k + 1:
+        raise ValueError(f"p must have k+1={k + 1} rows, got {p.shape[0]}")
+    for i in range(k + 1):
+        t = sample_at(p[i], position_uniform(seed, position + i))
+        if i == k or t != draft_tokens[i]:
+            return Verdict(i, t)
+    raise AssertionError("unreachable")
+
+
+def verify_tree_positional(draft_tokens: list[int], parents: list[int], p: torch.Tensor, seed: int,
+                           position: int) -> tuple[list[int], int]:
+    """A tree of deterministic candidates, verified as ``verify_positional`` verifies a chain: at depth d the target's
+    token is drawn from the current node's row of p with the uniform of (``seed``, ``position`` + d); the walk
+    descends into the child carrying it and stops at the first drawn token no child carries. P(descend into child c)
+    = p(c), the one-hot tree rule's (``verify_tree``), and the committed tokens equal plain seeded sampling's."""
+    children: dict[int, dict[int, int]] = {}
+    for i, (token, parent) in enumerate(zip(draft_tokens, parents)):
+        if not -1 <= parent < i:
+            raise ValueError(f"node {i} has parent {parent}; parents must come before their children")
+        children.setdefault(parent, {}).setdefault(token, i)
+    if p.shape[0] != len(draft_tokens) + 1:
+        raise ValueError(f"p must have {len(draft_tokens) + 1} rows (the pending token and each node), got {p.shape[0]}")
+    path: list[int] = []
+    node = -1
+    while True:
+        token = sample_at(p[node + 1], position_uniform(seed, position + len(path)))
+        child = children.get(node, {}).get(token)
+        if child is None:
+            return path, token
+        path.append(child)
+        node = child
 
 
 def verify_typical(
