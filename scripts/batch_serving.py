@@ -68,7 +68,7 @@ def main() -> int:
     rows: dict[int, dict[str, list[dict]]] = {}
     try:
         for name in names:
-            servers[name] = Server("--target", args.target, "--max-queue", "64", *CONFIGS[name],
+            servers[name] = Server("--target", args.target, "--max-queue", "64", "--drafter", "ngram", *CONFIGS[name],
                                    *shlex.split(args.server_args), timeout=600)
             print(f"{name}: {servers[name].url}", file=sys.stderr, flush=True)
         for r in range(args.rounds):

@@ -43,7 +43,7 @@ def start(name: str, args, slots: int, gguf: Path, binary: Path):
         return LlamaServer(binary, gguf, args.threads, extra, parallel=slots, ctx=2048 * slots, alias=args.target)
     backend = ["--backend", "llamacpp"] if name.endswith("llamacpp") else []
     return Server("--target", args.target, "--max-batch", str(slots), "--max-queue", "64", "--threads", threads,
-                  *backend, *shlex.split(args.verispec_args), timeout=900)
+                  "--drafter", "ngram", *backend, *shlex.split(args.verispec_args), timeout=900)
 
 
 def main() -> int:

@@ -16,7 +16,7 @@ def add_serve_parser(sub) -> None:
                     "/v1/completions; GET /v1/models, /health, /metrics; GET/POST /admin/speculation). "
                     "Requests choose per call with the extension field {\"verispec\": {\"speculation\": false | "
                     "\"drafter\": NAME | \"k\": N}}.")
-    model_options(s)
+    model_options(s, drafter_default="suffix")
     g = s.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="interface to bind (default: 127.0.0.1; 0.0.0.0 for all)")
     g.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")

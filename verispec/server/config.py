@@ -37,7 +37,9 @@ class ServeOptions:
     ...; see ``verispec.drafters.registry``), only those set."""
 
     target: str = _option(DEFAULT_MODEL, str)
-    drafter: str = _option("ngram", str, drafter_names)
+    # suffix drafts: within 2% of prompt lookup on Spec-Bench, 1.7x it where requests repeat each other, and the
+    # samples of an n-request draft from each other (docs/suffix.md: why, and the timing channel it opens)
+    drafter: str = _option("suffix", str, drafter_names)
     draft_model: str | None = _option(None, str)
     k: int = _option(8, int)
     k_policy: str = _option(COST, str, K_POLICIES)
