@@ -109,11 +109,7 @@ def verify_tree_positional(draft_tokens: list[int], parents: list[int], p: torch
     token is drawn from the current node's row of p with the uniform of (``seed``, ``position`` + d); the walk
     descends into the child carrying it and stops at the first drawn token no child carries. P(descend into child c)
     = p(c), the one-hot tree rule's (``verify_tree``), and the committed tokens equal plain seeded sampling's."""
-    children: dict[int, dict[int, int]] = {}
-    for i, (token, parent) in enumerate(zip(draft_tokens, parents)):
-        if not -1 <= parent < i:
-            raise ValueError(f"node {i} has parent {parent}; parents must come before their children")
-        children.setdefault(parent, {}).setdefault(token, i)
+    children = _children_by_token(draft_tokens, parents)
     if p.shape[0] != len(draft_tokens) + 1:
         raise ValueError(f"p must have {len(draft_tokens) + 1} rows (the pending token and each node), got {p.shape[0]}")
     path: list[int] = []
@@ -150,6 +146,16 @@ def verify_typical(
     return Verdict(n, sample(p[n], generator))
 
 
+def _children_by_token(draft_tokens: list[int], parents: list[int]) -> dict[int, dict[int, int]]:
+    """node -> {token: its first child carrying that token} (-1 = the pending token); parents must come first."""
+    children: dict[int, dict[int, int]] = {}
+    for i, (token, parent) in enumerate(zip(draft_tokens, parents)):
+        if not -1 <= parent < i:
+            raise ValueError(f"node {i} has parent {parent}; parents must come before their children")
+        children.setdefault(parent, {}).setdefault(token, i)
+    return children
+
+
 def verify_tree_greedy(draft_tokens: list[int], parents: list[int], target_tokens: list[int]) -> tuple[list[int], int]:
     """Greedy verification of a *tree* of drafts. Node i is token ``draft_tokens[i]`` whose parent is node
     ``parents[i]`` (-1 = the pending token); parents come before their children. ``target_tokens[0]`` is the
@@ -160,11 +166,7 @@ def verify_tree_greedy(draft_tokens: list[int], parents: list[int], target_token
     descend. Returns (the accepted nodes along the path, the target's greedy token after the last one), so the
     committed tokens are exactly those plain greedy decoding produces. ``verify_tree`` is the rule for sampling
     (at temperature 0 it gives the same path)."""
-    children: dict[int, dict[int, int]] = {}
-    for i, (token, parent) in enumerate(zip(draft_tokens, parents)):
-        if not -1 <= parent < i:
-            raise ValueError(f"node {i} has parent {parent}; parents must come before their children")
-        children.setdefault(parent, {}).setdefault(token, i)
+    children = _children_by_token(draft_tokens, parents)
     path: list[int] = []
     node = -1
     while True:
