@@ -78,7 +78,7 @@ def test_peer_greedy_output_equals_plain_and_the_cache_sees_every_token(tiny_tar
         run = method.run(PROMPT, 24, 0.0, 1.0, 0)
         assert run.token_ids == plain
     calls = fake_arctic.instances[-1].calls
-    assert calls[0] == ("start", 0, PROMPT)
+    assert calls[0][:2] == ("start", 0) and calls[0][2][:len(PROMPT)] == PROMPT  # the controller may step first
     assert ("stop", 0) in calls and ("start", 1, PROMPT) in calls
     assert any(c[0] == "add" for c in calls)
 

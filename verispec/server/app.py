@@ -118,10 +118,11 @@ class Server:
             name = opts.drafter or config.default_drafter
         cap = self.token_cap
         max_tokens = req.token_limit() or min(config.default_max_tokens, cap or config.default_max_tokens)
-        if cap is not None and max_tokens > cap:
-            param = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) else "max_tokens"
-            raise APIError(400, f"{param} = {max_tokens} is more than this server allows per request "
-                                f"({cap}); ask for fewer tokens", param=param)
+        for param in ("max_completion_tokens", "max_tokens"):  # both are checked, also the one that is not used
+            asked = getattr(req, param, None)
+            if cap is not None and asked is not None and asked > cap:
+                raise APIError(400, f"{param} = {asked} is more than this server allows per request "
+                                    f"({cap}); ask for fewer tokens", param=param)
         options = dict(max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
                        stop=req.stop, k=opts.k)
         try:
