@@ -35,7 +35,7 @@ def model_options(p: argparse.ArgumentParser, drafter_default: str = "ngram") ->
                 g.add_argument(f"--{o.flag}", action="store_true", help=o.help)
             else:
                 g.add_argument(f"--{o.flag}", type=o.type, default=o.default, help=o.help,
-                               choices=o.choices or None, metavar="DIR" if o.type is str and not o.choices else None)
+                               choices=o.choices or None, metavar=o.metavar or ("DIR" if o.type is str and not o.choices else None))
     g.add_argument("--dtype", default="float32", choices=list(DTYPES),
                    help="weights and activations; float32 (default) guarantees greedy output identical to plain "
                         "decoding, bfloat16 only approximately (rounding differs between wide and narrow passes)")

@@ -13,6 +13,7 @@ from .ngram import NgramDrafter  # noqa: E402  (isort: skip)
 from .suffix import SuffixDrafter  # noqa: E402
 from .model import ModelDrafter  # noqa: E402
 from .eagle import EagleDrafter  # noqa: E402
+from .layerskip import LayerSkipDrafter  # noqa: E402
 
-__all__ = ["Draft", "Drafter", "DrafterBase", "DrafterSpec", "EMPTY_DRAFT", "EagleDrafter", "ModelDrafter", "NONE",
+__all__ = ["Draft", "Drafter", "DrafterBase", "DrafterSpec", "EMPTY_DRAFT", "EagleDrafter", "LayerSkipDrafter", "ModelDrafter", "NONE",
            "NgramDrafter", "Option", "SuffixDrafter", "drafter_names", "drafter_specs", "get_spec", "make_drafter", "options_from"]

@@ -15,7 +15,7 @@ An option is declared once and reaches every entry point under names derived fro
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from ..backends.base import BACKENDS
@@ -37,6 +37,7 @@ class Option:
     help: str
     flag: str = ""
     choices: tuple = ()
+    metavar: str = ""  # its value's name in help text (default for a str option: DIR)
 
     @property
     def dest(self) -> str:
@@ -105,11 +106,13 @@ class DrafterSpec:
     reference_option: str = ""  # the option a bench spec's bare reference sets (eagle:DIR -> head=DIR)
     # options that let more drafters of a server reuse what the first one loaded (weights), given that first one
     share: Callable[[Drafter], dict[str, Any]] | None = None
+    # a server offers it without being asked (False: only when started with it, e.g. its setup measures for a minute)
+    offered_by_default: bool = True
 
     def __post_init__(self) -> None:
         # every option gets a command-line name: NAME-OPTION unless it says otherwise
-        options = tuple(o if o.flag else Option(o.name, o.type, o.default, o.help, f"{self.name}-{o.name}".replace(
-            "_", "-"), o.choices) for o in self.options)
+        options = tuple(o if o.flag else replace(o, flag=f"{self.name}-{o.name}".replace("_", "-"))
+                        for o in self.options)
         object.__setattr__(self, "options", options)
 
     def option(self, name: str) -> Option:

@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException
 
 from ..version import __version__
 from ..batching import BatchEngine, BatchWorker, join_siblings, sample_seeds
-from ..drafters import NONE
+from ..drafters import NONE, drafter_names
 from ..engine import SpeculativeDecoder
 from ..errors import InvalidRequest
 from .config import LocalSwitch, ServerConfig
@@ -101,8 +101,10 @@ class Server:
                            "model", "model_not_found")
         opts = req.verispec
         if opts.drafter is not None and opts.drafter not in self.drafter_names:
+            hint = (f" (a server offers {opts.drafter} when started with --drafter {opts.drafter} or one of its "
+                    "options)" if opts.drafter in drafter_names() else "")
             raise APIError(400, f"drafter '{opts.drafter}' is not available; this server has: "
-                                f"{', '.join(self.drafter_names)}", param="verispec.drafter")
+                                f"{', '.join(self.drafter_names)}{hint}", param="verispec.drafter")
         n = req.n
         if n > self.n_cap:
             how = (f"decodes at once (max batch {config.max_batch}); ask for at most {self.n_cap} choices or start "

@@ -186,9 +186,11 @@ def build_server_config(options: ServeOptions) -> ServerConfig:
     the plain server, or each Ray Serve replica).
 
     Every registered drafter the target can run is offered (its options from ``options``), except one that needs
-    a draft model when none is given, or one whose weights are not found when it was not asked for by name or
-    option (the EAGLE head of a target that ships none). On llama.cpp, drafters that read hidden states are offered
-    only when the server starts with one of them (hidden states cost a callback on every pass there)."""
+    a draft model when none is given, one whose weights are not found when it was not asked for by name or
+    option (the EAGLE head of a target that ships none), or one whose spec says it is offered only when asked for
+    (layerskip: its first use on a model measures which layers to skip for about a minute). On llama.cpp, drafters
+    that read hidden states are offered only when the server starts with one of them (hidden states cost a callback
+    on every pass there)."""
     from ..backends import load_model
 
     # llama.cpp: a KV sequence per batch row (unbatched, each slot's decoders keep theirs for prompt reuse)
@@ -205,7 +207,7 @@ def build_server_config(options: ServeOptions) -> ServerConfig:
         opts = options_from(options, spec.name)
         asked = spec.name == options.drafter or bool(opts)
         if (spec.needs_draft_model and draft is None) or (spec.hidden_states and not target.supports_features) \
-                or target.backend not in spec.backends:
+                or target.backend not in spec.backends or (not asked and not spec.offered_by_default):
             continue
         try:
             first = spec.build(target, draft, **opts)  # checks now (a draft model's tokenizer), not per request

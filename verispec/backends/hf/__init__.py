@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -24,6 +24,7 @@ from ..references import BUILTINS, resolve, transformers_progress_bars
 from .cache import BatchKV, RowKV, TorchKV
 from .compiled import CompiledStep, FixedKV
 from .cpu import linear_kernel
+from .layers import decoder_layers, skipping_view
 from .packing import pack_linear_layers
 
 log = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class LoadedModel:
     packed_layers: int = 0  # linear layers whose weights are prepacked for oneDNN (verispec.backends.hf.packing)
     pack_requested: bool = True  # packing was asked for (False: VERISPEC_PACK=0 or pack=False)
     step: CompiledStep | None = None  # compiled one-token step (``compile_step``), or None: every pass eager
+    skipped_layers: tuple[int, ...] = ()  # decoder layers this model leaves out (a view made by ``without_layers``)
     backend = "transformers"
     supports_trees = True
     supports_features = True
@@ -78,7 +80,7 @@ class LoadedModel:
         """What a pass's cost depends on here (``verispec.backends.measurements``); None for a model that was not
         loaded from a folder or the hub (its costs are never stored)."""
         source = str(self.model.config._name_or_path or "")
-        if not source:
+        if not source or self.skipped_layers:  # a view's costs belong to the drafter using it, not to the model
             return None
         model = measurements.file_fingerprint(source) if Path(source).exists() else source
         return {**measurements.machine(), "backend": self.backend, "model": model, "dtype": str(self.dtype),
@@ -88,6 +90,21 @@ class LoadedModel:
     @property
     def embedding_model(self) -> torch.nn.Module:
         return self.model
+
+    @property
+    def num_layers(self) -> int:
+        """Decoder layers this model runs."""
+        return len(decoder_layers(self.model))
+
+    def without_layers(self, skip) -> "LoadedModel":
+        """This model with the decoder layers ``skip`` (indices) left out: a view sharing every weight, run eagerly,
+        with KV caches of its own (``verispec.backends.hf.layers``); a self-speculative draft model."""
+        if self.skipped_layers:
+            raise ValueError("without_layers is taken from the whole model, not from a view of it")
+        skip = tuple(sorted(set(skip)))
+        view = skipping_view(self.model, skip)
+        return replace(self, model=view, name=f"{self.name} without layers {','.join(map(str, skip))}", step=None,
+                       skipped_layers=skip)
 
     def new_kv(self) -> TorchKV | FixedKV:
         return FixedKV() if self.step is not None else TorchKV()
