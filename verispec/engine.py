@@ -438,6 +438,8 @@ class SpeculativeDecoder:
             state.features.append(rows[len(state.features) - past :])
         if self.drafter is not None and len(draft):
             self.drafter.observe(n)
+            if hasattr(self.drafter, "observe_logits"):  # optional: drafters that learn from the pass (lookahead)
+                self.drafter.observe_logits(out.logits[len(uncached) - 1 :])
         self._record_settle(state, plan, n, shared_pass_seconds)
         return [*accepted, next_token], draft.depth, n
 

@@ -93,6 +93,10 @@ class DrafterBase:
     def observe(self, num_accepted: int) -> None:
         pass
 
+    # Optional, looked up by the engine (not defined here): ``observe_logits(logits)`` receives the target's logits
+    # of the last verify pass after ``observe``: row 0 after the pending token, row 1 + i after draft node i (the
+    # lookahead drafter reads its Jacobi iteration from them).
+
     def join_siblings(self, group: dict | None) -> None:
         """Draft the next requests as one of several samples of one request (``n`` > 1), sharing what this drafter
         keeps with the others through ``group`` (one dict all the samples' drafters are given); None leaves the

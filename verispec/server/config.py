@@ -139,8 +139,9 @@ class ServeOptions:
                                  "eager. Add --max-batch 1 or drop --compile")
         if self.max_batch > 1:
             for spec in drafter_specs():
-                if spec.drafts_trees(options_from(self, spec.name)):
-                    flag = "--" + spec.option(spec.tree_option).flag
+                options = options_from(self, spec.name)
+                if (spec.name == self.drafter or options) and spec.drafts_trees(options):
+                    flag = "--" + spec.option(spec.tree_option).flag if spec.tree_option else f"--drafter {spec.name}"
                     raise InvalidRequest(f"{flag} verifies one sequence per pass; add --max-batch 1 or drop {flag}")
 
 
@@ -188,9 +189,9 @@ def build_server_config(options: ServeOptions) -> ServerConfig:
     Every registered drafter the target can run is offered (its options from ``options``), except one that needs
     a draft model when none is given, one whose weights are not found when it was not asked for by name or
     option (the EAGLE head of a target that ships none), or one whose spec says it is offered only when asked for
-    (layerskip: its first use on a model measures which layers to skip for about a minute). On llama.cpp, drafters
-    that read hidden states are offered only when the server starts with one of them (hidden states cost a callback
-    on every pass there)."""
+    (layerskip: its first use on a model measures which layers to skip for about a minute), or one that drafts trees
+    on a batched server (trees verify one sequence per pass). On llama.cpp, drafters that read hidden states are
+    offered only when the server starts with one of them (hidden states cost a callback on every pass there)."""
     from ..backends import load_model
 
     # llama.cpp: a KV sequence per batch row (unbatched, each slot's decoders keep theirs for prompt reuse)
@@ -207,7 +208,8 @@ def build_server_config(options: ServeOptions) -> ServerConfig:
         opts = options_from(options, spec.name)
         asked = spec.name == options.drafter or bool(opts)
         if (spec.needs_draft_model and draft is None) or (spec.hidden_states and not target.supports_features) \
-                or target.backend not in spec.backends or (not asked and not spec.offered_by_default):
+                or target.backend not in spec.backends or (not asked and not spec.offered_by_default) \
+                or (options.max_batch > 1 and spec.drafts_trees(opts)):  # trees verify one sequence per pass
             continue
         try:
             first = spec.build(target, draft, **opts)  # checks now (a draft model's tokenizer), not per request
