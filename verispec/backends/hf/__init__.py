@@ -25,6 +25,7 @@ from .cache import BatchKV, RowKV, TorchKV
 from .compiled import CompiledStep, FixedKV
 from .cpu import linear_kernel
 from .layers import decoder_layers, skipping_view
+from .masks import for_layers
 from .packing import pack_linear_layers
 
 log = logging.getLogger(__name__)
@@ -160,7 +161,8 @@ class LoadedModel:
                 columns = torch.arange(batch.pass_end)
                 allowed = columns[None, None, :] <= positions[:, :, None]  # [rows, width, columns]
                 mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, torch.finfo(self.dtype).min)
-                mask = mask[:, None].to(self.device)
+                mask = for_layers(self.model.config, mask[:, None].to(self.device), positions.to(self.device),
+                                  columns.to(self.device))
             keep = sorted({len(tokens) - 1 for _, tokens in items}) if last_only else None
             out = self.model(input_ids=ids.to(self.device), cache=batch.cache, use_cache=True,
                              position_ids=positions.to(self.device), attention_mask=mask,
@@ -192,11 +194,17 @@ class LoadedModel:
         with kv.eager(n) if fixed else nullcontext():
             extra = {}
             if parents is not None:
-                positions, mask = tree_inputs(len(kv), n - len(parents), list(parents), self.dtype, self.device)
-                extra = dict(position_ids=positions, attention_mask=mask)
+                past = len(kv)
+                positions, mask = tree_inputs(past, n - len(parents), list(parents), self.dtype, self.device)
+                keys = torch.cat([torch.arange(past, device=self.device), positions[0]])
+                extra = dict(position_ids=positions, attention_mask=for_layers(self.model.config, mask, positions[0],
+                                                                              keys))
             elif fixed:  # the buffer's columns past the sequence hold stale keys: mask them explicitly
-                extra = dict(position_ids=torch.arange(len(kv), len(kv) + n, device=self.device)[None],
-                             attention_mask=kv.mask(n, self.dtype, self.device))
+                positions = torch.arange(len(kv), len(kv) + n, device=self.device)
+                mask = kv.mask(n, self.dtype, self.device)
+                keys = torch.arange(mask.shape[-1], device=self.device)
+                extra = dict(position_ids=positions[None],
+                             attention_mask=for_layers(self.model.config, mask, positions, keys))
             out = self.model(input_ids=torch.tensor([list(tokens)], device=self.device), cache=kv.cache,
                              use_cache=True, logits_to_keep=1 if last_only else 0,
                              output_hidden_states=bool(feature_layers), **extra)

@@ -32,6 +32,8 @@ from torch import nn
 from transformers import AttentionInterface, Cache, StaticLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from .masks import for_layers
+
 log = logging.getLogger(__name__)
 
 GROWTH = 256  # a cache's capacity is a multiple of this many positions: the fewest that hold its sequence
@@ -210,6 +212,7 @@ class CompiledStep:
         self.compile_seconds: float | None = None  # set by the first call (the compile)
         weight = next(model.parameters())
         self.dtype, self.device = weight.dtype, weight.device
+        self._config = model.config
         shadow = unpacked_copy(model)
         shadow.set_attn_implementation(ONE_TOKEN_ATTENTION)
         self._model = torch.compile(shadow, dynamic=False, options={"max_autotune": True})
@@ -221,9 +224,14 @@ class CompiledStep:
         # freezing folds the weights into the graph as constants; inductor reads it when it compiles, which is
         # during a call (the first, or one whose guards fail), and torch.compile's options do not pass it on
         with inductor_config.patch(freezing=True):
+            mask = kv.mask(1, self.dtype, self.device)
+            position = torch.tensor([kv.length], device=self.device)
+            mask = for_layers(self._config, mask, position, torch.arange(mask.shape[-1], device=self.device))
+            # windowed copies vary in columns too: still one graph for every cache size
+            mask = ({kind: _dynamic_columns(m, 3) for kind, m in mask.items()} if isinstance(mask, dict)
+                    else _dynamic_columns(mask, 3))
             out = self._model(input_ids=torch.tensor([[token]], device=self.device), cache=kv.cache,
-                              position_ids=torch.tensor([[kv.length]], device=self.device),
-                              attention_mask=kv.mask(1, self.dtype, self.device), use_cache=True)
+                              position_ids=position[None], attention_mask=mask, use_cache=True)
         kv.length += 1
         if self.compile_seconds is None:
             self.compile_seconds = time.perf_counter() - t0
