@@ -1,6 +1,7 @@
 """Self-speculative drafting with skipped layers: the view, its drafts, losslessness, the layer search and errors."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ from statistical_helpers import ALPHA, joint_p_value
 from tiny import loaded, make_model
 from verispec import InvalidRequest, SamplingParams, SpeculativeDecoder
 from verispec.backends.hf.cache import TorchKV
-from verispec.drafters import make_drafter
+from verispec.drafters import get_spec, make_drafter
 from verispec.drafters.layerskip import LayerSkipDrafter
 from verispec.drafters.layerskip_search import Calibration, calibrate, calibrated, format_layers, parse_skip
 
@@ -109,7 +110,7 @@ def test_the_search_drops_the_least_needed_layers_and_is_stored(deep_target, tmp
     assert all(0 <= c.agreement <= 1 and c.predicted_speedup > 0 for c in result.path)
     best = max(result.path, key=lambda c: c.predicted_speedup)
     assert result.skip == best.skip and result.predicted_speedup == best.predicted_speedup
-    assert Calibration.from_record(__import__("dataclasses").asdict(result)) == result
+    assert Calibration.from_record(dataclasses.asdict(result)) == result
 
     # stored under the target's measurement key: the second call reads it instead of searching
     monkeypatch.setenv("VERISPEC_COST_CACHE", str(tmp_path))
@@ -123,3 +124,20 @@ def test_the_search_drops_the_least_needed_layers_and_is_stored(deep_target, tmp
     assert calls == [1] and first == second == result and list(tmp_path.glob("layerskip-*.json"))
     drafter = LayerSkipDrafter(deep_target)  # "auto": the stored choice
     assert drafter.skipped == result.skip and drafter.calibration == result and calls == [1]
+    assert drafter.idle == (result.predicted_speedup <= 1.0)
+
+
+def test_an_automatic_choice_predicted_to_lose_drafts_nothing_and_named_layers_always_draft(deep_target):
+    choice = Calibration((2,), 0.7, 0.9, 0.8, 1, 6, 1.0)
+    losing = LayerSkipDrafter(deep_target, choice)
+    assert losing.idle and len(losing.propose([1, 5, 9], 3)) == 0
+    result = SpeculativeDecoder(deep_target, losing, k=3, k_policy="fixed").generate([1, 5, 9], max_new_tokens=8)
+    assert result.stats.drafted == 0 and len(result.token_ids) == 8
+    winning = LayerSkipDrafter(deep_target, dataclasses.replace(choice, predicted_speedup=1.3))
+    assert not winning.idle and len(winning.propose([1, 5, 9], 3)) == 3
+    named = LayerSkipDrafter(deep_target, "2")
+    assert not named.idle and named.calibration is None and len(named.propose([1, 5, 9], 3)) == 3
+    # a server's later drafters get the first one's choice, idle or not, without searching again
+    spec = get_spec("layerskip")
+    assert spec.build(deep_target, None, **spec.share(losing)).idle
+    assert spec.build(deep_target, None, **spec.share(named)).skipped == (2,)

@@ -19,7 +19,8 @@ from typing import Sequence
 
 from ..backends.base import TargetModel
 from ..errors import InvalidRequest
-from .layerskip_search import calibrated, format_layers, parse_skip
+from .base import EMPTY_DRAFT, Draft
+from .layerskip_search import Calibration, calibrated, format_layers, parse_skip
 from .model import ModelDrafter
 from .registry import DrafterSpec, Option, register
 
@@ -31,11 +32,14 @@ AUTO = "auto"
 class LayerSkipDrafter(ModelDrafter):
     """Drafts with the target's own layers minus ``layers`` (indices, "10,12-14", or "auto": the stored or newly
     measured choice for this target, ``verispec.drafters.layerskip_search``); ``skipped`` holds the layers it leaves
-    out and ``calibration`` the measurement behind an automatic choice (None when they were named)."""
+    out and ``calibration`` the measurement behind an automatic choice (None when they were named). When the
+    automatic choice is predicted to be slower than plain decoding, it is ``idle``: it proposes nothing, so the
+    engine decodes plainly (named layers always draft)."""
 
     name = "layerskip"
 
-    def __init__(self, target: TargetModel, layers: str | Sequence[int] = AUTO, *, progress: bool = True):
+    def __init__(self, target: TargetModel, layers: str | Sequence[int] | Calibration = AUTO, *,
+                 progress: bool = True):
         without = getattr(target, "without_layers", None)
         if without is None:
             where = f"the {target.backend} backend cannot" if target is not None else "it needs the target to"
@@ -44,12 +48,22 @@ class LayerSkipDrafter(ModelDrafter):
         count, skip = target.num_layers, layers
         self.calibration = None
         if isinstance(skip, str) and skip.strip().lower() == AUTO:
-            self.calibration = calibrated(target, progress=progress)
-            skip = self.calibration.skip
+            skip = calibrated(target, progress=progress)
+        if isinstance(skip, Calibration):  # an automatic choice, measured here or by a server's first drafter
+            self.calibration, skip = skip, skip.skip
         self.skipped = parse_skip(skip, count)
+        # an automatic choice predicted to lose drafts nothing: no draft prefill, no probes, plain speed
+        self.idle = self.calibration is not None and self.calibration.predicted_speedup <= 1.0
         super().__init__(without(self.skipped), None)
-        log.info("layerskip drafts with %d of the %d layers of %s (skipping %s)", count - len(self.skipped), count,
-                 target.name, format_layers(self.skipped))
+        if self.idle:
+            log.warning("layerskip drafts nothing for %s: no skipped layers are predicted to pay there (%s); name "
+                        "layers with --layerskip-layers to draft anyway", target.name, self.calibration.describe())
+        else:
+            log.info("layerskip drafts with %d of the %d layers of %s (skipping %s)", count - len(self.skipped),
+                     count, target.name, format_layers(self.skipped))
+
+    def propose(self, context: Sequence[int], k: int) -> Draft:
+        return EMPTY_DRAFT if self.idle else super().propose(context, k)
 
 
 register(DrafterSpec(
@@ -61,5 +75,5 @@ register(DrafterSpec(
     backends=("transformers",),
     offered_by_default=False,  # a server offers it when started with it: the first use on a model measures for a minute
     # a server's further drafters reuse the first one's choice instead of looking it up again
-    share=lambda drafter: {"layers": format_layers(drafter.skipped)},
+    share=lambda drafter: {"layers": drafter.calibration or drafter.skipped},
 ))
