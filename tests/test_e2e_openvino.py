@@ -1,6 +1,6 @@
 """The openvino backend on the real built-in model (exported once by verispec): logits and hidden states equal to the
 transformers backend's, speculation with every drafter (n-gram chains and trees, EAGLE chains and trees with the
-shipped head) identical to its own plain decoding, rollback, the audit and the CLI. Marked e2e; CI installs the
+shipped head, lookahead) identical to its own plain decoding, rollback, the audit and the CLI. Marked e2e; CI installs the
 OpenVINO extra (VERISPEC_REQUIRE_OPENVINO=1), so a missing openvino fails there instead of skipping."""
 
 import json
@@ -45,7 +45,7 @@ def test_logits_and_hidden_states_equal_the_transformers_backends(ov_fp32, defau
 
 
 @pytest.mark.parametrize("drafter, options", [("ngram", {}), ("ngram", {"branches": 3}), ("eagle", {}),
-                                              ("eagle", {"tree": True})])
+                                              ("eagle", {"tree": True}), ("lookahead", {})])
 def test_speculation_is_identical_to_plain_decoding(ov_fp32, drafter, options):
     plain = SpeculativeDecoder(ov_fp32)
     spec = SpeculativeDecoder(ov_fp32, make_drafter(drafter, target=ov_fp32, **options), k=6, k_policy="fixed")

@@ -22,7 +22,7 @@ def ancestors(parents, i):
 
 
 def test_the_lookahead_branch_is_the_papers_window_as_a_tree():
-    drafter = LookaheadDrafter(window=4, ngram=4, candidates=0)
+    drafter = LookaheadDrafter(window=4, ngram=4, candidates=0, context_pool=False)
     draft = drafter.propose(CONTEXT, 64)
     levels = drafter._levels  # [3 levels][4 columns], level 0 column 0 = the pending token
     # (W - 1) level-0 tokens plus W columns of N - 2 tokens above them
@@ -36,7 +36,7 @@ def test_the_lookahead_branch_is_the_papers_window_as_a_tree():
 
 
 def test_the_window_moves_up_a_level_and_pools_each_columns_ngram():
-    drafter = LookaheadDrafter(window=3, ngram=3, candidates=2)
+    drafter = LookaheadDrafter(window=3, ngram=3, candidates=2, context_pool=False)
     draft = drafter.propose(CONTEXT, 64)
     before = [list(level) for level in drafter._levels]
     vocab = 40
@@ -58,8 +58,19 @@ def test_the_window_moves_up_a_level_and_pools_each_columns_ngram():
     assert drafter._pool == {} and len(again) == 2 + 3
 
 
+def test_the_context_pool_verifies_what_followed_the_pending_token_before():
+    context = [1, 5, 9, 7, 3, 5, 9, 8, 6, 5]
+    drafter = LookaheadDrafter(window=3, ngram=3, candidates=4)
+    draft = drafter.propose(context, 16)
+    # the n-grams after the earlier 5s, newest first: (9, 8) then (9, 7), merged into a trie, before the window
+    assert draft.tokens[:3] == [9, 8, 7] and draft.parents[:3] == [-1, 0, 0]
+    assert drafter._pool[9] == [(7, 3), (8, 6)]
+    pure = LookaheadDrafter(window=3, ngram=3, candidates=4, context_pool=False).propose(context, 16)
+    assert len(pure) == 2 + 3  # the window only
+
+
 def test_candidates_take_at_most_half_the_budget_and_columns_what_is_left():
-    drafter = LookaheadDrafter(window=5, ngram=3, candidates=8)
+    drafter = LookaheadDrafter(window=5, ngram=3, candidates=8, context_pool=False)
     drafter._sync(CONTEXT)
     drafter._pool[CONTEXT[-1]] = [(20 + i, 21 + i) for i in range(8)]
     for k in (1, 4, 9, 16, 40):

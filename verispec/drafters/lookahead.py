@@ -10,7 +10,10 @@ tree that holds two branches, fed in the step's single target pass:
   verifies trees runs it). The target's greedy token at each column's last level is the column's next guess: one
   Jacobi iteration per step.
 - the *verification branch*: the n-grams the window produced earlier (a pool, up to ``candidates`` per first token)
-  that start with the pending token, merged into a trie.
+  that start with the pending token, merged into a trie. With ``context_pool`` (default) the pool also holds the
+  context's own n-grams, as the lookahead authors' implementation offers (``POOL_FROM_PROMPT``): without them the
+  pool starts empty, early steps accept almost nothing, and the controller stops paying for the wide pass before
+  the window has produced anything.
 
 Every node is a deterministic guess, so the engine verifies the whole tree as one-hot candidates
 (``verify.verify_tree``): greedy output is plain decoding's, and sampled output follows the target exactly. Then
@@ -39,11 +42,12 @@ from .registry import DrafterSpec, Option, register
 class LookaheadDrafter(DrafterBase):
     name = "lookahead"
 
-    def __init__(self, window: int = 5, ngram: int = 3, candidates: int = 5) -> None:
+    def __init__(self, window: int = 5, ngram: int = 3, candidates: int = 5, context_pool: bool = True) -> None:
         check_whole("lookahead window", window, 1, 64)
         check_whole("lookahead n-gram size", ngram, 3, 16)
         check_whole("lookahead candidates", candidates, 0, 64)
         self.window, self.ngram, self.candidates = window, ngram, candidates
+        self.context_pool = bool(context_pool)
         self.tree_depth = max(window - 1 + ngram - 2, ngram - 1)
         self.reset()
 
@@ -54,6 +58,7 @@ class LookaheadDrafter(DrafterBase):
         self._last_token: int | None = None
         self._fed: list[int | None] = []  # per column: the node index of its last-level guess in the last proposal
         self._root: int | None = None  # the pending token of the last proposal
+        self._indexed = 0  # context positions whose n-grams are in the pool (context_pool)
 
     # ----------------------------------------------------------------- window
     def _sync(self, context: Sequence[int]) -> None:
@@ -66,6 +71,19 @@ class LookaheadDrafter(DrafterBase):
             self._levels = [[context[pick.randrange(len(context))] for _ in range(self.window)]
                             for _ in range(self.ngram - 1)]
         self._seen, self._last_token = len(context), context[-1]
+        if self.context_pool:  # the context's own n-grams (prompt and answer so far) join the pool
+            for i in range(self._indexed, len(context) - self.ngram + 1):
+                self._add(context[i], tuple(context[i + 1 : i + self.ngram]))
+            self._indexed = max(self._indexed, len(context) - self.ngram + 1)
+
+    def _add(self, first: int, gram: tuple[int, ...]) -> None:
+        """Pool an n-gram (newest last; one already there moves to the end; at most ``candidates`` per first)."""
+        pooled = self._pool.setdefault(first, [])
+        if gram in pooled:
+            pooled.remove(gram)
+        pooled.append(gram)
+        if len(pooled) > self.candidates:
+            del pooled[0]
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
         if not context or k <= 0:
@@ -119,13 +137,7 @@ class LookaheadDrafter(DrafterBase):
                 continue
             new[c] = best.pop(0)
             first = self._root if c == 0 else self._levels[0][c]
-            gram = tuple(self._levels[level][c] for level in range(1, self.ngram - 1)) + (new[c],)
-            pooled = self._pool.setdefault(first, [])
-            if gram in pooled:
-                pooled.remove(gram)  # seen again: now the newest
-            pooled.append(gram)
-            if len(pooled) > self.candidates:
-                del pooled[0]
+            self._add(first, tuple(self._levels[level][c] for level in range(1, self.ngram - 1)) + (new[c],))
         self._levels = self._levels[1:] + [new]
         self._fed = []
 
@@ -135,7 +147,9 @@ register(DrafterSpec(
     lambda target, draft_model, **options: LookaheadDrafter(**options),
     options=(Option("window", int, 5, "Jacobi window W of --drafter lookahead: columns guessed in parallel"),
              Option("ngram", int, 3, "n-gram size N of --drafter lookahead (levels of guesses + 1; at least 3)"),
-             Option("candidates", int, 5, "pooled n-grams per first token that --drafter lookahead verifies (G)")),
+             Option("candidates", int, 5, "pooled n-grams per first token that --drafter lookahead verifies (G)"),
+             Option("context_pool", bool, True, "--drafter lookahead also pools the context's own n-grams (prompt "
+                    "and answer so far; as the lookahead authors' POOL_FROM_PROMPT)", flag="lookahead-context-pool")),
     trees=lambda options: True, tree_option="",
     backends=("transformers", "openvino"),
 ))
