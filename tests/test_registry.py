@@ -7,7 +7,8 @@ import pytest
 
 from verispec.bench import build_method
 from verispec.cli import build_parser
-from verispec.drafters import Draft, DrafterBase, DrafterSpec, Option, drafter_names, drafter_specs, make_drafter
+from verispec.drafters import (Draft, DrafterBase, DrafterSpec, Option, drafter_names, drafter_specs, make_drafter,
+                               options_from)
 from verispec.drafters import registry
 from verispec.errors import InvalidRequest
 from verispec.server.config import ServeOptions, build_server_config
@@ -51,8 +52,11 @@ def test_every_registered_option_is_a_flag_of_generate_audit_and_serve():
         args = parser.parse_args(argv)
         assert set(drafter_names()) <= set(_choices(parser, command, "drafter"))
         for spec in drafter_specs():
-            for o in spec.options:
-                assert getattr(args, o.dest) == (o.default if o.type is not bool else False), (command, o.dest)
+            for o in spec.options:  # a bare command sets every option to its default (switches on by default too)
+                assert getattr(args, o.dest) == o.default, (command, o.dest)
+            assert options_from(args, spec.name) == {}, (command, spec.name)
+        if command == "serve":
+            assert ServeOptions.from_args(args).drafter_options == {}  # a bare serve asks for no drafter's options
     assert set(ServeOptions.names()) >= {o.dest for s in drafter_specs() for o in s.options}
 
 

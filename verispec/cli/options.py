@@ -31,7 +31,9 @@ def model_options(p: argparse.ArgumentParser, drafter_default: str = "ngram") ->
                         "up to --k (for experiments)")
     for spec in drafter_specs():
         for o in spec.options:
-            if o.type is bool:
+            if o.type is bool and o.default:  # on by default: --flag / --no-flag
+                g.add_argument(f"--{o.flag}", action=argparse.BooleanOptionalAction, default=True, help=o.help)
+            elif o.type is bool:
                 g.add_argument(f"--{o.flag}", action="store_true", help=o.help)
             else:
                 g.add_argument(f"--{o.flag}", type=o.type, default=o.default, help=o.help,
