@@ -122,3 +122,14 @@ def test_a_server_offers_it_unbatched_only_and_says_why(tiny_dir, capsys):
     assert isinstance(unbatched.drafters["lookahead"](), LookaheadDrafter)
     assert main(["serve", "--target", str(tiny_dir), "--drafter", "lookahead"]) == 2
     assert "--drafter lookahead verifies one sequence per pass; add --max-batch 1" in capsys.readouterr().err
+
+
+def test_a_backend_without_trees_is_refused_before_any_work(tiny_target):
+    class ChainsOnly(type(tiny_target)):
+        supports_trees = False
+
+    target = ChainsOnly(model=tiny_target.model, tokenizer=tiny_target.tokenizer, name="chains",
+                        eos_token_ids=frozenset())
+    with pytest.raises(InvalidRequest, match="lookahead drafter's token trees need a backend .*transformers or "
+                                             "openvino"):
+        SpeculativeDecoder(target, LookaheadDrafter())

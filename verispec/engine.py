@@ -175,8 +175,9 @@ class SpeculativeDecoder:
             raise InvalidRequest(f"the {self.drafter_name} drafter reads the target's hidden states, which the "
                                  f"{target.backend} backend does not provide; use --backend transformers")
         if drafter is not None and drafter.tree_depth and not target.supports_trees:
-            raise InvalidRequest(f"token trees need the transformers backend (the {target.backend} backend verifies "
-                                 "chains only); drop the tree option or use --backend transformers")
+            raise InvalidRequest(f"the {getattr(drafter, 'name', 'drafter')} drafter's token trees need a backend that "
+                                 f"verifies trees (transformers or openvino; the {target.backend} backend verifies "
+                                 "chains only): drop its tree option, pick a chain drafter, or change --backend")
 
     @property
     def drafter_name(self) -> str:
