@@ -124,6 +124,21 @@ def test_a_server_offers_it_unbatched_only_and_says_why(tiny_dir, capsys):
     assert "--drafter lookahead verifies one sequence per pass; add --max-batch 1" in capsys.readouterr().err
 
 
+def test_a_batched_server_asked_for_it_says_how_to_get_it(tiny_dir):
+    import httpx
+    from serving import Server
+
+    server = Server("--target", str(tiny_dir), "--drafter", "ngram")
+    try:
+        reply = httpx.post(server.url + "/v1/completions", timeout=60, json={
+            "model": str(tiny_dir), "prompt": "w5 w9 w7", "max_tokens": 4, "verispec": {"drafter": "lookahead"}})
+        assert reply.status_code == 400
+        assert "lookahead drafts token trees" in reply.json()["error"]["message"]
+        assert "--max-batch 1" in reply.json()["error"]["message"]
+    finally:
+        server.stop()
+
+
 def test_a_backend_without_trees_is_refused_before_any_work(tiny_target):
     class ChainsOnly(type(tiny_target)):
         supports_trees = False

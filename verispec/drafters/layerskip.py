@@ -56,8 +56,10 @@ class LayerSkipDrafter(ModelDrafter):
         self.idle = self.calibration is not None and self.calibration.predicted_speedup <= 1.0
         super().__init__(without(self.skipped), None)
         if self.idle:
-            log.warning("layerskip drafts nothing for %s: no skipped layers are predicted to pay there (%s); name "
-                        "layers with --layerskip-layers to draft anyway", target.name, self.calibration.describe())
+            if isinstance(layers, str):  # said once, where the choice was looked up (not by a server's copies)
+                log.warning("layerskip drafts nothing for %s: no skipped layers are predicted to pay there (%s); "
+                            "name layers with --layerskip-layers to draft anyway", target.name,
+                            self.calibration.describe())
         else:
             log.info("layerskip drafts with %d of the %d layers of %s (skipping %s)", count - len(self.skipped),
                      count, target.name, format_layers(self.skipped))

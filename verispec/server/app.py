@@ -29,7 +29,7 @@ from starlette.exceptions import HTTPException
 
 from ..version import __version__
 from ..batching import BatchEngine, BatchWorker, join_siblings, sample_seeds
-from ..drafters import NONE, drafter_names
+from ..drafters import NONE, drafter_names, get_spec
 from ..engine import SpeculativeDecoder
 from ..errors import InvalidRequest
 from .config import LocalSwitch, ServerConfig
@@ -101,8 +101,13 @@ class Server:
                            "model", "model_not_found")
         opts = req.verispec
         if opts.drafter is not None and opts.drafter not in self.drafter_names:
-            hint = (f" (a server offers {opts.drafter} when started with --drafter {opts.drafter} or one of its "
-                    "options)" if opts.drafter in drafter_names() else "")
+            hint = ""
+            if opts.drafter in drafter_names():
+                spec = get_spec(opts.drafter)
+                hint = (f" ({opts.drafter} drafts token trees, which verify one sequence per pass: a server offers it "
+                        f"when started with --max-batch 1)" if self.batched and spec.drafts_trees(spec.defaults())
+                        else f" (a server offers {opts.drafter} when started with --drafter {opts.drafter} or one of "
+                             "its options)")
             raise APIError(400, f"drafter '{opts.drafter}' is not available; this server has: "
                                 f"{', '.join(self.drafter_names)}{hint}", param="verispec.drafter")
         n = req.n
