@@ -200,11 +200,8 @@ class LoadedModel:
                 extra = dict(position_ids=positions, attention_mask=for_layers(self.model.config, mask, positions[0],
                                                                               keys))
             elif fixed:  # the buffer's columns past the sequence hold stale keys: mask them explicitly
-                positions = torch.arange(len(kv), len(kv) + n, device=self.device)
-                mask = kv.mask(n, self.dtype, self.device)
-                keys = torch.arange(mask.shape[-1], device=self.device)
-                extra = dict(position_ids=positions[None],
-                             attention_mask=for_layers(self.model.config, mask, positions, keys))
+                extra = dict(position_ids=torch.arange(len(kv), len(kv) + n, device=self.device)[None],
+                             attention_mask=kv.mask(n, self.dtype, self.device, self.model.config))
             out = self.model(input_ids=torch.tensor([list(tokens)], device=self.device), cache=kv.cache,
                              use_cache=True, logits_to_keep=1 if last_only else 0,
                              output_hidden_states=bool(feature_layers), **extra)

@@ -138,15 +138,22 @@ class FixedKV:
             self._columns = None
         self.length += width
 
-    def mask(self, width: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def mask(self, width: int, dtype: torch.dtype, device: torch.device, config=None):
         """The additive attention mask of a causal pass of ``width`` tokens after the cached ones:
         ``[1, 1, width, columns]`` (all of the buffer, or what ``eager`` set), 0 where a token may attend, the
-        dtype's minimum elsewhere."""
+        dtype's minimum elsewhere; with the model's ``config``, as its layers take it (``masks.for_layers``: a
+        model with sliding-window layers gets them a windowed copy). Columns are marked dynamic: one graph for all
+        cache sizes."""
         columns = torch.arange(self._columns or self.capacity, device=device)
         positions = torch.arange(self.length, self.length + width, device=device)
         allowed = columns[None, :] <= positions[:, None]
         mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
-        return _dynamic_columns(mask[None, None], 3)
+        mask = mask[None, None]
+        if config is not None:
+            mask = for_layers(config, mask, positions, columns)
+        if isinstance(mask, dict):
+            return {kind: _dynamic_columns(m, 3) for kind, m in mask.items()}
+        return _dynamic_columns(mask, 3)
 
     def close(self) -> None:
         self.cache = Cache(layer_class_to_replicate=self._new_layer)
@@ -224,14 +231,9 @@ class CompiledStep:
         # freezing folds the weights into the graph as constants; inductor reads it when it compiles, which is
         # during a call (the first, or one whose guards fail), and torch.compile's options do not pass it on
         with inductor_config.patch(freezing=True):
-            mask = kv.mask(1, self.dtype, self.device)
-            position = torch.tensor([kv.length], device=self.device)
-            mask = for_layers(self._config, mask, position, torch.arange(mask.shape[-1], device=self.device))
-            # windowed copies vary in columns too: still one graph for every cache size
-            mask = ({kind: _dynamic_columns(m, 3) for kind, m in mask.items()} if isinstance(mask, dict)
-                    else _dynamic_columns(mask, 3))
             out = self._model(input_ids=torch.tensor([[token]], device=self.device), cache=kv.cache,
-                              position_ids=position[None], attention_mask=mask, use_cache=True)
+                              position_ids=torch.tensor([[kv.length]], device=self.device),
+                              attention_mask=kv.mask(1, self.dtype, self.device, self._config), use_cache=True)
         kv.length += 1
         if self.compile_seconds is None:
             self.compile_seconds = time.perf_counter() - t0
