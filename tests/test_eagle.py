@@ -405,10 +405,10 @@ def test_context_tokens_join_the_draft_vocabulary(small_target, trained_head_dir
     decoder = SpeculativeDecoder(small_target, drafter, k=4, k_policy="fixed")
     out = decoder.generate(prompt, max_new_tokens=20)
     assert out.token_ids == SpeculativeDecoder(small_target).generate(prompt, max_new_tokens=20).token_ids
-    assert set(prompt) <= set(drafter._ids) and len(drafter._ids) == len(set(drafter._ids))
+    assert set(prompt) <= set(drafter.vocab.ids) and len(drafter.vocab.ids) == len(set(drafter.vocab.ids))
     closed = EagleDrafter(small_target, head, context_vocab=False)
     SpeculativeDecoder(small_target, closed, k=4, k_policy="fixed").generate(prompt, max_new_tokens=20)
-    assert set(closed._ids) == base
+    assert set(closed.vocab.ids) == base
     # sampled drafts over the grown vocabulary stay lossless (its q covers the context tokens)
     assert joint_p_value(SpeculativeDecoder(small_target, drafter, k=3, k_policy="fixed"), SamplingParams(temperature=0.3)) > ALPHA
 

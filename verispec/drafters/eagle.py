@@ -39,6 +39,7 @@ from ..sampling import SamplingParams, probabilities, sample
 from .base import EMPTY_DRAFT, Draft, DrafterBase
 from .ngram import NgramDrafter
 from .registry import DrafterSpec, Option, register
+from .vocabulary import ContextVocabulary
 
 
 class EagleDrafter(DrafterBase):
@@ -65,10 +66,9 @@ class EagleDrafter(DrafterBase):
             head = EagleHead.load(resolve_head(target.name, head), dtype=target.dtype)
         self.head = head.to(target.device).attach(target.embedding_model)
         self.feature_layers = tuple(head.config.feature_layers)
-        self.vocab_size = target.vocab_size
         self.context_vocab = context_vocab
-        self._lm_head = target.embedding_model.get_output_embeddings().weight.detach()
-        self._base_ids = set(self.head.d2t.tolist())
+        self.vocab = ContextVocabulary(self.head.d2t, target.embedding_model.get_output_embeddings().weight.detach(),
+                                       target.vocab_size, self.head.lm_head_d.dtype)
         self._cache = HeadCache()
         self._tokens: list[int] = []  # the cache holds the pairs of positions 0..len(cache)-1 of these tokens
         self.reset(SamplingParams(), None)
@@ -76,11 +76,7 @@ class EagleDrafter(DrafterBase):
     def reset(self, sampling: SamplingParams, generator: torch.Generator | None) -> None:
         self.sampling = sampling
         self.generator = generator
-        self._ids = self.head.d2t.tolist()  # draft id -> target id, grown by the request's context tokens
-        self._ids_tensor = self.head.d2t
-        self._extra: torch.Tensor | None = None  # lm_head rows of the context tokens outside the base vocabulary
-        self._seen: set[int] = set()
-        self._scanned = 0
+        self.vocab.reset()  # the draft vocabulary grows by the request's context tokens
         self._lookup_draft: tuple[int, list[int]] | None = None  # (pending position, tokens) of the last branch
         if self._lookup is not None:
             self._lookup.reset(sampling, generator)
@@ -105,7 +101,9 @@ class EagleDrafter(DrafterBase):
         head = self.head
         device = features.device
         if self.context_vocab:
-            self._grow_vocabulary(context)
+            if self.vocab.scanned > len(context):  # a different sequence: start over
+                self.reset(self.sampling, self.generator)
+            self.vocab.grow(context)
         new_tokens = torch.tensor(context[keep + 1 : m + 1], device=device)
         g = head.step(new_tokens, head.fuse_features(features[keep:m]), self._cache)[-1]  # [H]
         if self.tree:
@@ -120,15 +118,13 @@ class EagleDrafter(DrafterBase):
         probs: list[torch.Tensor] = []
         confidence: list[float] = []
         for depth in range(k):
-            logits = head.logits(g, self._extra)  # [draft vocabulary]
+            logits = head.logits(g, self.vocab.extra)  # [draft vocabulary]
             # the head's largest probability: a property of the distribution, not of the token drawn from it
             confidence.append(float(torch.softmax(logits.float(), dim=-1).max()))
             if self.sampling.greedy:
-                token = self._ids[int(logits.argmax())]
+                token = self.vocab.ids[int(logits.argmax())]
             else:
-                full = logits.new_full((self.vocab_size,), float("-inf"))
-                full[self._ids_tensor] = logits
-                q = probabilities(full, self.sampling)
+                q = probabilities(self.vocab.full(logits), self.sampling)
                 token = sample(q, self.generator)
                 probs.append(q)
             tokens.append(token)
@@ -148,28 +144,13 @@ class EagleDrafter(DrafterBase):
         self._lookup_draft = (m, tokens) if tokens else None
         return tokens
 
-    def _grow_vocabulary(self, context: Sequence[int]) -> None:
-        if self._scanned > len(context):  # a different sequence: start over
-            self.reset(self.sampling, self.generator)
-        new = []
-        for token in context[self._scanned :]:
-            if token not in self._base_ids and token not in self._seen and 0 <= token < self.vocab_size:
-                self._seen.add(token)
-                new.append(token)
-        self._scanned = len(context)
-        if new:
-            rows = self._lm_head[torch.tensor(new, device=self._lm_head.device)].to(self.head.lm_head_d.dtype)
-            self._extra = rows if self._extra is None else torch.cat([self._extra, rows])
-            self._ids = self._ids + new
-            self._ids_tensor = torch.tensor(self._ids, device=self.head.d2t.device)
-
     def _grow_tree(self, g0: torch.Tensor, m: int, budget: int) -> Draft:
         head, cache, width = self.head, self._cache, self.width
         device = g0.device
-        d2t = self._ids
+        d2t = self.vocab.ids
         # node: [token, parent node (-1 = pending), depth, cumulative log-prob, head cache index, g]
         nodes: list[list] = []
-        top = torch.log_softmax(head.logits(g0, self._extra).float(), dim=-1).topk(width)
+        top = torch.log_softmax(head.logits(g0, self.vocab.extra).float(), dim=-1).topk(width)
         for value, index in zip(top.values.tolist(), top.indices.tolist()):
             nodes.append([d2t[index], -1, 1, value, None, None])
         frontier = list(range(len(nodes)))
@@ -189,7 +170,7 @@ class EagleDrafter(DrafterBase):
             tokens = torch.tensor([nodes[i][0] for i in expand], device=device)
             positions = torch.full((len(expand),), m + depth - 2, device=device)  # the pair of a depth-d node
             g = head.step(tokens, feats, cache, positions, visible)  # [w, H]
-            top = torch.log_softmax(head.logits(g, self._extra).float(), dim=-1).topk(width, dim=-1)
+            top = torch.log_softmax(head.logits(g, self.vocab.extra).float(), dim=-1).topk(width, dim=-1)
             frontier = []
             for row, i in enumerate(expand):
                 nodes[i][5] = g[row]

@@ -83,6 +83,14 @@ def draft_vocabulary(sequences: list[Sequence], size: int, vocab_size: int, alwa
     return torch.tensor(sorted(chosen)[:size])
 
 
+def cosine_lr(step: int, total: int, warmup: int, peak: float) -> float:
+    """Linear warm-up to ``peak``, then cosine decay to a tenth of it at step ``total``."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    frac = (step - warmup) / max(1, total - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
 def validation_split(sequences: list[Sequence], count: int, seed: int = 0) -> tuple[list[Sequence], list[Sequence]]:
     """(train, validation): the ``count`` sequences whose prompts hash lowest (seeded) are held out.
 
@@ -177,7 +185,7 @@ def train_head(target: LoadedModel, data_dir: str | Path, out_dir: str | Path, c
         d2t = head.d2t.clone()
     else:
         d2t = draft_vocabulary(train, config.draft_vocab_size, target.vocab_size, set(target.eos_token_ids))
-    coverage = _coverage(val, d2t)
+    coverage = vocabulary_coverage(val, d2t)
     log(f"{len(train)} training / {len(val)} validation sequences; draft vocabulary {len(d2t)} tokens covers "
         f"{100 * coverage:.1f}% of validation answer tokens")
 
@@ -212,12 +220,6 @@ def train_head(target: LoadedModel, data_dir: str | Path, out_dir: str | Path, c
     batches_per_epoch = len(make_batches(train, config.batch_tokens, random.Random(0)))
     total = max(1, batches_per_epoch * config.epochs)
 
-    def lr_at(step: int) -> float:
-        if step < config.warmup_steps:
-            return config.lr * (step + 1) / config.warmup_steps
-        progress_frac = (step - config.warmup_steps) / max(1, total - config.warmup_steps)
-        return config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress_frac))))
-
     report = TrainReport(continued_from=continued_from)
     best_score = -1.0
     start = time.perf_counter()
@@ -232,7 +234,7 @@ def train_head(target: LoadedModel, data_dir: str | Path, out_dir: str | Path, c
         for seqs in make_batches(train, config.batch_tokens, rng):
             batch = collate(seqs, select, config.prompt_loss)
             for group in opt.param_groups:
-                group["lr"] = lr_at(step)
+                group["lr"] = cosine_lr(step, total, config.warmup_steps, config.lr)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16_autocast):
                 states = unrolled_states(head, batch, config.ttt_steps)
             loss, weight_sum = 0.0, 0.0
@@ -314,7 +316,8 @@ def _init_from_target_layer(head: EagleHead, model, index: int) -> None:
                 state[name].copy_(weight.float())
 
 
-def _coverage(sequences: list[Sequence], d2t: torch.Tensor) -> float:
+def vocabulary_coverage(sequences: list[Sequence], d2t: torch.Tensor) -> float:
+    """The share of answer tokens in ``sequences`` that the draft vocabulary ``d2t`` holds."""
     allowed = torch.zeros(int(max(d2t.max().item(), max(int(s.tokens.max()) for s in sequences))) + 1, dtype=torch.bool)
     allowed[d2t] = True
     hit = total = 0
@@ -370,7 +373,7 @@ def _format_metrics(m: dict) -> str:
 
 
 def _save(head: EagleHead, out_dir, meta: dict, config: TrainConfig, report: TrainReport, coverage: float) -> None:
-    head.config.training = _training_record(meta, config, report, coverage)
+    head.config.training = training_record(meta, config, report, coverage)
     head.save(out_dir)
 
 
@@ -379,11 +382,12 @@ def _save_training_record(out_dir, meta, config, report, coverage) -> None:
 
     folder = Path(out_dir)
     cfg = HeadConfig.load(folder)
-    cfg.training = _training_record(meta, config, report, coverage)
+    cfg.training = training_record(meta, config, report, coverage)
     cfg.save(folder)
 
 
-def _training_record(meta: dict, config: TrainConfig, report: TrainReport, coverage: float) -> dict:
+def training_record(meta: dict, config, report: TrainReport, coverage: float) -> dict:
+    """What a trained head's config.json records of its training: data, settings (a dataclass), validation."""
     return {
         "data": {k: meta.get(k) for k in ("source", "sequences", "max_new_tokens", "dtype")},
         "config": asdict(config),
