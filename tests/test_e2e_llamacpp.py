@@ -59,7 +59,7 @@ def test_plain_decoding_equals_llama_cpp_pythons_greedy_generate(llama_q41):
         assert ours == plain_llama_cpp_python(llama_q41, ids, 40), prompt
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "model", "eagle"])
+@pytest.mark.parametrize("drafter", ["ngram", "model", "eagle", "medusa"])
 def test_speculation_on_f32_weights_is_identical_to_plain_decoding(llama_f32, drafter):
     plain = SpeculativeDecoder(llama_f32)
     draft = make_drafter(drafter, target=llama_f32, draft_model=llama_f32 if drafter == "model" else None)
@@ -131,6 +131,8 @@ def test_what_the_backend_cannot_do_is_a_clear_error(llama_q41, tiny_dir):
         llama_q41.forward(llama_q41.new_kv(), [1, 2], feature_layers=(1,))
     with pytest.raises(InvalidRequest, match="features=True"):
         make_drafter("eagle", target=llama_q41)
+    with pytest.raises(InvalidRequest, match="features=True"):
+        make_drafter("medusa", target=llama_q41)
     with pytest.raises(ModelNotFound, match="GGUF"):
         load_model(str(tiny_dir), backend="llamacpp")
     with pytest.raises(InvalidRequest, match="--weights"):

@@ -19,9 +19,9 @@ PACKAGE = Path(__file__).resolve().parents[1] / "verispec"
 LAYERS = [
     ("entry points", ["verispec.cli", "verispec.__main__"]),
     ("services", ["verispec.server", "verispec.ray", "verispec.bench", "verispec.audit", "verispec.eagle.train",
-                  "verispec.eagle.data"]),
+                  "verispec.eagle.data", "verispec.medusa.train"]),
     ("the loop", ["verispec.batching", "verispec.engine", "verispec.controller"]),
-    ("drafters", ["verispec.drafters", "verispec.eagle", "verispec.compat"]),
+    ("drafters", ["verispec.drafters", "verispec.eagle", "verispec.medusa", "verispec.compat"]),
     ("backends", ["verispec.backends"]),
     ("pure helpers", ["verispec.verify", "verispec.sampling", "verispec.tree", "verispec.text", "verispec.stats",
                       "verispec.analysis", "verispec.errors", "verispec.features", "verispec.prefix",
@@ -128,7 +128,7 @@ def test_a_planted_cycle_and_an_upward_import_are_caught(tmp_path):
 @pytest.mark.parametrize("module", ["verispec.engine", "verispec.verify", "verispec.sampling", "verispec.audit",
                                     "verispec.controller", "verispec.batching", "verispec.drafters.base",
                                     "verispec.drafters.ngram", "verispec.drafters.model", "verispec.drafters.eagle",
-                                    "verispec.drafters.registry"])
+                                    "verispec.drafters.medusa", "verispec.drafters.registry"])
 def test_the_loop_and_drafters_reach_the_target_through_the_protocol_only(module):
     """The engine, verification, sampling, the audit and the drafters may import the backends' protocol
     (``verispec.backends.base``) and the store of measured costs (``verispec.backends.measurements``), never a

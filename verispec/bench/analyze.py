@@ -90,6 +90,27 @@ def eagle_teacher_forced_beta(target: TargetModel, head, sequences: Sequence[tup
     return total / count if count else float("nan")
 
 
+@torch.inference_mode()
+def medusa_teacher_forced_beta(target: TargetModel, heads, sequences: Sequence[tuple[list[int], list[int]]],
+                               sampling: SamplingParams) -> float:
+    """Like ``teacher_forced_beta`` for the first Medusa head: q for t_{j+2} from the target's true final state h_j
+    (what the head reads for the first draft token of a step), against p at j + 1."""
+    total, count = 0.0, 0
+    for prompt, generated in sequences:
+        n = len(generated)
+        if n < 2:
+            continue
+        ids = prompt + generated[:-1]
+        out = target.forward(target.new_kv(), ids, feature_layers=(heads.config.final_layer,))
+        p = probabilities(out.logits[-(n - 1):].float(), sampling)  # p(t_{j+2}) at the last n - 1 positions
+        states = heads.states(out.hidden[-n:-1, 0], 1)[:, 0]  # h_j, one position earlier
+        full = torch.full((n - 1, p.shape[-1]), float("-inf"), device=p.device)
+        full[:, heads.d2t] = heads.logits(states).float()
+        total += analysis.beta(p, probabilities(full, sampling)).sum().item()
+        count += n - 1
+    return total / count if count else float("nan")
+
+
 @dataclass
 class Analysis:
     drafter: str

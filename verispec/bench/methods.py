@@ -9,6 +9,7 @@ is a model reference:
     eagle  eagle:DIR:k=6         verispec's EAGLE head (the shipped one, or the head folder DIR)
     eagle:tree=1:k=16            the same head drafting a tree of k nodes (:depth=4:width=4)
     eagle:tree=1:lookup=1:k=24   ... with a prompt-lookup branch in the tree (drafter eagle+lookup)
+    medusa  medusa:DIR:k=4       verispec's Medusa heads (the shipped set, or the folder DIR); medusa:tree=1:k=10
     hf:greedy                    transformers ``generate`` (greedy or sampling)
     hf:pld  hf:pld:k=10          transformers prompt lookup (``prompt_lookup_num_tokens``, default 10)
     hf:assisted:REF              transformers assisted generation with draft model REF

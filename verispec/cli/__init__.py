@@ -1,4 +1,4 @@
-"""Command line: ``verispec generate | audit | bench | analyze | bench-serve | serve | train-eagle | models``.
+"""Command line: ``verispec generate | audit | bench | analyze | bench-serve | serve | train-eagle | train-medusa | models``.
 Argument parsing and printing live in this package, never in the library."""
 
 from __future__ import annotations

@@ -64,6 +64,7 @@ def add_parsers(sub) -> None:
                "  (verispec methods also take :policy=cost|fixed, the k policy; default --k-policy)\n"
                "  model:REF[:k=4]     verispec with a separate draft model\n"
                "  eagle[:DIR][:k=8]   verispec's EAGLE head (shipped for the built-in target, or a train-eagle folder)\n"
+               "  medusa[:DIR][:k=4][:tree=1]   verispec's Medusa heads (shipped, or a train-medusa folder)\n"
                "  hf:greedy           transformers generate\n"
                "  hf:pld[:k=10]       transformers prompt lookup (prompt_lookup_num_tokens)\n"
                "  hf:assisted:REF     transformers assisted generation with a draft model\n"
@@ -246,7 +247,8 @@ def add_analyze_parser(sub) -> None:
                     "speedup(k) = E(k) / (k c + r(k)) and the optimal k. --sweep-k measures the real speedup "
                     "for the same ks beside the prediction (interleaved with plain decoding per question).")
     a.add_argument("--drafter", default="ngram",
-                   help="a verispec method spec: ngram[:min_n=2:max_n=4], model:REF or eagle[:DIR] (default: ngram)")
+                   help="a verispec method spec of any drafter: ngram[:min_n=2:max_n=4], model:REF, eagle[:DIR], "
+                        "medusa[:DIR], lookahead, ... (default: ngram)")
     a.add_argument("--k-max", type=int, default=16, help="draft length of the measuring run; predictions cover "
                                                          "k = 1..k-max (default: 16)")
     _prompt_options(a, limit_default=3)
@@ -274,7 +276,9 @@ def cmd_analyze(args) -> int:
 
     from ..bench import build_method, parse_spec, run_benchmark, summarize
     from ..bench.runner import prompt_encoder
-    from ..bench.analyze import analyze, eagle_teacher_forced_beta, teacher_forced_beta, verify_cost_curve
+    from ..bench.analyze import (analyze, eagle_teacher_forced_beta, medusa_teacher_forced_beta, teacher_forced_beta,
+                                  verify_cost_curve)
+    from ..drafters import NONE, drafter_names, get_spec
     from ..bench.plots import analysis_plot
     from ..bench.summary import position_acceptance
     from ..bench.environment import environment
@@ -286,9 +290,17 @@ def cmd_analyze(args) -> int:
     if args.repeats < 1:
         raise InvalidRequest(f"--repeats must be >= 1, got {args.repeats}")
     head, refs, opts = parse_spec(args.drafter)
-    if head not in ("ngram", "model", "eagle") or "k" in opts:
-        raise InvalidRequest(f"--drafter must be ngram[:options], model:REF or eagle[:DIR] (k comes from --k-max), "
+    if head not in drafter_names() or head == NONE or "k" in opts:
+        raise InvalidRequest(f"--drafter must be a drafter's method spec, one of {', '.join(drafter_names()[1:])} "
+                             f"with its options (e.g. ngram:min_n=3, model:REF, eagle:DIR); k comes from --k-max; "
                              f"got {args.drafter!r}")
+    spec = get_spec(head)
+    typed = {n: spec.option(n).parse(v, f"--drafter {args.drafter}") for n, v in opts.items()
+             if n in spec.defaults()}
+    if spec.drafts_trees({**spec.defaults(), **typed}):
+        raise InvalidRequest(f"analyze models a chain of draft positions, and --drafter {args.drafter} drafts token "
+                             "trees; measure trees with verispec bench (tokens per step and speedup per method)"
+                             + (f", or analyze its chain (without {spec.tree_option})" if spec.tree_option else ""))
     sweep = _ks(args.sweep_k, args.k_max) if args.sweep_k else []
     questions = _questions(args)
     target, load = _setup(args)
@@ -310,19 +322,23 @@ def cmd_analyze(args) -> int:
     steps = [list(zip(r["step_drafted"], r["step_accepted"])) for r in records]
 
     teacher = None
-    if head == "model":
+    if head in ("model", "eagle", "medusa"):  # beta on the first turns' answers, each drafter's q teacher-forced
         first = {r["question_id"]: r["token_ids"] for r in records if r["turn"] == 1}
         seqs = [(encode([{"role": "user", "content": q.turns[0]}]), first[q.question_id]) for q in questions]
-        print("teacher-forced beta ...", file=sys.stderr)
-        teacher = teacher_forced_beta(target, load(refs[0]), seqs, sampling)
-    elif head == "eagle":
-        first = {r["question_id"]: r["token_ids"] for r in records if r["turn"] == 1}
-        seqs = [(encode([{"role": "user", "content": q.turns[0]}]), first[q.question_id]) for q in questions]
-        print("teacher-forced beta (depth 1) ...", file=sys.stderr)
-        from ..drafters import EagleDrafter
+        where = {"model": "every position", "eagle": "depth 1", "medusa": "head 1"}[head]
+        print(f"teacher-forced beta ({where}) ...", file=sys.stderr)
+        if head == "model":
+            teacher = teacher_forced_beta(target, load(refs[0]), seqs, sampling)
+        elif head == "eagle":
+            from ..drafters import EagleDrafter
 
-        head_model = EagleDrafter(target, refs[0] if refs else None).head
-        teacher = eagle_teacher_forced_beta(target, head_model, seqs, sampling)
+            teacher = eagle_teacher_forced_beta(target, EagleDrafter(target, refs[0] if refs else None).head, seqs,
+                                                sampling)
+        else:
+            from ..drafters.medusa import MedusaDrafter
+
+            teacher = medusa_teacher_forced_beta(target, MedusaDrafter(target, refs[0] if refs else None).heads, seqs,
+                                                 sampling)
 
     first_rec = records[0]
     context_len = int(statistics.median([r["prompt_tokens"] for r in records])) + args.max_new_tokens // 2

@@ -11,6 +11,7 @@ from pathlib import Path
 from ..errors import InvalidRequest
 from ..backends import DEFAULT_MODEL, DTYPES
 from ..backends.hf import LoadedModel
+from ..drafters import get_spec
 
 
 def add_train_parser(sub) -> None:
@@ -23,24 +24,7 @@ def add_train_parser(sub) -> None:
                     "--out (model.safetensors + config.json naming the target) and checked in the real engine on "
                     "held-out prompts. Use it with: verispec generate --drafter eagle --eagle-head OUT.",
         epilog="example: verispec train-eagle --prompts ../shared/train-prompts/train_prompts.jsonl --out heads/smollm2")
-    t.add_argument("--target", default=DEFAULT_MODEL, metavar="REF", help=f"target model (default: {DEFAULT_MODEL})")
-    t.add_argument("--prompts", required=True, metavar="FILE",
-                   help="JSONL with a \"prompt\" per line; never the evaluation set (Spec-Bench prompts are refused)")
-    t.add_argument("--out", required=True, metavar="DIR", help="where the head is written")
-    d = t.add_argument_group("self-distillation data")
-    d.add_argument("--data", metavar="DIR", help="cache of answers + hidden states (default: a folder under the "
-                                                  "verispec cache named after the target and these settings); a "
-                                                  "later run with a larger --samples answers only the new prompts")
-    d.add_argument("--samples", type=int, default=2400, help="prompts the target answers (default: 2400)")
-    d.add_argument("--max-prompt-tokens", type=int, default=320, help="skip longer prompts (default: 320)")
-    d.add_argument("--max-new-tokens", type=int, default=192, help="answer length cap (default: 192)")
-    d.add_argument("--gen-dtype", default="bfloat16", choices=list(DTYPES),
-                   help="dtype of the target while answering (default: bfloat16, about 2x faster here)")
-    d.add_argument("--gen-batch-size", type=int, default=32, help="answers generated together (default: 32)")
-    d.add_argument("--layers", metavar="I,J,K",
-                   help="target hidden_states indices cached for the head's feature; the final normed state is always "
-                        "cached and fused too (default: 2, L/2, L-2 of L layers)")
-    d.add_argument("--seed", type=int, default=0, help="prompt selection and training seed (default: 0)")
+    _add_data_arguments(t, eagle=True)
     g = t.add_argument_group("training")
     g.add_argument("--epochs", type=int, default=6, help="passes over the data (default: 6)")
     g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate, cosine decay (default: 1e-3)")
@@ -59,6 +43,60 @@ def add_train_parser(sub) -> None:
                    help="held-out prompts for the final check in the real engine (default: 8; 0 skips it)")
     t.set_defaults(func=cmd_train_eagle)
 
+    m = sub.add_parser(
+        "train-medusa", help="train Medusa heads for a target on its own answers",
+        description="Train Medusa-1 heads for TARGET: one residual block per head on the target's final hidden "
+                    "state, the target's frozen lm_head over a reduced draft vocabulary; head i guesses the token i+2 "
+                    "places ahead. 1) The target answers --samples prompts from --prompts (greedy) and its final "
+                    "hidden states are cached in --data (resumable; EAGLE data works too). 2) The heads train on CPU "
+                    "against the target's own distributions (soft labels), with a progress bar and validation of "
+                    "top-1 agreement and beta per head. 3) The best checkpoint is written to --out and checked in the "
+                    "real engine on held-out prompts. Use it with: verispec generate --drafter medusa --medusa-heads OUT.",
+        epilog="example: verispec train-medusa --prompts ../shared/train-prompts/train_prompts.jsonl --out heads/medusa")
+    _add_data_arguments(m, eagle=False)
+    g = m.add_argument_group("training")
+    g.add_argument("--heads", type=int, default=4, help="Medusa heads, i.e. the longest chain drafted (default: 4)")
+    g.add_argument("--head-layers", type=int, default=1, help="residual blocks per head (default: 1)")
+    g.add_argument("--epochs", type=int, default=4, help="passes over the data (default: 4)")
+    g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate, cosine decay (default: 1e-3)")
+    g.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per step (default: 8192)")
+    g.add_argument("--answers-only", action="store_true",
+                   help="train on answer positions only (default: every position, prompt included)")
+    g.add_argument("--draft-vocab", type=int, default=8192,
+                   help="size of the heads' reduced vocabulary: the target's most frequent answer tokens "
+                        "(default: 8192)")
+    g.add_argument("--init-heads", metavar="DIR",
+                   help="continue training these heads (e.g. after adding data) instead of starting afresh; they "
+                        "keep their draft vocabulary and head count")
+    g.add_argument("--val-every", type=int, default=100, help="steps between validations (default: 100)")
+    g.add_argument("--check-prompts", type=int, default=8,
+                   help="held-out prompts for the final check in the real engine (default: 8; 0 skips it)")
+    m.set_defaults(func=cmd_train_medusa)
+
+
+def _add_data_arguments(t, *, eagle: bool) -> None:
+    """The target, the prompts, the output folder and step 1's options, shared by train-eagle and train-medusa."""
+    t.add_argument("--target", default=DEFAULT_MODEL, metavar="REF", help=f"target model (default: {DEFAULT_MODEL})")
+    t.add_argument("--prompts", required=True, metavar="FILE",
+                   help="JSONL with a \"prompt\" per line; never the evaluation set (Spec-Bench prompts are refused)")
+    t.add_argument("--out", required=True, metavar="DIR", help=f"where the {'head is' if eagle else 'heads are'} written")
+    d = t.add_argument_group("self-distillation data")
+    d.add_argument("--data", metavar="DIR", help="cache of answers + hidden states (default: a folder under the "
+                                                  "verispec cache named after the target and these settings); a "
+                                                  "later run with a larger --samples answers only the new prompts"
+                                                  + ("" if eagle else "; the data of `train-eagle` serves too"))
+    d.add_argument("--samples", type=int, default=2400, help="prompts the target answers (default: 2400)")
+    d.add_argument("--max-prompt-tokens", type=int, default=320, help="skip longer prompts (default: 320)")
+    d.add_argument("--max-new-tokens", type=int, default=192, help="answer length cap (default: 192)")
+    d.add_argument("--gen-dtype", default="bfloat16", choices=list(DTYPES),
+                   help="dtype of the target while answering (default: bfloat16, about 2x faster here)")
+    d.add_argument("--gen-batch-size", type=int, default=32, help="answers generated together (default: 32)")
+    if eagle:
+        d.add_argument("--layers", metavar="I,J,K",
+                       help="target hidden_states indices cached for the head's feature; the final normed state is "
+                            "always cached and fused too (default: 2, L/2, L-2 of L layers)")
+    d.add_argument("--seed", type=int, default=0, help="prompt selection and training seed (default: 0)")
+
 
 def _refuse_eval_prompts(prompts: list[str]) -> None:
     from ..bench.prompts import default_prompts_path, load_questions
@@ -73,28 +111,24 @@ def _refuse_eval_prompts(prompts: list[str]) -> None:
                              "(train on e.g. ../shared/train-prompts/train_prompts.jsonl)")
 
 
-def cmd_train_eagle(args) -> int:
-    from ..eagle.data import build_dataset, read_prompts, select_prompts
-    from ..eagle.train import TrainConfig, train_head
-    from ..backends import cache_dir, load_model
-
-    for name, value, low in (("--samples", args.samples, 2), ("--max-new-tokens", args.max_new_tokens, 1),
-                             ("--gen-batch-size", args.gen_batch_size, 1), ("--epochs", args.epochs, 1),
-                             ("--ttt-steps", args.ttt_steps, 1), ("--draft-vocab", args.draft_vocab, 2),
-                             ("--batch-tokens", args.batch_tokens, 64), ("--max-prompt-tokens", args.max_prompt_tokens, 2)):
+def _check_whole_numbers(*pairs) -> None:
+    for name, value, low in pairs:
         if value < low:
             raise InvalidRequest(f"{name} must be >= {low}, got {value}")
-    if args.init_head:  # fail before an hour of data generation, not after
-        from ..eagle.head import EagleHead
 
-        EagleHead.load(args.init_head)
+
+def _self_distillation(args, kind: str) -> tuple[Path, list[list[int]]]:
+    """Step 1 of a trainer: the target's answers and hidden states cached on disk (resumable), and the held-out
+    prompts for the final check. EAGLE caches its --layers beside the final state; Medusa the final state only."""
+    from ..eagle.data import build_dataset, read_prompts, select_prompts
+    from ..backends import cache_dir, load_model
+
+    _check_whole_numbers(("--samples", args.samples, 2), ("--max-new-tokens", args.max_new_tokens, 1),
+                         ("--gen-batch-size", args.gen_batch_size, 1), ("--max-prompt-tokens", args.max_prompt_tokens, 2))
     texts = read_prompts(args.prompts)
     _refuse_eval_prompts(texts)
-    started = time.perf_counter()
-
     gen_target = load_model(args.target, dtype=args.gen_dtype)
-    n_layers = gen_target.model.config.num_hidden_layers
-    layers = _parse_layers(args.layers, n_layers)
+    layers = _parse_layers(args.layers, gen_target.model.config.num_hidden_layers) if kind == "eagle" else []
     chosen = select_prompts(gen_target, texts, args.samples + args.check_prompts, args.max_prompt_tokens, args.seed)
     train_ids, check_ids = chosen[: args.samples], chosen[args.samples:]
     if len(train_ids) < 2:
@@ -104,12 +138,26 @@ def cmd_train_eagle(args) -> int:
     settings = dict(target=args.target, prompts=str(Path(args.prompts).resolve()), max_prompt=args.max_prompt_tokens,
                     max_new=args.max_new_tokens, layers=layers, seed=args.seed, dtype=args.gen_dtype)
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
-    data_dir = Path(args.data) if args.data else cache_dir() / "eagle-data" / f"{Path(args.target).name}-{key}"
+    data_dir = Path(args.data) if args.data else cache_dir() / f"{kind}-data" / f"{Path(args.target).name}-{key}"
     print(f"verispec: step 1/3: {len(train_ids)} answers by {args.target} ({args.gen_dtype}) -> {data_dir}",
           file=sys.stderr)
     build_dataset(gen_target, train_ids, data_dir, layers=tuple(layers), max_new_tokens=args.max_new_tokens,
                   batch_size=args.gen_batch_size, source=f"{Path(args.prompts).name} (seed {args.seed})")
-    del gen_target
+    return data_dir, check_ids
+
+
+def cmd_train_eagle(args) -> int:
+    from ..eagle.train import TrainConfig, train_head
+    from ..backends import load_model
+
+    _check_whole_numbers(("--epochs", args.epochs, 1), ("--ttt-steps", args.ttt_steps, 1),
+                         ("--draft-vocab", args.draft_vocab, 2), ("--batch-tokens", args.batch_tokens, 64))
+    if args.init_head:  # fail before an hour of data generation, not after
+        from ..eagle.head import EagleHead
+
+        EagleHead.load(args.init_head)
+    started = time.perf_counter()
+    data_dir, check_ids = _self_distillation(args, "eagle")
 
     target = load_model(args.target, dtype="float32")
     config = TrainConfig(epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens, ttt_steps=args.ttt_steps,
@@ -117,11 +165,39 @@ def cmd_train_eagle(args) -> int:
                          prompt_loss=not args.answers_only, init_head=args.init_head)
     print(f"verispec: step 2/3: training the head -> {args.out}", file=sys.stderr)
     report = train_head(target, data_dir, args.out, config, log=lambda m: print(f"verispec: {m}", file=sys.stderr))
+    return _finish(args, target, data_dir, check_ids, report, started, "eagle")
+
+
+def cmd_train_medusa(args) -> int:
+    from ..medusa.train import MedusaTrainConfig, train_medusa
+    from ..backends import load_model
+
+    _check_whole_numbers(("--epochs", args.epochs, 1), ("--heads", args.heads, 1), ("--head-layers", args.head_layers, 1),
+                         ("--draft-vocab", args.draft_vocab, 2), ("--batch-tokens", args.batch_tokens, 64))
+    if args.init_heads:  # fail before an hour of data generation, not after
+        from ..medusa.head import MedusaHeads
+
+        MedusaHeads.load(args.init_heads)
+    started = time.perf_counter()
+    data_dir, check_ids = _self_distillation(args, "medusa")
+
+    target = load_model(args.target, dtype="float32")
+    config = MedusaTrainConfig(num_heads=args.heads, layers=args.head_layers, epochs=args.epochs, lr=args.lr,
+                               batch_tokens=args.batch_tokens, draft_vocab_size=args.draft_vocab,
+                               val_every=args.val_every, seed=args.seed, prompt_loss=not args.answers_only,
+                               init_heads=args.init_heads)
+    print(f"verispec: step 2/3: training the heads -> {args.out}", file=sys.stderr)
+    report = train_medusa(target, data_dir, args.out, config, log=lambda m: print(f"verispec: {m}", file=sys.stderr))
+    return _finish(args, target, data_dir, check_ids, report, started, "medusa")
+
+
+def _finish(args, target, data_dir, check_ids, report, started: float, drafter: str) -> int:
+    """Step 3: the trained drafter in the real engine on held-out prompts; a JSON summary on stdout."""
     summary = {"out": str(args.out), "data": str(data_dir), "steps": report.steps,
                "train_seconds": round(report.seconds, 1), "best_validation": report.best}
     if check_ids:
         print(f"verispec: step 3/3: greedy check on {len(check_ids)} held-out prompts", file=sys.stderr)
-        check = measure_acceptance(target, args.out, check_ids)
+        check = measure_acceptance(target, drafter, args.out, check_ids)
         summary["held_out_check"] = check
         _record(args.out, "held_out_check", check)
     summary["total_seconds"] = round(time.perf_counter() - started, 1)
@@ -143,24 +219,27 @@ def _parse_layers(text: str | None, n_layers: int) -> list[int]:
 
 
 def _record(out: str | Path, key: str, value) -> None:
-    from ..eagle.head import HeadConfig
+    """Add ``key`` to the training record in a trained head's config.json."""
+    path = Path(out) / "config.json"
+    cfg = json.loads(path.read_text())
+    cfg.setdefault("training", {})[key] = value
+    path.write_text(json.dumps(cfg, indent=2) + "\n")
 
-    cfg = HeadConfig.load(Path(out))
-    cfg.training[key] = value
-    cfg.save(Path(out))
 
-
-def measure_acceptance(target: LoadedModel, head_dir: str | Path, prompts: list[list[int]], k: int = 6,
-                       max_new_tokens: int = 96, progress: bool = True) -> dict:
-    """Run the trained head in the real engine (greedy) on held-out prompts: mean accepted tokens per step
-    (#MAT, bonus included) and acceptance per draft position."""
+def measure_acceptance(target: LoadedModel, drafter: str, head_dir: str | Path, prompts: list[list[int]],
+                       k: int | None = None, max_new_tokens: int = 96, progress: bool = True) -> dict:
+    """Run the trained ``drafter`` (eagle or medusa, a chain) from ``head_dir`` in the real engine (greedy) on
+    held-out prompts: mean accepted tokens per step (#MAT, bonus included) and acceptance per draft position."""
     from tqdm import tqdm
 
-    from ..drafters.eagle import EagleDrafter
+    from ..drafters import make_drafter
     from ..engine import SpeculativeDecoder
 
+    built = make_drafter(drafter, target, **{get_spec(drafter).reference_option: str(head_dir)})
+    if k is None:  # a chain of 6 for EAGLE; one position per head for Medusa
+        k = built.heads.num_heads if drafter == "medusa" else 6
     # fixed k: every position up to k is drafted and verified, so acceptance is measured at each
-    decoder = SpeculativeDecoder(target, EagleDrafter(target, head_dir), k=k, reuse_prefix=False, k_policy="fixed")
+    decoder = SpeculativeDecoder(target, built, k=k, reuse_prefix=False, k_policy="fixed")
     steps = tokens = drafted = accepted = 0
     per_drafted = [0] * k
     per_accepted = [0] * k

@@ -15,6 +15,7 @@ from .model import ModelDrafter  # noqa: E402
 from .eagle import EagleDrafter  # noqa: E402
 from .layerskip import LayerSkipDrafter  # noqa: E402
 from .lookahead import LookaheadDrafter  # noqa: E402
+from .medusa import MedusaDrafter  # noqa: E402
 
-__all__ = ["Draft", "Drafter", "DrafterBase", "DrafterSpec", "EMPTY_DRAFT", "EagleDrafter", "LayerSkipDrafter", "LookaheadDrafter", "ModelDrafter", "NONE",
+__all__ = ["Draft", "Drafter", "DrafterBase", "DrafterSpec", "EMPTY_DRAFT", "EagleDrafter", "LayerSkipDrafter", "LookaheadDrafter", "MedusaDrafter", "ModelDrafter", "NONE",
            "NgramDrafter", "Option", "SuffixDrafter", "drafter_names", "drafter_specs", "get_spec", "make_drafter", "options_from"]

@@ -1,0 +1,207 @@
+"""Training Medusa heads on cached self-distillation data (``verispec.eagle.data``: only the final hidden state is
+read, so EAGLE data serves too), on CPU.
+
+Loss (Medusa-1 with soft labels): at position j, head i is trained towards the target's own distribution of
+t_{j+i+2}, i.e. its frozen lm_head applied to the cached final state h_{j+i+1}, over the draft vocabulary; soft
+cross-entropy weighted ``head_decay ** i``. The target is frozen and never run: one epoch costs the heads' own
+matrix products only. Validation on held-out sequences reports, per head, top-1 agreement with the target's own
+token (its greedy answer) and beta = sum_x min(p(x), q(x)) at temperature 1 over the full vocabulary.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..backends.hf import LoadedModel
+from ..eagle.data import Sequence, load_meta, load_sequences
+from ..eagle.train import (TrainReport, cosine_lr, draft_vocabulary, make_batches, training_record,
+                           validation_split, vocabulary_coverage)
+from .head import MedusaConfig, MedusaHeads, config_for
+
+
+@dataclass
+class MedusaTrainConfig:
+    num_heads: int = 4
+    layers: int = 1  # residual blocks per head
+    epochs: int = 4
+    lr: float = 1e-3
+    warmup_steps: int = 30
+    batch_tokens: int = 8192  # padded tokens per optimisation step
+    head_decay: float = 0.8
+    draft_vocab_size: int = 8192
+    val_sequences: int = 64
+    val_every: int = 100
+    grad_clip: float = 0.5
+    seed: int = 0
+    prompt_loss: bool = True  # also learn the target's distribution inside prompts
+    bf16_autocast: bool = True
+    init_heads: str | None = None  # continue from these trained heads (weights and draft vocabulary)
+
+
+def collate_final(sequences: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens [B, T], final states [B, T, H] bfloat16, lengths [B], answer starts [B]) of a padded batch."""
+    width = max(len(s.tokens) for s in sequences)
+    hidden = sequences[0].features.shape[-1]
+    tokens = torch.zeros(len(sequences), width, dtype=torch.long)
+    final = torch.zeros(len(sequences), width, hidden, dtype=torch.bfloat16)
+    for row, s in enumerate(sequences):
+        tokens[row, : len(s.tokens)] = s.tokens
+        final[row, : len(s.tokens)] = s.features[:, -1]
+    lengths = torch.tensor([len(s.tokens) for s in sequences])
+    starts = torch.tensor([s.answer_start for s in sequences])
+    return tokens, final, lengths, starts
+
+
+def head_mask(lengths: torch.Tensor, starts: torch.Tensor, width: int, head: int, answers_only: bool) -> torch.Tensor:
+    """[B, T]: positions j where head ``head`` has a label, the text's token t_{j+head+2} (in the answer when
+    ``answers_only``)."""
+    j = torch.arange(width)[None, :]
+    label = j + head + 2
+    mask = label < lengths[:, None]
+    if answers_only:
+        mask &= label >= starts[:, None]
+    return mask
+
+
+def _labels_at(p: torch.Tensor, mask: torch.Tensor, head: int) -> torch.Tensor:
+    """Rows of ``p`` [B, T, D] at j + head + 1 for the positions j of ``mask``."""
+    shift = head + 1
+    return p[:, shift:][mask[:, : mask.shape[1] - shift]]
+
+
+def train_medusa(target: LoadedModel, data_dir: str | Path, out_dir: str | Path, config: MedusaTrainConfig,
+                 progress: bool = True, log: Callable[[str], None] = print) -> TrainReport:
+    """Train Medusa heads for ``target`` on the data in ``data_dir``; the best checkpoint (by the estimated greedy
+    tokens per step on validation) is written to ``out_dir``."""
+    from tqdm import tqdm
+
+    meta = load_meta(data_dir)
+    torch.manual_seed(config.seed)
+    rng = random.Random(config.seed)
+    log(f"loading cached final hidden states from {data_dir} ...")
+    sequences = [Sequence(s.tokens, s.answer_start, s.features[:, -1:].clone()) for s in load_sequences(data_dir)]
+    if len(sequences) < 2:
+        raise ValueError(f"{data_dir} holds {len(sequences)} sequences; build more data first")
+    train, val = validation_split(sequences, min(config.val_sequences, max(1, len(sequences) // 10)), config.seed)
+    model = target.model
+    if config.init_heads:
+        heads = MedusaHeads.load(config.init_heads)
+        config = replace(config, num_heads=heads.num_heads, layers=heads.config.layers)  # the record says what ran
+        continued_from = {"heads": str(config.init_heads), "training": heads.config.training}
+    else:
+        d2t = draft_vocabulary(train, config.draft_vocab_size, target.vocab_size, set(target.eos_token_ids))
+        heads = MedusaHeads(config_for(model, target.name, config.num_heads, len(d2t), config.layers))
+        heads.d2t.copy_(d2t)
+        continued_from = {}
+    heads.attach(model)  # heads continued from another target's checkpoint are refused here
+    heads.train()
+    heads.lm_head_d = heads.lm_head_d.float()
+    d2t = heads.d2t
+    coverage = vocabulary_coverage(val, d2t)
+    log(f"{len(train)} training / {len(val)} validation sequences; draft vocabulary {len(d2t)} tokens covers "
+        f"{100 * coverage:.1f}% of validation answer tokens; {heads.num_heads} heads")
+    full_head = model.get_output_embeddings().weight.detach().float()  # [V, H], for validation beta
+
+    params = [p for p in heads.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0, betas=(0.9, 0.95))
+    total = max(1, len(make_batches(train, config.batch_tokens, random.Random(0))) * config.epochs)
+    report = TrainReport(continued_from=continued_from)
+    best_score = -1.0
+    start = time.perf_counter()
+    bar = tqdm(total=total, desc="training Medusa heads", unit="step", disable=not progress)
+    step = 0
+    for epoch in range(config.epochs):
+        for seqs in make_batches(train, config.batch_tokens, rng):
+            tokens, final, lengths, starts = collate_final(seqs)
+            for group in opt.param_groups:
+                group["lr"] = cosine_lr(step, total, config.warmup_steps, config.lr)
+            with torch.no_grad():  # the target's distribution over the draft vocabulary at every position
+                p = torch.softmax(final.float() @ heads.lm_head_d.T, dim=-1)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16_autocast):
+                states = heads.states(final.float())  # [B, T, K, H]
+            loss, weight_sum, accs, trained = 0.0, 0.0, [], 0
+            for i in range(heads.num_heads):
+                mask = head_mask(lengths, starts, tokens.shape[1], i, not config.prompt_loss)
+                if not mask.any():
+                    continue
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16_autocast):
+                    lg = heads.logits(states[:, :, i][mask])
+                logq = torch.log_softmax(lg.float(), dim=-1)
+                loss = loss + (config.head_decay ** i) * -(_labels_at(p, mask, i) * logq).sum(-1).mean()
+                weight_sum += config.head_decay ** i
+                trained += int(mask.sum())
+                with torch.no_grad():
+                    accs.append(float((d2t[lg.argmax(-1)] == tokens[:, i + 2:][mask[:, : tokens.shape[1] - i - 2]])
+                                      .float().mean()))
+            if not weight_sum:
+                continue
+            loss = loss / weight_sum
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
+            opt.step()
+            step += 1
+            report.train_tokens += trained
+            bar.update(1)
+            bar.set_postfix(epoch=epoch + 1, loss=f"{loss.item():.3f}", top1="/".join(f"{a:.2f}" for a in accs))
+            if step % config.val_every == 0 or step == total:
+                metrics = validate(heads, val, config, full_head)
+                metrics.update(step=step, epoch=epoch + 1, seconds=round(time.perf_counter() - start, 1))
+                report.val_history.append(metrics)
+                log(format_metrics(metrics))
+                if metrics["est_tokens_per_step"] > best_score:
+                    best_score = metrics["est_tokens_per_step"]
+                    report.best = metrics
+                    heads.config.training = training_record(meta, config, report, coverage)
+                    heads.save(out_dir)
+    bar.close()
+    report.steps = step
+    report.seconds = time.perf_counter() - start
+    cfg = MedusaConfig.load(Path(out_dir))
+    cfg.training = training_record(meta, config, report, coverage)
+    cfg.save(Path(out_dir))
+    return report
+
+
+@torch.no_grad()
+def validate(heads: MedusaHeads, sequences: list[Sequence], config: MedusaTrainConfig, full_head: torch.Tensor) -> dict:
+    """Per head, on answer positions: top-1 agreement with the target's own token t_{j+i+2}, and beta at
+    temperature 1 over the full vocabulary (q is zero outside the draft vocabulary)."""
+    heads.eval()
+    k = heads.num_heads
+    hits, betas, count = [0] * k, [0.0] * k, [0] * k
+    for seqs in make_batches(sequences, config.batch_tokens, random.Random(0)):
+        tokens, final, lengths, starts = collate_final(seqs)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16_autocast):
+            states = heads.states(final.float())
+        for i in range(k):
+            mask = head_mask(lengths, starts, tokens.shape[1], i, answers_only=True)
+            if not mask.any():
+                continue
+            lg = heads.logits(states[:, :, i][mask].float())
+            label = tokens[:, i + 2:][mask[:, : tokens.shape[1] - i - 2]]
+            hits[i] += int((heads.d2t[lg.argmax(-1)] == label).sum())
+            p = torch.softmax(final[:, i + 1:][mask[:, : tokens.shape[1] - i - 1]].float() @ full_head.T, dim=-1)
+            betas[i] += float(torch.minimum(p[:, heads.d2t], torch.softmax(lg, dim=-1)).sum())
+            count[i] += int(mask.sum())
+    heads.train()
+    top1 = [h / max(1, c) for h, c in zip(hits, count)]
+    # greedy tokens per step of a chain: head i is right given the earlier ones were, with probability top1[i]
+    est, run = 1.0, 1.0
+    for a in top1:
+        run *= a
+        est += run
+    return {"top1": [round(a, 4) for a in top1], "beta": [round(b / max(1, c), 4) for b, c in zip(betas, count)],
+            "est_tokens_per_step": round(est, 3)}
+
+
+def format_metrics(m: dict) -> str:
+    return (f"step {m['step']} (epoch {m['epoch']}, {m['seconds']:.0f} s): top-1 by head "
+            f"{' / '.join(f'{a:.3f}' for a in m['top1'])}, beta {' / '.join(f'{b:.3f}' for b in m['beta'])}, "
+            f"est. greedy tokens/step (chain) {m['est_tokens_per_step']:.2f}")
