@@ -38,7 +38,7 @@ def repeat_registered(monkeypatch):
 
 
 def test_the_shipped_drafters_are_registered_in_order():
-    assert drafter_names() == ("none", "ngram", "suffix", "model", "eagle", "layerskip", "lookahead")
+    assert drafter_names() == ("none", "ngram", "suffix", "model", "eagle", "layerskip", "lookahead", "medusa")
     for spec in drafter_specs():
         assert spec.summary and all(o.flag.startswith(spec.name) for o in spec.options), spec.name
         for o in spec.options:
