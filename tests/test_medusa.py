@@ -269,9 +269,14 @@ def test_bench_and_analyze_with_medusa_methods(small_dir, trained_heads, tmp_pat
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert 0.3 < result["teacher_forced_beta"] <= 1.0
     assert len(result["position_acceptance"]) == 3 and result["position_acceptance"][0] > 0.3
-    # any registered drafter drafting chains is analyzed; trees and unknown names are refused, saying why
+    # any registered drafter is analyzed; a tree's acceptance is by depth, without the chain model's predictions
     for drafter in ("lookahead", f"medusa:{heads}:tree=1"):
-        assert main(["analyze", "--target", str(small_dir), "--prompts", str(prompts), "--drafter", drafter]) == 2
+        assert main(["analyze", "--target", str(small_dir), "--prompts", str(prompts), "--drafter", drafter,
+                     "--k-max", "6", "--max-new-tokens", "16", "--repeats", "1", "--out", str(tmp_path / "t")]) == 0
+        result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert result["predictions"] == [] and 0 < len(result["position_acceptance"]) <= 4, drafter
+        assert main(["analyze", "--target", str(small_dir), "--prompts", str(prompts), "--drafter", drafter,
+                     "--sweep-k"]) == 2
         assert "drafts token trees" in capsys.readouterr().err
     assert main(["analyze", "--target", str(small_dir), "--prompts", str(prompts), "--drafter", "nothing"]) == 2
     assert "medusa" in capsys.readouterr().err

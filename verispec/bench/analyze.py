@@ -164,6 +164,6 @@ def analyze(drafter: str, questions: Sequence[Sequence[tuple[int, int]]], positi
             "predicted_speedup": statistics.mean(analysis.replay_speedup(q, k, c, rel)[1] for q in answered),
             "predicted_speedup_capped": statistics.mean(analysis.step_speedup(q, k, c, rel)[1] for q in answered),
         })
-    best = max(preds, key=lambda p: (p["predicted_speedup"], -p["k"]))["k"]
+    best = max(preds, key=lambda p: (p["predicted_speedup"], -p["k"]))["k"] if preds else 0
     return Analysis(drafter, k_max, len(steps), betas, cond, avail, teacher_beta, c,
                     {j: 1000 * t for j, t in verify_cost.items()}, alpha, preds, best)

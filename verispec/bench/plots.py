@@ -62,9 +62,10 @@ def analysis_plot(r, path: Path) -> Path:
     """Acceptance by draft position (left) and predicted vs measured speedup per k (right)."""
     plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    pos = range(1, len(r.position_betas) + 1)
-    left.bar(pos, r.position_betas, label="beta_i (missing draft = rejection)")
-    left.plot(pos, r.position_acceptance, "o-", color="black", label="P(accept | drafted)")
+    left.bar(range(1, len(r.position_betas) + 1), r.position_betas, label="beta_i (missing draft = rejection)")
+    # a tree's acceptance is by depth: fewer positions than its node budget
+    left.plot(range(1, len(r.position_acceptance) + 1), r.position_acceptance, "o-", color="black",
+              label="P(accept | drafted)")
     if r.teacher_forced_beta is not None:
         left.axhline(r.teacher_forced_beta, linestyle="--", color="red", label="teacher-forced beta")
     left.set_xlabel("draft position i")

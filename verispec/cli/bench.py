@@ -248,7 +248,7 @@ def add_analyze_parser(sub) -> None:
                     "for the same ks beside the prediction (interleaved with plain decoding per question).")
     a.add_argument("--drafter", default="ngram",
                    help="a verispec method spec of any drafter: ngram[:min_n=2:max_n=4], model:REF, eagle[:DIR], "
-                        "medusa[:DIR], lookahead, ... (default: ngram)")
+                        "medusa[:DIR], lookahead, ...; a tree drafter is measured by depth (default: ngram)")
     a.add_argument("--k-max", type=int, default=16, help="draft length of the measuring run; predictions cover "
                                                          "k = 1..k-max (default: 16)")
     _prompt_options(a, limit_default=3)
@@ -297,10 +297,10 @@ def cmd_analyze(args) -> int:
     spec = get_spec(head)
     typed = {n: spec.option(n).parse(v, f"--drafter {args.drafter}") for n, v in opts.items()
              if n in spec.defaults()}
-    if spec.drafts_trees({**spec.defaults(), **typed}):
-        raise InvalidRequest(f"analyze models a chain of draft positions, and --drafter {args.drafter} drafts token "
-                             "trees; measure trees with verispec bench (tokens per step and speedup per method)"
-                             + (f", or analyze its chain (without {spec.tree_option})" if spec.tree_option else ""))
+    tree = spec.drafts_trees({**spec.defaults(), **typed})
+    if tree and args.sweep_k:
+        raise InvalidRequest(f"--drafter {args.drafter} drafts token trees: analyze measures their acceptance by depth, "
+                             "but --sweep-k and the per-k predictions model chains; compare trees with verispec bench")
     sweep = _ks(args.sweep_k, args.k_max) if args.sweep_k else []
     questions = _questions(args)
     target, load = _setup(args)
@@ -350,7 +350,7 @@ def cmd_analyze(args) -> int:
     result = analyze(method.drafter, steps, position_acceptance(records),
                      sum(r["draft_seconds"] or 0.0 for r in records), sum(sum(r["step_drafted"]) for r in records),
                      costs, args.k_max, teacher,
-                     ks=range(1, args.k_max + 1))
+                     ks=() if tree else range(1, args.k_max + 1))
 
     if sweep:
         base_name = "baseline"
@@ -428,7 +428,11 @@ def _analysis_text(r, target_name: str, args) -> str:
         lines.append(f"| {p['k']} | {p['expected_tokens']:.3f} | {p['expected_tokens_geometric']:.3f} | "
                      f"{p['predicted_tokens_per_step']:.3f} | {p['relative_verify_cost']:.2f} | {p['predicted_speedup']:.3f}x | "
                      f"{_f(m.get('mean_accepted_tokens'))} | {_f(m.get('speedup'))}{'x' if m else ''} |")
-    lines += ["", f"predicted optimal k: {r.optimal_k}"]
+    if r.predictions:
+        lines += ["", f"predicted optimal k: {r.optimal_k}"]
+    else:
+        lines += ["", f"a token tree of {r.k_max} nodes: positions are depths in the tree; the per-k predictions model "
+                      "chains and are left out (compare trees with verispec bench)"]
     if r.controller:
         c = r.controller
         share = "n/a" if c["plain_step_share"] is None else f"{100 * c['plain_step_share']:.1f}%"
