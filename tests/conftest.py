@@ -37,6 +37,22 @@ def tiny_dir(tmp_path_factory, tiny_target):
 
 
 @pytest.fixture(scope="session")
+def small_target():
+    """A tiny random target with smaller weights than tiny_target: its answers are learnable from 400 examples, so
+    trained heads (EAGLE, Medusa) get drafts accepted."""
+    return loaded(make_model(seed=0, scale=0.1))
+
+
+@pytest.fixture(scope="session")
+def small_dir(tmp_path_factory, small_target):
+    """small_target saved as a transformers folder, for CLI tests of trained heads."""
+    path = tmp_path_factory.mktemp("small-model")
+    small_target.model.save_pretrained(path)
+    small_target.tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def default_model():
     """The real built-in default model (fetched and converted on first use, then cached)."""
     from verispec import load_model

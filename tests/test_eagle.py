@@ -39,13 +39,6 @@ def features_of(target, ids):
 
 
 @pytest.fixture(scope="module")
-def small_target():
-    """A tiny random target with smaller weights than the engine tests' tiny_target: its answers are learnable
-    from 400 examples, so a trained head gets drafts accepted."""
-    return loaded(make_model(seed=0, scale=0.1))
-
-
-@pytest.fixture(scope="module")
 def trained_head_dir(tmp_path_factory, small_target):
     """A head trained by the real pipeline on the tiny target's own answers (seconds on CPU)."""
     root = tmp_path_factory.mktemp("eagle")
@@ -365,14 +358,6 @@ def test_train_eagle_refuses_spec_bench_prompts_and_bad_options(tiny_dir, tmp_pa
     assert "--epochs must be >= 1" in capsys.readouterr().err
     assert main(["train-eagle", "--prompts", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "o")]) == 2
     assert "does not exist" in capsys.readouterr().err
-
-
-@pytest.fixture(scope="module")
-def small_dir(tmp_path_factory, small_target):
-    path = tmp_path_factory.mktemp("small-model")
-    small_target.model.save_pretrained(path)
-    small_target.tokenizer.save_pretrained(path)
-    return path
 
 
 def test_bench_and_analyze_with_eagle_methods(small_dir, trained_head_dir, tmp_path, capsys):

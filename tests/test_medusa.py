@@ -31,12 +31,6 @@ def random_heads(target, vocab=None, seed=0, num_heads=3, scale=0.3):
 
 
 @pytest.fixture(scope="module")
-def small_target():
-    """Small weights, so the tiny target's answers are learnable from a few hundred examples."""
-    return loaded(make_model(seed=0, scale=0.1))
-
-
-@pytest.fixture(scope="module")
 def trained_heads(tmp_path_factory, small_target):
     """Heads trained by the real pipeline on the tiny target's own answers (seconds on CPU)."""
     root = tmp_path_factory.mktemp("medusa")
@@ -240,14 +234,6 @@ def test_batch_engine_runs_medusa_rows_with_plain_greedy_output(small_target, tr
     for prompt, seq in seqs:
         assert seq.error is None and seq.result.token_ids == plain.generate(prompt, max_new_tokens=24).token_ids
     assert sum(seq.result.stats.accepted for _, seq in seqs) > 0
-
-
-@pytest.fixture(scope="module")
-def small_dir(tmp_path_factory, small_target):
-    path = tmp_path_factory.mktemp("small-model")
-    small_target.model.save_pretrained(path)
-    small_target.tokenizer.save_pretrained(path)
-    return path
 
 
 def test_bench_and_analyze_with_medusa_methods(small_dir, trained_heads, tmp_path, capsys):
