@@ -12,6 +12,8 @@ require_openvino()
 
 from verispec import EagleDrafter, SpeculativeDecoder, load_model, make_drafter  # noqa: E402
 from verispec.eagle.head import EagleHead, head_config_for  # noqa: E402
+from verispec.backends.openvino.model import OpenVINOKV  # noqa: E402
+from verispec.backends.openvino.paged import PagedKV  # noqa: E402
 from verispec.errors import InvalidRequest  # noqa: E402
 
 
@@ -28,11 +30,13 @@ def _ids(n, seed=0):
     return torch.randint(3, 32, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def test_logits_match_transformers_at_every_width_and_after_rollback(ov_target, tiny_target):
+@pytest.mark.parametrize("trees", [False, True], ids=["paged", "stateful"])
+def test_logits_match_transformers_at_every_width_and_after_rollback(ov_target, tiny_target, trees):
     seq = _ids(40)
     with torch.no_grad():
         want = tiny_target.model(torch.tensor([seq])).logits[0]
-    kv = ov_target.new_kv()
+    kv = ov_target.new_kv(trees=trees)
+    assert isinstance(kv, OpenVINOKV if trees else PagedKV)
     done = 0
     for width in (6, 1, 3, 9):
         got = ov_target.forward(kv, seq[done:done + width]).logits
@@ -42,13 +46,17 @@ def test_logits_match_transformers_at_every_width_and_after_rollback(ov_target, 
         ov_target.forward(kv, [5, 6, 7])
         kv.truncate(done)
         assert len(kv) == done
-    # enough dead positions to compact the state; the next pass must not notice
+    # stateful: enough dead positions to compact the state; paged: a block's worth of positions written over again
+    # and again; the next pass must not notice either
     for _ in range(30):
-        ov_target.forward(kv, [8, 9, 10, 11])
+        ov_target.forward(kv, [8, 9, 10, 11] * (9 if trees else 1))
         kv.truncate(done)
     got = ov_target.forward(kv, seq[done:done + 5]).logits
     torch.testing.assert_close(got, want[done:done + 5], atol=1e-4, rtol=1e-4)
-    assert kv.physical < done + 5 + 4 * 30  # compaction ran
+    if trees:
+        assert kv.physical < done + 5 + 36 * 30  # compaction ran
+    else:
+        assert len(kv.blocks) == -(-len(kv) // kv.pool.size)  # rolled-back blocks went back to the pool
     last = ov_target.forward(kv, seq[done + 5:done + 7], last_only=True).logits
     torch.testing.assert_close(last, want[done + 6:done + 7], atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError):
@@ -66,6 +74,27 @@ def test_prefix_copy_gives_the_same_continuation(ov_target):
     assert len(b) == 10
     torch.testing.assert_close(ov_target.forward(b, seq[10:14]).logits, _fresh(ov_target, seq[:14])[10:14],
                                atol=1e-5, rtol=1e-5)
+
+
+def test_batched_paged_pass_equals_single_passes_and_survives_pool_growth(ov_target, tiny_target):
+    seqs = [_ids(30, seed=s) for s in range(3)]
+    kvs = [ov_target.new_kv() for _ in seqs]
+    for kv, seq, cut in zip(kvs, seqs, (5, 17, 1)):
+        ov_target.forward(kv, seq[:cut])
+        ov_target.forward(kv, [3, 3, 3])  # a rejected draft in each
+        kv.truncate(cut)
+    pool = kvs[0].pool
+    hoard = pool.take(pool.blocks + 3)  # every free block and more: the pool doubles, copying what it holds
+    ragged = [(kv, seq[len(kv):len(kv) + w]) for kv, seq, w in zip(kvs, seqs, (4, 1, 9))]
+    got = ov_target.forward_batch(ragged, feature_layers=(1,))
+    pool.give(hoard)
+    for (kv, tokens), out, seq in zip(ragged, got, seqs):
+        with torch.no_grad():
+            want = tiny_target.model(torch.tensor([seq[:len(kv)]]), output_hidden_states=True)
+        n = len(tokens)
+        torch.testing.assert_close(out.logits, want.logits[0, -n:], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out.hidden[:, 0], want.hidden_states[1][0, -n:], atol=1e-4, rtol=1e-4)
+    assert pool.blocks >= 64 + 3 and all(len(kv) == c for kv, c in zip(kvs, (9, 18, 10)))
 
 
 def _fresh(target, tokens):
@@ -90,7 +119,11 @@ def test_tree_pass_and_hidden_states_equal_the_transformers_backends(ov_target, 
     seq = _ids(15, seed=2)
     parents = [-1, 0, 0, -1, 3, 1]  # two roots, a node with two children, a chain under the second root
     tree = [7, 8, 9, 10, 11, 12]
-    ov_kv, hf_kv = ov_target.new_kv(), hf.new_kv()
+    ov_kv, hf_kv = ov_target.new_kv(trees=True), hf.new_kv()
+    paged = ov_target.new_kv()
+    ov_target.forward(paged, seq[:10])
+    with pytest.raises(ValueError, match="trees=True"):  # paged attention is causal only
+        ov_target.forward(paged, seq[10:12] + tree, parents=parents)
     for target, kv in ((ov_target, ov_kv), (hf, hf_kv)):
         target.forward(kv, seq[:10])
         target.forward(kv, [4, 4, 4])  # a rejected draft first: the tree must not see it
@@ -139,7 +172,7 @@ def test_weights_auto_times_fp32_and_bf16_once_and_remembers(tiny_dir, tmp_path,
                "bf16": {"1": 12.0, "2": 13.0, "5": 14.0, "9": 16.0, "prefill": 0.5}}
     timed = []
     monkeypatch.setattr(ov_model, "auto_candidates", lambda: ("fp32", "bf16"))
-    monkeypatch.setattr(ov_model, "load", lambda ref, fmt, threads, kv: fmt)  # the "model" is its format's name
+    monkeypatch.setattr(ov_model, "load", lambda ref, fmt, threads, kv, attention: fmt)  # the "model" is its format's name
     monkeypatch.setattr(timing, "time_widths", lambda model: timed.append(model) or timings[model])
     assert ov_model.choose_weights(str(tiny_dir), 2, "f32") == ("bf16", timings)
     assert sorted(timed) == ["bf16", "fp32"]

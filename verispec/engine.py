@@ -174,7 +174,8 @@ class SpeculativeDecoder:
         if self.feature_layers and not target.supports_features:
             raise InvalidRequest(f"the {self.drafter_name} drafter reads the target's hidden states, which the "
                                  f"{target.backend} backend does not provide; use --backend transformers")
-        if drafter is not None and drafter.tree_depth and not target.supports_trees:
+        self._trees = bool(drafter is not None and drafter.tree_depth)  # its caches are asked for tree passes
+        if self._trees and not target.supports_trees:
             raise InvalidRequest(f"the {getattr(drafter, 'name', 'drafter')} drafter's token trees need a backend that "
                                  f"verifies trees (transformers or openvino; the {target.backend} backend verifies "
                                  "chains only): drop its tree option, pick a chain drafter, or change --backend")
@@ -355,7 +356,7 @@ class SpeculativeDecoder:
             state.cache, state.cached_tokens = self._cache, self._cached_tokens[:keep]
             self._cache = None  # owned by this sequence now
         else:
-            state.cache = self.target.new_kv()
+            state.cache = self.target.new_kv(trees=True) if self._trees else self.target.new_kv()
         state.stats.reused_prompt_tokens = keep
         feed = ids[keep:-1]
         if feed:

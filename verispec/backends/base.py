@@ -139,7 +139,9 @@ class TargetModel(Protocol):
     def embedding_model(self) -> torch.nn.Module:
         """A transformers model with the target's input embedding, lm_head and config (EAGLE heads borrow them)."""
 
-    def new_kv(self) -> KVCache: ...
+    def new_kv(self, trees: bool = False) -> KVCache:
+        """A cache for one sequence; ``trees``: its passes may be token trees (``forward(parents=...)``), which
+        some backends run on another graph (OpenVINO's paged attention is causal only)."""
 
     def forward(self, kv: KVCache, tokens: Sequence[int], *, parents: Sequence[int] | None = None,
                 last_only: bool = False, feature_layers: Sequence[int] = ()) -> TargetPass:

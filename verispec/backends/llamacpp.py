@@ -296,7 +296,7 @@ class LlamaCppModel(BorrowedEmbeddings):
                 "kv_type": self.kv_type, "llama_cpp": self._llama.__version__}
 
     # ------------------------------------------------------------ KV sequences
-    def new_kv(self) -> LlamaKV:
+    def new_kv(self, trees: bool = False) -> LlamaKV:  # trees: refused before any cache (supports_trees)
         with self._lock:
             if not self._free:
                 raise InvalidRequest(f"all {self.sequences} llama.cpp sequences are in use; raise "

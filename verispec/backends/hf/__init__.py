@@ -107,7 +107,7 @@ class LoadedModel:
         return replace(self, model=view, name=f"{self.name} without layers {','.join(map(str, skip))}", step=None,
                        skipped_layers=skip)
 
-    def new_kv(self) -> TorchKV | FixedKV:
+    def new_kv(self, trees: bool = False) -> TorchKV | FixedKV:
         return FixedKV() if self.step is not None else TorchKV()
 
     def compile_step(self) -> bool:

@@ -22,11 +22,13 @@ from ...errors import InvalidRequest
 from ...tree import tree_inputs
 from ..base import BorrowedEmbeddings, TargetPass
 from .export import VERISPEC_XML, export_dir, import_openvino, inference_precision
+from .paged import BlockPool, PagedKV, paged_model, pass_inputs
 
 log = logging.getLogger(__name__)
 MASKED = np.float32(np.finfo(np.float32).min)  # the additive mask's value for a position not attended to
 
 KV_PRECISIONS = ("f32", "f16", "bf16", "u8")
+ATTENTION = ("paged", "masked")  # paged attention (default; chains), or the stateful graph's 4-D mask everywhere
 
 
 class OpenVINOKV:
@@ -34,7 +36,7 @@ class OpenVINOKV:
 
     def __init__(self, model: "OpenVINOModel") -> None:
         self.model = model
-        self.request = model.compiled.create_infer_request()
+        self.request = model.masked.create_infer_request()
         self.alive: list[int] = []  # physical index of each logical position
         self.mask = np.full(64, MASKED, dtype=np.float32)  # 0 where a physical position is alive, else MASKED
         self.physical = 0
@@ -86,7 +88,7 @@ class OpenVINOKVGroup:
     def __init__(self, model: "OpenVINOModel", capacity: int) -> None:
         self.model, self.capacity = model, capacity
 
-    def new_kv(self) -> OpenVINOKV:
+    def new_kv(self) -> "OpenVINOKV | PagedKV":
         return self.model.new_kv()
 
     def copy_prefix(self, source: OpenVINOKV, target: OpenVINOKV, length: int) -> None:
@@ -94,6 +96,12 @@ class OpenVINOKVGroup:
             raise ValueError("copy_prefix needs an empty target cache")
         if length > len(source):
             raise ValueError(f"the source holds {len(source)} positions, not {length}")
+        if isinstance(source, PagedKV):
+            target.reserve(length)
+            used = -(-length // source.pool.size)
+            source.pool.copy(source.blocks[:used], target.blocks[:used])
+            target.length = length
+            return
         keep = np.asarray(source.alive[:length], dtype=np.int64)
         ov = self.model.ov
         states = {s.name: s for s in target.request.query_state()}
@@ -110,19 +118,47 @@ class OpenVINOModel(BorrowedEmbeddings):
     dtype = torch.float32
 
     def __init__(self, folder: Path, tokenizer, config, name: str, weights: str, threads: int,
-                 kv_precision: str = "f32", eos_token_ids=frozenset(), embedding_model_loader=None) -> None:
+                 kv_precision: str = "f32", eos_token_ids=frozenset(), embedding_model_loader=None,
+                 attention: str = "paged") -> None:
+        if attention not in ATTENTION:
+            raise InvalidRequest(f"unknown OpenVINO attention {attention!r}; choose one of {', '.join(ATTENTION)}")
         self.ov = import_openvino()
         self.folder, self.tokenizer, self.config, self.name = folder, tokenizer, config, name
         self.weights, self.threads, self.kv_precision = weights, threads, kv_precision
         self.eos_token_ids = frozenset(eos_token_ids)
-        core = self.ov.Core()
-        self.compiled = core.compile_model(str(folder / VERISPEC_XML), "CPU", {
-            "INFERENCE_NUM_THREADS": threads, "KV_CACHE_PRECISION": kv_precision,
-            "INFERENCE_PRECISION_HINT": inference_precision(weights),
-            "PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1})
-        self.inference_precision = self.compiled.get_property("INFERENCE_PRECISION_HINT").to_string()
+        self._core = self.ov.Core()
+        self._properties = {"INFERENCE_NUM_THREADS": threads, "KV_CACHE_PRECISION": kv_precision,
+                            "INFERENCE_PRECISION_HINT": inference_precision(weights),
+                            "PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1}
+        self._masked = None
+        self.pool: BlockPool | None = None
+        self._paged_requests = {}  # with hidden states or not -> an infer request on the pool's blocks
+        if attention == "paged" and self._properties["INFERENCE_PRECISION_HINT"] == "bf16" and kv_precision != "bf16":
+            log.info("paged attention computing in bf16 takes a bf16 KV cache only; %s runs the stateful graph", name)
+            attention = "masked"
+        if attention == "paged":
+            try:
+                compiled = self._core.compile_model(paged_model(self._core, folder / VERISPEC_XML), "CPU",
+                                                    self._properties)
+            except Exception as exc:  # an architecture the transformation does not know: the stateful graph runs
+                log.warning("paged attention is not available for %s (%s); running the stateful graph", name, exc)
+                attention = "masked"
+            else:
+                self.pool = BlockPool(self.ov, compiled)
+                self._paged_requests[False] = self.pool.attach(compiled.create_infer_request())
+        self.attention = attention
+        compiled = self._paged_requests[False].get_compiled_model() if self.pool else self.masked
+        self.inference_precision = compiled.get_property("INFERENCE_PRECISION_HINT").to_string()
         self._lock = threading.Lock()
         self._embedding_model, self._embedding_model_loader = None, embedding_model_loader
+
+    @property
+    def masked(self):
+        """The stateful graph with the 4-D mask (token trees; every pass where paged attention is off), compiled on
+        first use."""
+        if self._masked is None:
+            self._masked = self._core.compile_model(str(self.folder / VERISPEC_XML), "CPU", self._properties)
+        return self._masked
 
     @property
     def vocab_size(self) -> int:
@@ -141,7 +177,7 @@ class OpenVINOModel(BorrowedEmbeddings):
         from openvino import get_version
 
         return (f"OpenVINO {get_version().split('-')[0]} ({self.weights} weights, {self.inference_precision} "
-                f"inference, {self.kv_precision} KV cache, {self.threads} threads)")
+                f"inference, {self.kv_precision} KV cache, {self.attention} attention, {self.threads} threads)")
 
     @property
     def cost_key(self) -> object:
@@ -154,19 +190,25 @@ class OpenVINOModel(BorrowedEmbeddings):
         from .. import measurements
 
         return {**measurements.machine(), "backend": self.backend, "model": self.folder.name, "weights": self.weights,
-                "threads": self.threads, "kv": self.kv_precision, "openvino": get_version()}
+                "threads": self.threads, "kv": self.kv_precision, "attention": self.attention,
+                "openvino": get_version()}
 
-    def new_kv(self) -> OpenVINOKV:
-        return OpenVINOKV(self)
+    def new_kv(self, trees: bool = False) -> "OpenVINOKV | PagedKV":
+        """A sequence's cache: blocks of the paged graph, or with ``trees`` (or paged attention off) the stateful
+        graph's state, whose 4-D mask lets a token tree's nodes see their ancestors only."""
+        if trees or self.pool is None:
+            return OpenVINOKV(self)
+        return PagedKV(self.pool)
 
     def new_kv_group(self, capacity: int) -> OpenVINOKVGroup:
         return OpenVINOKVGroup(self, capacity)
 
     def pass_width(self, widths) -> int:
-        """Rows of a batch run one after another here (one infer request each): the tokens computed in all."""
+        """The tokens a batched pass computes: no padding either way (the paged graph takes ragged rows in one pass;
+        the stateful graph runs rows one after another, one infer request each)."""
         return sum(widths)
 
-    def forward(self, kv: OpenVINOKV, tokens, *, parents=None, last_only: bool = False,
+    def forward(self, kv: "OpenVINOKV | PagedKV", tokens, *, parents=None, last_only: bool = False,
                 feature_layers=()) -> TargetPass:
         tokens = [int(t) for t in tokens]
         if not tokens:
@@ -174,6 +216,10 @@ class OpenVINOModel(BorrowedEmbeddings):
         start, n = len(kv), len(tokens)
         if self.context_length and start + n > self.context_length:
             raise InvalidRequest(f"{start + n} positions exceed the model's context of {self.context_length}")
+        if isinstance(kv, PagedKV):
+            if parents is not None:
+                raise ValueError("a token tree needs a cache made with new_kv(trees=True) (paged attention is causal)")
+            return self._paged([(kv, tokens)], last_only, feature_layers)[0]
         if parents is None:
             block = _causal(n)
             positions = np.arange(start, start + n, dtype=np.int64)[None]
@@ -197,7 +243,45 @@ class OpenVINOModel(BorrowedEmbeddings):
         return TargetPass(logits, hidden)
 
     def forward_batch(self, items, *, feature_layers=()) -> list[TargetPass]:
+        items = [(kv, [int(t) for t in tokens]) for kv, tokens in items]
+        if items and all(isinstance(kv, PagedKV) for kv, _ in items):
+            if any(not tokens for _, tokens in items):
+                raise ValueError("forward_batch needs at least one token per item")
+            longest = max(len(kv) + len(tokens) for kv, tokens in items)
+            if self.context_length and longest > self.context_length:
+                raise InvalidRequest(f"{longest} positions exceed the model's context of {self.context_length}")
+            return self._paged(items, False, feature_layers)
         return [self.forward(kv, tokens, feature_layers=feature_layers) for kv, tokens in items]
+
+    def _paged_request(self, hidden: bool):
+        """The paged graph's infer request, the one with every layer's hidden states compiled on first use."""
+        if hidden not in self._paged_requests:
+            compiled = self._core.compile_model(paged_model(self._core, self.folder / VERISPEC_XML, hidden=True),
+                                                "CPU", self._properties)
+            self._paged_requests[hidden] = self.pool.attach(compiled.create_infer_request())
+        return self._paged_requests[hidden]
+
+    def _paged(self, items, last_only: bool, feature_layers) -> list[TargetPass]:
+        """One pass of the paged graph over every item's new tokens (one sequence each)."""
+        with self._lock:
+            for kv, tokens in items:
+                kv.reserve(len(tokens))
+            inputs, rows = pass_inputs(items, last_only)
+            out = self._paged_request(bool(feature_layers)).infer(inputs, share_outputs=True)
+            for kv, tokens in items:
+                kv.length += len(tokens)
+            logits = np.array(out["logits"][:, 0], dtype=np.float32)
+            hidden = out["hidden_states"] if feature_layers else None
+            passes, row, start = [], 0, 0
+            for (_, tokens), picked in zip(items, rows):
+                item_logits = torch.from_numpy(logits[row:row + len(picked)])
+                item_hidden = None
+                if hidden is not None:
+                    item_hidden = torch.from_numpy(
+                        np.array(hidden[start:start + len(tokens), 0][:, list(feature_layers)], dtype=np.float32))
+                passes.append(TargetPass(item_logits, item_hidden))
+                row, start = row + len(picked), start + len(tokens)
+        return passes
 
 
 def _rows(n: int, last_only: bool) -> np.ndarray:
@@ -227,7 +311,8 @@ def auto_candidates() -> tuple[str, ...]:
     return ("fp32", "bf16") if has_bf16 else ("fp32",)
 
 
-def choose_weights(ref: str, threads: int, kv_precision: str) -> tuple[str, dict | None]:
+def choose_weights(ref: str, threads: int, kv_precision: str | None, attention: str = "paged"
+                   ) -> tuple[str, dict | None]:
     """``--weights auto`` on OpenVINO: the candidate whose measured pass costs promise the most tokens/s for
     speculation here (``timing.auto_score``), stored per model, CPU, threads and versions; timed where none is."""
     from openvino import get_version
@@ -238,12 +323,12 @@ def choose_weights(ref: str, threads: int, kv_precision: str) -> tuple[str, dict
     if len(candidates) == 1:
         return candidates[0], None
     key = {**measurements.machine(), "model": export_dir(ref, "fp32").name, "threads": threads, "kv": kv_precision,
-           "openvino": get_version(), "candidates": list(candidates), "v": 1}
+           "openvino": get_version(), "candidates": list(candidates), "attention": attention, "v": 2}
     known = measurements.load(AUTO_RECORD, key)
     if known is None:
         timings = {}
         for fmt in candidates:
-            model = load(ref, fmt, threads, kv_precision)
+            model = load(ref, fmt, threads, kv_precision, attention)
             timings[fmt] = timing.time_widths(model)
             del model
         known = {"timings_ms": timings, "choice": min(timings, key=lambda f: timing.auto_score(timings[f]))}
@@ -251,22 +336,32 @@ def choose_weights(ref: str, threads: int, kv_precision: str) -> tuple[str, dict
     return known["choice"], known["timings_ms"]
 
 
-def load(ref: str, weights: str = "fp32", threads: int | None = None, kv_precision: str = "f32") -> OpenVINOModel:
+def default_kv(weights: str) -> str:
+    """The KV cache's precision unless asked: f32, or bf16 where the model computes in bf16 (OpenVINO's paged
+    attention kernel takes no other there)."""
+    return "bf16" if weights == "bf16" else "f32"
+
+
+def load(ref: str, weights: str = "fp32", threads: int | None = None, kv_precision: str | None = None,
+         attention: str = "paged") -> OpenVINOModel:
     """A model reference exported once to OpenVINO (see ``verispec.load_model``); ``weights="auto"`` times fp32
-    and bf16 (where the CPU has it) once and runs the faster for speculation."""
+    and bf16 (where the CPU has it) once and runs the faster for speculation. ``kv_precision`` defaults to
+    ``default_kv(weights)``; ``attention="masked"`` runs the stateful graph for every pass (paged attention, the
+    default, runs chains and batches; token trees run the stateful graph either way)."""
     from transformers import AutoConfig, AutoTokenizer
 
     from ..hf import _eos_ids
     from ..llamacpp import default_threads
     from ..references import transformers_progress_bars
 
-    if kv_precision not in KV_PRECISIONS:
+    if kv_precision is not None and kv_precision not in KV_PRECISIONS:
         raise InvalidRequest(f"unknown KV precision {kv_precision!r}; choose one of {', '.join(KV_PRECISIONS)}")
     threads = threads or default_threads()
     timings = None
     if weights == "auto":
-        weights, timings = choose_weights(ref, threads, kv_precision)
+        weights, timings = choose_weights(ref, threads, kv_precision, attention)
         log.info("weights auto -> %s (%s)", weights, timings)
+    kv_precision = kv_precision or default_kv(weights)
     folder = export_dir(ref, weights)
     with transformers_progress_bars(False):
         tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -285,6 +380,6 @@ def load(ref: str, weights: str = "fp32", threads: int | None = None, kv_precisi
         return load_transformers(ref, pack=False).model
 
     model = OpenVINOModel(folder, tokenizer, config, ref, weights, threads, kv_precision, _eos_ids(holder, tokenizer),
-                          embedding_model)
+                          embedding_model, attention)
     model.weight_timings_ms = timings
     return model
