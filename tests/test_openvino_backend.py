@@ -203,3 +203,27 @@ def test_bf16_runs_in_bfloat16_where_the_cpu_has_it_and_is_refused_elsewhere(tin
     else:
         with pytest.raises(InvalidRequest, match="bf16 instructions"):
             load_model(str(tiny_dir), backend="openvino", weights="bf16", threads=1)
+
+
+def test_passes_of_two_or_more_tokens_give_a_position_the_same_logits_at_every_width(ov_target, tiny_dir):
+    """min_width 2 (the default for every format but fp32): a one-token pass is padded, never run alone; on this CPU
+    the load-time probe must tell the truth about whether rows then match bitwise, and padding must not leak."""
+    padded = load_model(str(tiny_dir), backend="openvino", threads=1, min_width=2)
+    assert padded.min_width == 2 and ov_target.min_width == 1  # fp32's default: unpadded
+    seq = _ids(30, seed=4)
+    kv = padded.new_kv()
+    padded.forward(kv, seq[:10], last_only=True)
+    wide = padded.forward(kv, seq[10:20]).logits
+    kv.truncate(10)
+    steps = torch.cat([padded.forward(kv, [t]).logits for t in seq[10:20]])
+    assert len(kv) == 20  # the padding token stayed past the length
+    assert torch.equal(wide, steps) == padded.width_invariant
+    torch.testing.assert_close(steps, _fresh(padded, seq[:20])[10:20], atol=1e-4, rtol=1e-4)
+    if padded.width_invariant:  # the CPUs seen so far: greedy speculation is identical by construction
+        prompt = [1, 5, 9, 5, 9, 5, 9, 12, 5, 9]
+        padded.eos_token_ids = frozenset()
+        plain = SpeculativeDecoder(padded).generate(prompt, max_new_tokens=40)
+        out = SpeculativeDecoder(padded, make_drafter("ngram", target=padded), k=4).generate(prompt, max_new_tokens=40)
+        assert out.token_ids == plain.token_ids and sum(out.stats.step_accepted) > 0
+    with pytest.raises(InvalidRequest, match="min_width"):
+        load_model(str(tiny_dir), backend="openvino", threads=1, min_width=3)

@@ -25,7 +25,7 @@ WEIGHT_CHOICES = (*_LLAMACPP_WEIGHTS, *(w for w in _OPENVINO_WEIGHTS if w not in
 def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", device: str | None = None,
                pack: bool | None = None, backend: str = "transformers", weights: str = "as-is",
                threads: int | None = None, features: bool = False, sequences: int | None = None,
-               compiled: bool = False) -> TargetModel:
+               compiled: bool = False, min_width: int | None = None) -> TargetModel:
     """Load a model reference (built-in name, local directory, .gguf file or hub id) on a backend.
 
     ``backend="transformers"`` (default) returns a ``LoadedModel``. ``pack`` prepacks its linear layers' weights for
@@ -41,9 +41,15 @@ def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", d
 
     ``compiled=True`` (transformers, float32, CPU) compiles the one-token decoding step with inductor before
     returning (about a minute; see ``verispec.backends.hf.compiled``): plain decoding then ran ~2x faster than eager
-    on a 2-core EPYC."""
+    on a 2-core EPYC.
+
+    ``min_width`` (openvino): 2 pads one-token passes so that every position's logits are bitwise the same at
+    every pass width (greedy speculation then equals plain decoding by construction); default 2 for every weight
+    format but fp32 (see ``verispec.backends.openvino.model``)."""
     if backend not in BACKENDS:
         raise InvalidRequest(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if min_width is not None and backend != "openvino":
+        raise InvalidRequest("min_width applies to the openvino backend (its passes of one token are padded to two)")
     if not isinstance(ref, str) or not ref.strip():
         raise ModelNotFound("model reference is empty; pass a built-in name (e.g. smollm2-135m), a directory, "
                             "a .gguf file or a hub id")
@@ -66,7 +72,7 @@ def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", d
         if ov_weights not in (*_OPENVINO_WEIGHTS, "auto"):
             raise InvalidRequest(f"--weights {weights} is a llama.cpp format; the openvino backend takes "
                                  f"{', '.join(_OPENVINO_WEIGHTS)} or auto")
-        return load_openvino(ref, ov_weights, threads)
+        return load_openvino(ref, ov_weights, threads, min_width=min_width)
     if weights != "as-is":
         raise InvalidRequest("--weights applies to the llamacpp backend; on transformers choose --dtype")
     from .hf import load

@@ -119,7 +119,7 @@ class OpenVINOModel(BorrowedEmbeddings):
 
     def __init__(self, folder: Path, tokenizer, config, name: str, weights: str, threads: int,
                  kv_precision: str = "f32", eos_token_ids=frozenset(), embedding_model_loader=None,
-                 attention: str = "paged") -> None:
+                 attention: str = "paged", min_width: int | None = None) -> None:
         if attention not in ATTENTION:
             raise InvalidRequest(f"unknown OpenVINO attention {attention!r}; choose one of {', '.join(ATTENTION)}")
         self.ov = import_openvino()
@@ -147,10 +147,37 @@ class OpenVINOModel(BorrowedEmbeddings):
                 self.pool = BlockPool(self.ov, compiled)
                 self._paged_requests[False] = self.pool.attach(compiled.create_infer_request())
         self.attention = attention
+        if min_width is None:
+            min_width = 1 if weights == "fp32" or self.pool is None else 2
+        if min_width not in (1, 2):
+            raise InvalidRequest(f"min_width is 1 or 2, got {min_width!r}")
+        # OpenVINO's CPU kernels compute a one-token pass another way than wider ones (its matmuls' one-row path,
+        # dynamic quantization of int8/int4 activations), and rows of every pass of 2 or more tokens are bitwise equal
+        # to each other (SmolLM2-135M, Zen 4: widths 2-45, bf16, int8, int4, fp32). With min_width 2 no pass runs
+        # one token (a padding token is added, past the cache's length), so a position's logits never depend on
+        # the width of the pass that computed them: greedy speculation is token-identical to plain decoding by
+        # construction. fp32's one-token rows differ by ~7e-5 and no argmax was seen to flip: it pads only if asked.
+        self.min_width = min_width if self.pool is not None else 1
         compiled = self._paged_requests[False].get_compiled_model() if self.pool else self.masked
         self.inference_precision = compiled.get_property("INFERENCE_PRECISION_HINT").to_string()
         self._lock = threading.Lock()
+        self.width_invariant = self.pool is not None and self._probe_widths()
+        if self.min_width > 1 and not self.width_invariant:
+            log.warning("on this CPU OpenVINO's %s passes give a position other logits at other widths: greedy "
+                        "speculation may part from plain decoding (--weights fp32 stays within ~1e-4)", weights)
         self._embedding_model, self._embedding_model_loader = None, embedding_model_loader
+
+    def _probe_widths(self) -> bool:
+        """Whether an 8-token pass gives each position the very logits that one-token steps (padded to
+        ``min_width``) give it, on this CPU and build: checked at load (9 passes)."""
+        ids = [(7 * i + 3) % self.vocab_size for i in range(12)]
+        kv = self.new_kv()
+        self.forward(kv, ids[:4], last_only=True)
+        wide = self.forward(kv, ids[4:]).logits
+        kv.truncate(4)
+        steps = torch.cat([self.forward(kv, [t]).logits for t in ids[4:]])
+        kv.close()
+        return torch.equal(wide, steps)
 
     @property
     def masked(self):
@@ -177,7 +204,9 @@ class OpenVINOModel(BorrowedEmbeddings):
         from openvino import get_version
 
         return (f"OpenVINO {get_version().split('-')[0]} ({self.weights} weights, {self.inference_precision} "
-                f"inference, {self.kv_precision} KV cache, {self.attention} attention, {self.threads} threads)")
+                f"inference, {self.kv_precision} KV cache, {self.attention} attention"
+                f"{', passes of 2+ tokens' if self.min_width > 1 else ''}"
+                f"{', width-invariant' if self.width_invariant else ''}, {self.threads} threads)")
 
     @property
     def cost_key(self) -> object:
@@ -191,6 +220,7 @@ class OpenVINOModel(BorrowedEmbeddings):
 
         return {**measurements.machine(), "backend": self.backend, "model": self.folder.name, "weights": self.weights,
                 "threads": self.threads, "kv": self.kv_precision, "attention": self.attention,
+                "min_width": self.min_width,
                 "openvino": get_version()}
 
     def new_kv(self, trees: bool = False) -> "OpenVINOKV | PagedKV":
@@ -264,23 +294,21 @@ class OpenVINOModel(BorrowedEmbeddings):
     def _paged(self, items, last_only: bool, feature_layers) -> list[TargetPass]:
         """One pass of the paged graph over every item's new tokens (one sequence each)."""
         with self._lock:
-            for kv, tokens in items:
-                kv.reserve(len(tokens))
-            inputs, rows = pass_inputs(items, last_only)
+            inputs, rows, offsets = pass_inputs(items, last_only, self.min_width)
             out = self._paged_request(bool(feature_layers)).infer(inputs, share_outputs=True)
             for kv, tokens in items:
-                kv.length += len(tokens)
+                kv.length += len(tokens)  # a padding token stays past the length: written over by the next pass
             logits = np.array(out["logits"][:, 0], dtype=np.float32)
             hidden = out["hidden_states"] if feature_layers else None
-            passes, row, start = [], 0, 0
-            for (_, tokens), picked in zip(items, rows):
+            passes, row = [], 0
+            for (_, tokens), picked, start in zip(items, rows, offsets):
                 item_logits = torch.from_numpy(logits[row:row + len(picked)])
                 item_hidden = None
                 if hidden is not None:
                     item_hidden = torch.from_numpy(
                         np.array(hidden[start:start + len(tokens), 0][:, list(feature_layers)], dtype=np.float32))
                 passes.append(TargetPass(item_logits, item_hidden))
-                row, start = row + len(picked), start + len(tokens)
+                row += len(picked)
         return passes
 
 
@@ -343,11 +371,13 @@ def default_kv(weights: str) -> str:
 
 
 def load(ref: str, weights: str = "fp32", threads: int | None = None, kv_precision: str | None = None,
-         attention: str = "paged") -> OpenVINOModel:
+         attention: str = "paged", min_width: int | None = None) -> OpenVINOModel:
     """A model reference exported once to OpenVINO (see ``verispec.load_model``); ``weights="auto"`` times fp32
     and bf16 (where the CPU has it) once and runs the faster for speculation. ``kv_precision`` defaults to
     ``default_kv(weights)``; ``attention="masked"`` runs the stateful graph for every pass (paged attention, the
-    default, runs chains and batches; token trees run the stateful graph either way)."""
+    default, runs chains and batches; token trees run the stateful graph either way); ``min_width`` 2 pads one-token
+    passes so that greedy speculation is bitwise identical to plain decoding (default: on for every format but
+    fp32; see ``OpenVINOModel``)."""
     from transformers import AutoConfig, AutoTokenizer
 
     from ..hf import _eos_ids
@@ -380,6 +410,6 @@ def load(ref: str, weights: str = "fp32", threads: int | None = None, kv_precisi
         return load_transformers(ref, pack=False).model
 
     model = OpenVINOModel(folder, tokenizer, config, ref, weights, threads, kv_precision, _eos_ids(holder, tokenizer),
-                          embedding_model, attention)
+                          embedding_model, attention, min_width)
     model.weight_timings_ms = timings
     return model

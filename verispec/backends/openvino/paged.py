@@ -139,27 +139,32 @@ class PagedKV:
         self.truncate(0)
 
 
-def pass_inputs(items, last_only: bool) -> tuple[dict, list[np.ndarray]]:
-    """The paged graph's inputs for one pass over ``items`` ([(PagedKV, tokens)], blocks reserved), and each item's
-    rows of the logits output."""
-    ids, positions, past, begins, blocks, block_begins, rows = [], [], [], [0], [], [0], []
-    longest, done = 0, 0
+def pass_inputs(items, last_only: bool, min_width: int = 1) -> tuple[dict, list[np.ndarray], list[int]]:
+    """The paged graph's inputs for one pass over ``items`` ([(PagedKV, tokens)]), each item's rows of the logits
+    output, and each item's offset in the pass's tokens. An item of fewer than ``min_width`` tokens is padded with
+    copies of its last token (written past the cache's length, so never read: see ``OpenVINOModel.min_width``);
+    reserves the blocks every item needs."""
+    ids, positions, past, begins, blocks, block_begins, rows, offsets = [], [], [], [0], [], [0], [], []
+    longest = 0
     for kv, tokens in items:
         n = len(tokens)
-        ids.extend(tokens)
-        positions.append(np.arange(kv.length, kv.length + n, dtype=np.int64))
+        fed = list(tokens) + [tokens[-1]] * (min_width - n) if n < min_width else tokens
+        kv.reserve(len(fed))
+        done = len(ids)
+        offsets.append(done)
+        ids.extend(fed)
+        positions.append(np.arange(kv.length, kv.length + len(fed), dtype=np.int64))
         past.append(kv.length)
-        begins.append(begins[-1] + n)
-        used = -(-(kv.length + n) // kv.pool.size)
+        begins.append(len(ids))
+        used = -(-(kv.length + len(fed)) // kv.pool.size)
         blocks.extend(kv.blocks[:used])
         block_begins.append(block_begins[-1] + used)
         rows.append(np.array([done + n - 1], dtype=np.int64) if last_only else np.arange(done, done + n, dtype=np.int64))
-        longest = max(longest, kv.length + n)
-        done += n
+        longest = max(longest, kv.length + len(fed))
     inputs = {
         "input_ids": np.asarray(ids, dtype=np.int64), "position_ids": np.concatenate(positions),
         "past_lens": np.asarray(past, dtype=np.int32), "subsequence_begins": np.asarray(begins, dtype=np.int32),
         "block_indices": np.asarray(blocks, dtype=np.int32),
         "block_indices_begins": np.asarray(block_begins, dtype=np.int32),
         "max_context_len": np.array(longest, dtype=np.int32), "logit_rows": np.concatenate(rows)}
-    return inputs, rows
+    return inputs, rows, offsets
