@@ -235,8 +235,9 @@ class OpenVINOModel(BorrowedEmbeddings):
 
     def pass_width(self, widths) -> int:
         """The tokens a batched pass computes: no padding either way (the paged graph takes ragged rows in one pass;
-        the stateful graph runs rows one after another, one infer request each)."""
-        return sum(widths)
+        the stateful graph runs rows one after another, one infer request each); a row of one token is padded to
+        ``min_width``."""
+        return sum(max(w, self.min_width) for w in widths)
 
     def forward(self, kv: "OpenVINOKV | PagedKV", tokens, *, parents=None, last_only: bool = False,
                 feature_layers=()) -> TargetPass:
@@ -295,7 +296,7 @@ class OpenVINOModel(BorrowedEmbeddings):
         """One pass of the paged graph over every item's new tokens (one sequence each)."""
         with self._lock:
             inputs, rows, offsets = pass_inputs(items, last_only, self.min_width)
-            out = self._paged_request(bool(feature_layers)).infer(inputs, share_outputs=True)
+            out = self._paged_request(bool(feature_layers)).infer(inputs, share_inputs=True, share_outputs=True)
             for kv, tokens in items:
                 kv.length += len(tokens)  # a padding token stays past the length: written over by the next pass
             logits = np.array(out["logits"][:, 0], dtype=np.float32)
@@ -365,9 +366,11 @@ def choose_weights(ref: str, threads: int, kv_precision: str | None, attention: 
 
 
 def default_kv(weights: str) -> str:
-    """The KV cache's precision unless asked: f32, or bf16 where the model computes in bf16 (OpenVINO's paged
-    attention kernel takes no other there)."""
-    return "bf16" if weights == "bf16" else "f32"
+    """The KV cache's precision unless asked: f32 for fp32 weights (the exact configuration); bf16 where the model
+    computes in bf16 (OpenVINO's paged attention kernel takes no other there); f16 for the rounded weight formats
+    (fp16, int8, int4), whose passes then read half the cache (int4, 1,000 cached tokens, Zen 4: a 6-token pass
+    15.4 ms against 19.6 ms with f32) and stay width-invariant. OpenVINO's own default, u8, is never chosen."""
+    return {"fp32": "f32", "bf16": "bf16"}.get(weights, "f16")
 
 
 def load(ref: str, weights: str = "fp32", threads: int | None = None, kv_precision: str | None = None,

@@ -138,6 +138,12 @@ class PagedKV:
     def close(self) -> None:
         self.truncate(0)
 
+    def __del__(self) -> None:  # a cache dropped without close() gives its blocks back all the same
+        try:
+            self.truncate(0)
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
 
 def pass_inputs(items, last_only: bool, min_width: int = 1) -> tuple[dict, list[np.ndarray], list[int]]:
     """The paged graph's inputs for one pass over ``items`` ([(PagedKV, tokens)]), each item's rows of the logits
