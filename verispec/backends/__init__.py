@@ -43,9 +43,9 @@ def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", d
     returning (about a minute; see ``verispec.backends.hf.compiled``): plain decoding then ran ~2x faster than eager
     on a 2-core EPYC.
 
-    ``min_width`` (openvino): 2 pads one-token passes so that every position's logits are bitwise the same at
-    every pass width (greedy speculation then equals plain decoding by construction); default 2 for every weight
-    format but fp32 (see ``verispec.backends.openvino.model``)."""
+    ``min_width`` (openvino): passes of fewer tokens are padded to it; 2 (no one-token passes) makes every position's
+    logits bitwise the same at every pass width, so greedy speculation equals plain decoding by construction; default
+    2 for every weight format but fp32 (see ``verispec.backends.openvino.model``)."""
     if backend not in BACKENDS:
         raise InvalidRequest(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if min_width is not None and backend != "openvino":

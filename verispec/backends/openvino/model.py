@@ -149,8 +149,8 @@ class OpenVINOModel(BorrowedEmbeddings):
         self.attention = attention
         if min_width is None:
             min_width = 1 if weights == "fp32" or self.pool is None else 2
-        if min_width not in (1, 2):
-            raise InvalidRequest(f"min_width is 1 or 2, got {min_width!r}")
+        if isinstance(min_width, bool) or not isinstance(min_width, int) or not 1 <= min_width <= 64:
+            raise InvalidRequest(f"min_width is a whole number of tokens from 1 to 64, got {min_width!r}")
         # OpenVINO's CPU kernels compute a one-token pass another way than wider ones (its matmuls' one-row path,
         # dynamic quantization of int8/int4 activations), and rows of every pass of 2 or more tokens are bitwise equal
         # to each other (SmolLM2-135M, Zen 4: widths 2-45, bf16, int8, int4, fp32). With min_width 2 no pass runs
