@@ -227,3 +227,27 @@ def test_passes_of_two_or_more_tokens_give_a_position_the_same_logits_at_every_w
         assert out.token_ids == plain.token_ids and sum(out.stats.step_accepted) > 0
     with pytest.raises(InvalidRequest, match="min_width"):
         load_model(str(tiny_dir), backend="openvino", threads=1, min_width=0)
+
+
+def test_the_batch_engine_runs_rows_in_one_paged_pass_with_lone_output(tiny_dir):
+    """Continuous batching on the paged graph: every step of several sequences is one infer call, and each answer
+    equals that prompt's lone plain greedy answer (padded passes: bitwise, where the probe says so)."""
+    from verispec.batching import generate_batch
+
+    target = load_model(str(tiny_dir), backend="openvino", threads=1, min_width=2)
+    target.eos_token_ids = frozenset()
+    prompts = [[1, 5, 9, 5, 9, 5, 9, 12, 5, 9], [3, 4, 3, 4, 3, 4], [7] * 12, [2, 8, 11, 2, 8]]
+    lone = [SpeculativeDecoder(target).generate(p, max_new_tokens=24).token_ids for p in prompts]
+    calls = []
+    request = target._paged_requests[False]
+    original = request.infer
+    target._paged_requests[False] = type("Counting", (), {
+        "infer": staticmethod(lambda *a, **k: calls.append(len(a[0]["past_lens"])) or original(*a, **k)),
+        "get_compiled_model": request.get_compiled_model})()
+    decoders = [SpeculativeDecoder(target, make_drafter("ngram", target=target), k=4, k_policy="fixed")
+                for _ in prompts]
+    out = generate_batch(decoders, prompts, max_batch=4, max_new_tokens=24)
+    assert max(calls) == 4  # four sequences' tokens in one infer call
+    if target.width_invariant:
+        assert [g.token_ids for g in out] == lone
+    assert sum(g.stats.accepted for g in out) > 0
