@@ -67,7 +67,10 @@ def test_rounded_formats_are_identical_to_plain_decoding_by_construction(weights
     if weights == "bf16" and "BF16" not in __import__("openvino").Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"):
         weights = "int4"  # no bf16 on this CPU (refused there): the other rounded format instead
     target = load_model("smollm2-135m", backend="openvino", weights=weights)
-    assert target.min_width == 2 and target.width_invariant, target.kernel
+    assert target.min_width == 2, target.kernel
+    if not target.width_invariant:  # the load-time probe found a CPU where the rule does not hold: said, not hidden
+        assert "width-invariant" not in target.kernel
+        pytest.xfail(f"passes of 2+ tokens are not width-invariant on this CPU ({target.kernel})")
     plain = SpeculativeDecoder(target)
     spec = SpeculativeDecoder(target, make_drafter("ngram", target=target), k=6, k_policy="fixed")
     accepted = 0
