@@ -48,12 +48,17 @@ def test_logits_and_hidden_states_equal_the_transformers_backends(ov_fp32, defau
 @pytest.mark.parametrize("drafter, options", [("ngram", {}), ("ngram", {"branches": 3}), ("eagle", {}),
                                               ("eagle", {"tree": True}), ("lookahead", {})])
 def test_speculation_is_identical_to_plain_decoding(ov_fp32, drafter, options):
-    plain = SpeculativeDecoder(ov_fp32)
-    spec = SpeculativeDecoder(ov_fp32, make_drafter(drafter, target=ov_fp32, **options), k=6, k_policy="fixed")
+    _assert_identical(ov_fp32, make_drafter(drafter, target=ov_fp32, **options), max_new_tokens=48)
+
+
+def _assert_identical(target, drafter, max_new_tokens):
+    """Every prompt's speculative answer equals its plain one, and drafts were accepted."""
+    plain = SpeculativeDecoder(target)
+    spec = SpeculativeDecoder(target, drafter, k=6, k_policy="fixed")
     accepted = 0
     for prompt in PROMPTS:
-        a = plain.generate(prompt, max_new_tokens=48)
-        b = spec.generate(prompt, max_new_tokens=48)
+        a = plain.generate(prompt, max_new_tokens=max_new_tokens)
+        b = spec.generate(prompt, max_new_tokens=max_new_tokens)
         assert b.token_ids == a.token_ids, prompt
         accepted += b.stats.accepted
     assert accepted > 0
@@ -71,15 +76,7 @@ def test_rounded_formats_are_identical_to_plain_decoding_by_construction(weights
     if not target.width_invariant:  # the load-time probe found a CPU where the rule does not hold: said, not hidden
         assert "width-invariant" not in target.kernel
         pytest.xfail(f"passes of 2+ tokens are not width-invariant on this CPU ({target.kernel})")
-    plain = SpeculativeDecoder(target)
-    spec = SpeculativeDecoder(target, make_drafter("ngram", target=target), k=6, k_policy="fixed")
-    accepted = 0
-    for prompt in PROMPTS:
-        a = plain.generate(prompt, max_new_tokens=64)
-        b = spec.generate(prompt, max_new_tokens=64)
-        assert b.token_ids == a.token_ids, prompt
-        accepted += b.stats.accepted
-    assert accepted > 0
+    _assert_identical(target, make_drafter("ngram", target=target), max_new_tokens=64)
 
 
 def test_rollback_leaves_the_cache_of_a_fresh_prefill(ov_fp32):
