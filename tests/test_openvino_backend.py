@@ -251,3 +251,19 @@ def test_the_batch_engine_runs_rows_in_one_paged_pass_with_lone_output(tiny_dir)
     if target.width_invariant:
         assert [g.token_ids for g in out] == lone
     assert sum(g.stats.accepted for g in out) > 0
+
+
+def test_sliding_window_models_are_limited_to_the_window():
+    """The export's attention does not apply Gemma 3's sliding window: contexts stop at the window (where it changes
+    nothing) instead of being computed wrong beyond it."""
+    from types import SimpleNamespace
+
+    from verispec.backends.openvino.model import OpenVINOModel
+
+    def context(**config):
+        return OpenVINOModel.context_length.fget(SimpleNamespace(config=SimpleNamespace(**config)))
+
+    assert context(max_position_embeddings=32768, sliding_window=512,
+                   layer_types=["sliding_attention", "full_attention"]) == 512
+    assert context(max_position_embeddings=8192, sliding_window=4096, layer_types=["full_attention"]) == 8192
+    assert context(max_position_embeddings=8192) == 8192

@@ -166,6 +166,10 @@ class OpenVINOModel(BorrowedEmbeddings):
             log.warning("on this CPU OpenVINO's %s passes give a position other logits at other widths: greedy "
                         "speculation may part from plain decoding (--weights fp32 stays within ~1e-4)", weights)
         self._embedding_model, self._embedding_model_loader = None, embedding_model_loader
+        if self.context_length != getattr(config, "max_position_embeddings", None):
+            log.warning("%s has sliding-window layers, whose window the OpenVINO export does not apply: contexts are "
+                        "limited to the window (%d tokens) here; --backend transformers or llamacpp runs longer ones",
+                        name, self.context_length)
 
     def _probe_widths(self) -> bool:
         """Whether an 8-token pass gives each position the very logits that one-token steps (padded to
@@ -193,7 +197,14 @@ class OpenVINOModel(BorrowedEmbeddings):
 
     @property
     def context_length(self) -> int | None:
-        return getattr(self.config, "max_position_embeddings", None)
+        """The model's context; for a model with sliding-window layers (Gemma 3), at most the window: the export's
+        attention does not apply the window, which within it changes nothing, so longer contexts are refused with
+        this length rather than computed wrong."""
+        limit = getattr(self.config, "max_position_embeddings", None)
+        window = getattr(self.config, "sliding_window", None)
+        if window and "sliding_attention" in (getattr(self.config, "layer_types", None) or ()):
+            limit = min(limit, window) if limit else window
+        return limit
 
     @property
     def device(self) -> torch.device:
