@@ -30,9 +30,12 @@ def tiny_other_draft(tiny_target):
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory, tiny_target):
     """The tiny target saved as a transformers folder, for load_model and CLI tests."""
-    path = tmp_path_factory.mktemp("tiny-model")
-    tiny_target.model.save_pretrained(path)
-    tiny_target.tokenizer.save_pretrained(path)
+    return _saved(tiny_target, tmp_path_factory.mktemp("tiny-model"))
+
+
+def _saved(target, path):
+    target.model.save_pretrained(path)
+    target.tokenizer.save_pretrained(path)
     return path
 
 
@@ -46,10 +49,7 @@ def small_target():
 @pytest.fixture(scope="session")
 def small_dir(tmp_path_factory, small_target):
     """small_target saved as a transformers folder, for CLI tests of trained heads."""
-    path = tmp_path_factory.mktemp("small-model")
-    small_target.model.save_pretrained(path)
-    small_target.tokenizer.save_pretrained(path)
-    return path
+    return _saved(small_target, tmp_path_factory.mktemp("small-model"))
 
 
 @pytest.fixture(scope="session")
