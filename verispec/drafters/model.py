@@ -1,4 +1,5 @@
-"""A separate, smaller causal LM that shares the target's tokenizer drafts k tokens autoregressively."""
+"""A separate, smaller causal LM drafts k tokens autoregressively: with the target's tokenizer as token ids and
+sampled q, with another tokenizer as text (``retokenize``)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import torch
 
 from ..backends.base import TargetModel
 from ..compat import check_compatible
+from ..errors import IncompatibleDrafter
 from ..prefix import common_prefix_length
 from ..sampling import SamplingParams, probabilities, sample
 from .base import Draft, DrafterBase
-from .registry import DrafterSpec, register
+from .registry import DrafterSpec, Option, register
+from .retokenize import RetokenizingDrafter, different_vocabulary
 
 
 class ModelDrafter(DrafterBase):
@@ -68,8 +71,27 @@ class ModelDrafter(DrafterBase):
     # observe(): nothing to learn; the next propose() realigns the cache with the committed context
 
 
+def build_model_drafter(target: TargetModel | None, draft: TargetModel, retokenize: str = "auto",
+                        check_chat_template: bool = True) -> DrafterBase:
+    """A ``ModelDrafter`` when the draft shares the target's tokens, a ``RetokenizingDrafter`` when it does not
+    (``retokenize`` auto), or as asked (on: always through text; off: refuse another tokenizer)."""
+    difference = None if target is None else different_vocabulary(target.tokenizer, draft.tokenizer)
+    if retokenize == "on" or (retokenize == "auto" and difference is not None):
+        if target is None:
+            raise IncompatibleDrafter("a draft model with another tokenizer needs the target to translate to")
+        return RetokenizingDrafter(draft, target)
+    if difference is not None:
+        raise IncompatibleDrafter(f"{difference}. With --model-retokenize off a draft model must share the target's "
+                                  "tokenizer; leave it at auto to draft through text (greedy drafts, lossless at any "
+                                  "temperature)")
+    return ModelDrafter(draft, target, check_chat_template=check_chat_template)
+
+
 register(DrafterSpec(
-    "model", "a separate, smaller model with the target's tokenizer drafts token by token",
-    lambda target, draft_model, **options: ModelDrafter(draft_model, target, **options),
+    "model", "a separate, smaller model drafts token by token (another tokenizer: through text, greedy drafts)",
+    lambda target, draft_model, **options: build_model_drafter(target, draft_model, **options),
+    options=(Option("retokenize", str, "auto", "how --drafter model bridges tokenizers: auto (through text when the "
+                    "draft's tokenizer differs from the target's), on (always through text), off (refuse another "
+                    "tokenizer) (default: auto)", choices=("auto", "on", "off"), metavar="MODE"),),
     needs_draft_model=True,
 ))

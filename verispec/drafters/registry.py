@@ -135,8 +135,8 @@ class DrafterSpec:
             self.option(name)  # unknown options get a message naming the known ones
         options = {**self.defaults(), **options}
         if self.needs_draft_model and draft_model is None:
-            raise InvalidRequest(f"the {self.name} drafter needs a draft model: pass --draft-model REF (a smaller "
-                                 "model with the target's tokenizer)")
+            raise InvalidRequest(f"the {self.name} drafter needs a draft model: pass --draft-model REF (a smaller, faster "
+                                 "model; one with the target's tokenizer drafts best)")
         if target is not None and target.backend not in self.backends:
             raise InvalidRequest(f"the {self.name} drafter runs on {', '.join(self.backends)}, not on the "
                                  f"{target.backend} backend")
