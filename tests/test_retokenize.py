@@ -16,7 +16,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
 from statistical_helpers import ALPHA, joint_p_value
-from tiny import VOCAB, loaded, make_tokenizer
+from tiny import VOCAB, loaded, make_model, make_tokenizer
 from verispec import SamplingParams, SpeculativeDecoder, make_drafter
 from verispec.drafters.model import ModelDrafter
 from verispec.drafters.retokenize import RetokenizingDrafter, decode_after, encode_after
@@ -164,3 +164,14 @@ def test_encode_after_continues_the_anchor_text(kind, anchor, text):
     if after:
         assert tokenizer.decode(base + after, skip_special_tokens=True) == tokenizer.decode(
             tokenizer.encode(anchor + text, add_special_tokens=False), skip_special_tokens=True)
+
+
+def test_the_transformers_peer_runs_universal_assisted_generation_with_another_tokenizer(tiny_target):
+    """``hf:assisted:REF`` hands transformers both tokenizers when the vocabularies differ in size (how transformers
+    tells them apart: its cross-tokenizer mode), so bench can race the two implementations."""
+    from verispec.bench import build_method
+
+    wider = loaded(make_model(seed=7, vocab=40), make_tokenizer(40), name="wider")
+    method = build_method("hf:assisted:wider", tiny_target, lambda ref, **_: wider)
+    ids = [5, 9, 3, 5, 9, 12]
+    assert method.run(ids, 12).token_ids == SpeculativeDecoder(tiny_target).generate(ids, max_new_tokens=12).token_ids

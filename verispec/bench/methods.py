@@ -12,7 +12,8 @@ is a model reference:
     medusa  medusa:DIR:k=4       verispec's Medusa heads (the shipped set, or the folder DIR); medusa:tree=1:k=10
     hf:greedy                    transformers ``generate`` (greedy or sampling)
     hf:pld  hf:pld:k=10          transformers prompt lookup (``prompt_lookup_num_tokens``, default 10)
-    hf:assisted:REF              transformers assisted generation with draft model REF
+    hf:assisted:REF              transformers assisted generation with draft model REF (another tokenizer: its
+                                 Universal Assisted Generation)
     llamacpp  llamacpp:lookup     llama-cpp-python's plain generation / prompt lookup (``verispec.bench.llamacpp_peers``)
     openvino  openvino:lookup  openvino:draft=REF
                                  OpenVINO GenAI's pipeline: plain, prompt lookup, draft model (``verispec.bench.openvino_peers``)
@@ -204,7 +205,10 @@ def _hf_method(spec: str, head: str, refs: list[str], opts: dict, target, load: 
     elif kind == "assisted":
         if len(refs) != 1:
             raise InvalidRequest(f"{spec!r}: hf:assisted needs a draft model reference, e.g. hf:assisted:PATH")
-        extra = {"assistant_model": load(refs[0], compiled=False).model}
+        draft = load(refs[0], compiled=False)
+        extra = {"assistant_model": draft.model}
+        if draft.vocab_size != target.vocab_size:  # its Universal Assisted Generation (as transformers tells them apart)
+            extra.update(tokenizer=target.tokenizer, assistant_tokenizer=draft.tokenizer)
     else:
         raise InvalidRequest(f"unknown transformers method {head!r}; choose hf:greedy, hf:pld or hf:assisted:REF")
     pack = bool(opts.pop("pack", 0))
