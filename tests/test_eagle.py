@@ -257,6 +257,15 @@ def test_dataset_is_resumable_and_refuses_other_settings(small_target, tmp_path)
 
     with pytest.raises(InvalidRequest, match="max_new_tokens"):
         build_dataset(small_target, prompts, tmp_path, layers=LAYERS, max_new_tokens=6, shard_size=2, progress=False)
+    # Medusa asks for no layers (the final state only): EAGLE's data serves, extended with EAGLE's layers
+    build_dataset(small_target, prompts + [[6, 6]], tmp_path, layers=(), max_new_tokens=5, batch_size=2,
+                  shard_size=2, progress=False)
+    assert (tmp_path / "shard-00000.safetensors").stat().st_mtime_ns == first
+    assert load_meta(tmp_path)["layers"] == list(LAYERS)
+    assert all(s.features.shape == (len(s.tokens), 3, 32) for s in load_sequences(tmp_path))
+    assert len(list(load_sequences(tmp_path))) == 4
+    with pytest.raises(InvalidRequest, match="layers"):
+        build_dataset(small_target, prompts, tmp_path, layers=(0,), max_new_tokens=5, shard_size=2, progress=False)
 
 
 def test_validation_split_is_stable_as_data_grows():

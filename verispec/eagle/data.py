@@ -146,6 +146,9 @@ def build_dataset(target: LoadedModel, prompts: list[list[int]], out_dir: str | 
     meta_path = out / META
     if meta_path.exists():
         old = json.loads(meta_path.read_text())
+        if set(layers) <= set(old.get("layers") or ()):  # more layers serve too (Medusa reads the final state only)
+            layers = tuple(old["layers"])
+            meta["layers"] = list(layers)
         for key in ("target", "layers", "max_new_tokens", "shard_size"):
             if old.get(key) != meta[key]:
                 raise InvalidRequest(f"{out} holds data built with {key}={old.get(key)!r}, not {meta[key]!r}; "
