@@ -1,10 +1,11 @@
 """The zoo's families (tests/zoo.py) through the llama.cpp backend, from F32 GGUF files that llama.cpp's own converter
 writes from the tiny transformers models (with SmolLM2's vocabulary: the converter accepts only tokenizers it knows).
 Each family: llama.cpp's logits equal the transformers model's (the file is that model), the cache and its rollback
-equal a forward with no cache, batched passes equal lone ones, and plain and speculative greedy decoding (n-gram chains,
-a draft model, suffix drafts) are one output. Sequences run past the 6-token windows of Gemma 3's sliding layers; for
-Mistral, whose sliding window llama.cpp's llama architecture does not apply, comparisons with transformers stay inside
-the window. A rollback that keeps one position too many fails every family."""
+equal a forward with no cache, batched passes equal lone ones, the batch engine gives each sequence its lone output,
+and plain and speculative greedy decoding (n-gram chains, a draft model, suffix drafts) are one output. Sequences run
+past the 6-token windows of Gemma 3's sliding layers; for Mistral, whose sliding window llama.cpp's llama
+architecture does not apply, comparisons with transformers stay inside the window. A rollback one position off fails
+every family."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import require_llama_cpp
 from verispec import ModelDrafter, NgramDrafter, SpeculativeDecoder
+from verispec.batching import BatchEngine
 from verispec.drafters import SuffixDrafter
 from verispec.backends.references import DEFAULT_MODEL, resolve
 from zoo import ARCHITECTURES, zoo_gguf
@@ -99,3 +101,17 @@ def test_speculative_greedy_output_is_plain_greedy_decoding(pair, family, tokeni
         assert got.token_ids == expected, name
         accepted += got.stats.accepted
     assert accepted > 0
+
+
+def test_the_batch_engine_gives_each_sequence_its_lone_output(pair):
+    _, target = pair
+    prompts = [TOKENS[:11], TOKENS[3:9], [1, 4, 4, 8, 15, 16, 23, 42], TOKENS[:5]]
+    expected = [SpeculativeDecoder(target).generate(p, max_new_tokens=16).token_ids for p in prompts]
+    engine = BatchEngine(target, max_batch=3, prefill_chunk=4)
+    seqs = []
+    for i, p in enumerate(prompts):
+        d = SpeculativeDecoder(target, NgramDrafter() if i % 2 else None, k=3, k_policy="fixed")
+        seqs.append(engine.submit(d, d.request(p, max_new_tokens=16)))
+    while engine.busy:
+        engine.step()
+    assert [s.result.token_ids for s in seqs] == expected
