@@ -10,7 +10,6 @@ Gemma use; the exact distribution on the tiny vocabulary shows the one-hot draft
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import assume, given, settings, strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
