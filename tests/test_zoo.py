@@ -15,7 +15,7 @@ from verispec.backends.hf.compiled import FixedKV
 from verispec.batching import BatchEngine
 from verispec.drafters.layerskip import LayerSkipDrafter
 from verispec.drafters.lookahead import LookaheadDrafter
-from zoo import ARCHITECTURES, make_zoo_model, zoo_target
+from zoo import ARCHITECTURES, assert_rollback_matches, make_zoo_model, zoo_target
 
 FAMILIES = list(ARCHITECTURES)
 PROMPT = [1, 5, 9, 7, 3, 5, 9, 7, 3, 11, 4]
@@ -46,14 +46,7 @@ def reference_greedy(model, prompt, n=NEW):
 def test_cache_and_rollback_match_a_forward_with_no_cache(target, kind):
     tokens = PROMPT + [6, 8, 10, 12, 14, 16, 18, 20, 22, 24]
     whole = target.model(input_ids=torch.tensor([tokens])).logits[0]
-    kv = target.new_kv() if kind == "grow" else FixedKV()
-    target.forward(kv, tokens[:8])
-    for i, start in enumerate(range(8, len(tokens), 3)):  # a rejected draft of 1 to 4 tokens before each chunk
-        target.forward(kv, [30, 29, 28, 27][: 1 + i % 4])
-        kv.truncate(start)
-        out = target.forward(kv, tokens[start : start + 3]).logits
-        torch.testing.assert_close(out, whole[start : start + 3], atol=1e-4, rtol=1e-4)
-    assert len(kv) == len(tokens)
+    assert_rollback_matches(target, target.new_kv() if kind == "grow" else FixedKV(), tokens, whole)
 
 
 @torch.inference_mode()

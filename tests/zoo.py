@@ -47,6 +47,18 @@ def zoo_target(family: str, seed: int = 0):
     return loaded(make_zoo_model(family, seed), name=f"tiny-{family}")
 
 
+def assert_rollback_matches(target, kv, tokens, expected) -> None:
+    """Feed ``tokens`` in chunks of 3 into the empty cache ``kv``, a rejected draft of 1 to 4 tokens cut off before
+    each chunk; every chunk's logits must be ``expected``'s rows (a forward with no cache)."""
+    target.forward(kv, tokens[:8])
+    for i, start in enumerate(range(8, len(tokens), 3)):
+        target.forward(kv, [30, 29, 28, 27][: 1 + i % 4])
+        kv.truncate(start)
+        out = target.forward(kv, tokens[start : start + 3]).logits
+        torch.testing.assert_close(out, expected[start : start + 3], atol=1e-4, rtol=1e-4)
+    assert len(kv) == len(tokens)
+
+
 # ------------------------------------------------------------------------- the same families as GGUF files
 
 LLAMA_CPP_PYTHON = "0.3.36"  # the llama-cpp-python release the extras pin: its converter matches its llama.cpp
