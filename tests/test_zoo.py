@@ -12,10 +12,9 @@ from statistical_helpers import ALPHA, joint_p_value
 from tiny import loaded
 from verispec import ModelDrafter, NgramDrafter, SamplingParams, SpeculativeDecoder
 from verispec.backends.hf.compiled import FixedKV
-from verispec.batching import BatchEngine
 from verispec.drafters.layerskip import LayerSkipDrafter
 from verispec.drafters.lookahead import LookaheadDrafter
-from zoo import ARCHITECTURES, assert_rollback_matches, make_zoo_model, zoo_target
+from zoo import ARCHITECTURES, assert_rollback_matches, batch_engine_outputs, make_zoo_model, zoo_target
 
 FAMILIES = list(ARCHITECTURES)
 PROMPT = [1, 5, 9, 7, 3, 5, 9, 7, 3, 11, 4]
@@ -91,14 +90,7 @@ def test_plain_and_speculative_greedy_output_is_greedy_decoding_with_no_cache(ta
 def test_the_batch_engine_gives_each_sequence_its_lone_output(target):
     prompts = [PROMPT, PROMPT[3:], [1, 4, 4, 8, 15, 16, 23, 42 % 32], PROMPT[:5]]
     expected = [reference_greedy(target.model, p, 20) for p in prompts]
-    engine = BatchEngine(target, max_batch=3, prefill_chunk=4)
-    seqs = []
-    for i, p in enumerate(prompts):
-        d = SpeculativeDecoder(target, NgramDrafter() if i % 2 else None, k=3, k_policy="fixed")
-        seqs.append(engine.submit(d, d.request(p, max_new_tokens=20)))
-    while engine.busy:
-        engine.step()
-    assert [s.result.token_ids for s in seqs] == expected
+    assert batch_engine_outputs(target, prompts, 20) == expected
 
 
 def test_sampled_output_follows_the_exact_joint_distribution(target):

@@ -15,10 +15,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import require_llama_cpp
 from verispec import ModelDrafter, NgramDrafter, SpeculativeDecoder
-from verispec.batching import BatchEngine
 from verispec.drafters import SuffixDrafter
 from verispec.backends.references import DEFAULT_MODEL, resolve
-from zoo import ARCHITECTURES, assert_rollback_matches, zoo_gguf
+from zoo import ARCHITECTURES, assert_rollback_matches, batch_engine_outputs, zoo_gguf
 
 FAMILIES = list(ARCHITECTURES)
 TOKENS = [1, 5, 9, 7, 3, 5, 9, 7, 3, 11, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24]
@@ -100,11 +99,4 @@ def test_the_batch_engine_gives_each_sequence_its_lone_output(pair):
     _, target = pair
     prompts = [TOKENS[:11], TOKENS[3:9], [1, 4, 4, 8, 15, 16, 23, 42], TOKENS[:5]]
     expected = [SpeculativeDecoder(target).generate(p, max_new_tokens=16).token_ids for p in prompts]
-    engine = BatchEngine(target, max_batch=3, prefill_chunk=4)
-    seqs = []
-    for i, p in enumerate(prompts):
-        d = SpeculativeDecoder(target, NgramDrafter() if i % 2 else None, k=3, k_policy="fixed")
-        seqs.append(engine.submit(d, d.request(p, max_new_tokens=16)))
-    while engine.busy:
-        engine.step()
-    assert [s.result.token_ids for s in seqs] == expected
+    assert batch_engine_outputs(target, prompts, 16) == expected

@@ -47,6 +47,22 @@ def zoo_target(family: str, seed: int = 0):
     return loaded(make_zoo_model(family, seed), name=f"tiny-{family}")
 
 
+def batch_engine_outputs(target, prompts, max_new_tokens: int) -> list[list[int]]:
+    """Each prompt's output from one batch engine (3 rows, 4-token prefill chunks; every other sequence drafts
+    n-grams), for comparison with lone decoding."""
+    from verispec import NgramDrafter, SpeculativeDecoder
+    from verispec.batching import BatchEngine
+
+    engine = BatchEngine(target, max_batch=3, prefill_chunk=4)
+    seqs = []
+    for i, p in enumerate(prompts):
+        d = SpeculativeDecoder(target, NgramDrafter() if i % 2 else None, k=3, k_policy="fixed")
+        seqs.append(engine.submit(d, d.request(p, max_new_tokens=max_new_tokens)))
+    while engine.busy:
+        engine.step()
+    return [s.result.token_ids for s in seqs]
+
+
 def assert_rollback_matches(target, kv, tokens, expected) -> None:
     """Feed ``tokens`` in chunks of 3 into the empty cache ``kv``, a rejected draft of 1 to 4 tokens cut off before
     each chunk; every chunk's logits must be ``expected``'s rows (a forward with no cache)."""
