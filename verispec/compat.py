@@ -5,21 +5,27 @@ from __future__ import annotations
 from .errors import IncompatibleDrafter
 
 
-def check_compatible(target_tokenizer, draft_tokenizer, *, check_chat_template: bool = True) -> None:
-    """Raise IncompatibleDrafter naming the first difference. Vocabularies may differ in length (padded
-    embeddings, extra added tokens) as long as the shared id range maps to the same tokens."""
-    t_vocab = target_tokenizer.get_vocab()
-    d_vocab = draft_tokenizer.get_vocab()
-    t_by_id = {i: tok for tok, i in t_vocab.items()}
-    d_by_id = {i: tok for tok, i in d_vocab.items()}
-    shared = min(len(t_by_id), len(d_by_id))
-    for i in range(shared):
+def different_vocabulary(target_tokenizer, draft_tokenizer) -> str | None:
+    """The first difference between the two token->id maps over their shared id range (a sentence), None if the
+    draft's token ids mean what the target's do. Vocabularies may differ in length (padded embeddings, extra added
+    tokens)."""
+    t_by_id = {i: tok for tok, i in target_tokenizer.get_vocab().items()}
+    d_by_id = {i: tok for tok, i in draft_tokenizer.get_vocab().items()}
+    for i in range(min(len(t_by_id), len(d_by_id))):
         if t_by_id.get(i) != d_by_id.get(i):
-            raise IncompatibleDrafter(
-                f"draft and target tokenizers differ at id {i}: target has {t_by_id.get(i)!r}, draft has "
-                f"{d_by_id.get(i)!r}. A draft model must share the target's tokenizer (same family); use the "
-                "ngram drafter or a draft model trained with the target's tokenizer"
-            )
+            return f"the tokenizers differ at id {i}: target has {t_by_id.get(i)!r}, draft has {d_by_id.get(i)!r}"
+    return None
+
+
+def check_compatible(target_tokenizer, draft_tokenizer, *, check_chat_template: bool = True) -> None:
+    """Raise IncompatibleDrafter naming the first difference: the token->id map over the shared id range
+    (``different_vocabulary``), the special tokens, the chat template."""
+    difference = different_vocabulary(target_tokenizer, draft_tokenizer)
+    if difference is not None:
+        raise IncompatibleDrafter(
+            f"{difference}. ModelDrafter needs the target's tokenizer; a draft model with another tokenizer drafts "
+            "through text (make_drafter('model', ...) or --drafter model, which choose RetokenizingDrafter for it)"
+        )
     for attr in ("eos_token_id", "bos_token_id"):
         t, d = getattr(target_tokenizer, attr, None), getattr(draft_tokenizer, attr, None)
         if t is not None and d is not None and t != d:

@@ -8,13 +8,13 @@ from typing import Sequence
 import torch
 
 from ..backends.base import TargetModel
-from ..compat import check_compatible
+from ..compat import check_compatible, different_vocabulary
 from ..errors import IncompatibleDrafter
 from ..prefix import common_prefix_length
 from ..sampling import SamplingParams, probabilities, sample
 from .base import Draft, DrafterBase
 from .registry import DrafterSpec, Option, register
-from .retokenize import RetokenizingDrafter, different_vocabulary
+from .retokenize import RetokenizingDrafter
 
 
 class ModelDrafter(DrafterBase):

@@ -24,11 +24,12 @@ from typing import Sequence
 import torch
 
 from ..backends.base import TargetModel
-from ..prefix import common_prefix_length
+from ..prefix import common_prefix_length, reusable_prefix
 from ..sampling import SamplingParams
 from .base import EMPTY_DRAFT, Draft, DrafterBase
 
 ANCHOR = 4  # tokens of context decoded or tokenized with a piece of text, for its boundary
+TAIL = 64  # committed target tokens translated again at each proposal; older text is translated once, in chunks
 
 
 def decode_after(tokenizer, ids: Sequence[int], start: int) -> str:
@@ -59,17 +60,6 @@ def encode_after(tokenizer, anchor: str, text: str) -> list[int]:
     return []
 
 
-def different_vocabulary(target_tokenizer, draft_tokenizer) -> str | None:
-    """The first difference between the two token->id maps over their shared id range (a sentence), None if the
-    draft's token ids mean what the target's do."""
-    t_by_id = {i: tok for tok, i in target_tokenizer.get_vocab().items()}
-    d_by_id = {i: tok for tok, i in draft_tokenizer.get_vocab().items()}
-    for i in range(min(len(t_by_id), len(d_by_id))):
-        if t_by_id.get(i) != d_by_id.get(i):
-            return f"the tokenizers differ at id {i}: target has {t_by_id.get(i)!r}, draft has {d_by_id.get(i)!r}"
-    return None
-
-
 def special_ids(tokenizer) -> set[int]:
     """Ids of the tokenizer's special tokens (named ones and added tokens marked special)."""
     ids = set(getattr(tokenizer, "all_special_ids", ()) or ())
@@ -98,7 +88,8 @@ def special_map(source, target) -> dict[int, int]:
 class RetokenizingDrafter(DrafterBase):
     """Greedy drafts of a model with another tokenizer, proposed as the target's tokens (see the module doc).
 
-    Per request it translates the prompt for the draft once; each proposal translates only the answer since then
+    Per request it translates the prompt for the draft once and the answer in chunks of ``TAIL`` tokens as it
+    settles; each proposal translates only the last ``TAIL`` to ``2 TAIL`` tokens (a bounded cost at any length)
     and feeds the draft model only what its cache lacks (the longest shared prefix is kept, as ``ModelDrafter``
     does). Text runs are translated as text; special tokens by ``special_map`` (or left out). ``draft_steps``
     counts the draft model's one-token steps, ``proposed`` the target tokens proposed."""
@@ -121,8 +112,8 @@ class RetokenizingDrafter(DrafterBase):
     def reset(self, sampling: SamplingParams | None = None, generator: torch.Generator | None = None) -> None:
         self._cache = None
         self._cached: list[int] = []  # draft ids whose keys/values are in _cache
-        self._prompt: list[int] | None = None  # target ids of the request's prompt part (frozen at its first draft)
-        self._prompt_draft: list[int] = []  # the same in draft ids
+        self._frozen: list[int] | None = None  # committed target ids translated once (the prompt, settled answer)
+        self._frozen_draft: list[int] = []  # the same in draft ids
 
     def translate(self, ids: Sequence[int], start: int, prefix: list[int]) -> list[int]:
         """Draft ids for target ``ids[start:]``, following ``prefix`` (the draft ids of ``ids[:start]``)."""
@@ -144,14 +135,18 @@ class RetokenizingDrafter(DrafterBase):
         return out
 
     def draft_context(self, context: Sequence[int]) -> list[int]:
-        """The committed target tokens ``context`` as draft tokens: the prompt part once, the rest each time."""
-        frozen = self._prompt
+        """The committed target tokens ``context`` as draft tokens: what has settled once, the tail each time."""
+        frozen = self._frozen
         if frozen is None or len(context) <= len(frozen) or list(context[: len(frozen)]) != frozen:
-            frozen = self._prompt = list(context[:-1])
-            self._prompt_draft = self.translate(frozen, 0, [])
-            if self.draft_start and self._prompt_draft[: len(self.draft_start)] != self.draft_start:
-                self._prompt_draft = self.draft_start + self._prompt_draft
-        return self.translate(context, len(frozen), self._prompt_draft)
+            frozen = self._frozen = list(context[:-1])  # a new request: its prompt
+            self._frozen_draft = self.translate(frozen, 0, [])
+            if self.draft_start and self._frozen_draft[: len(self.draft_start)] != self.draft_start:
+                self._frozen_draft = self.draft_start + self._frozen_draft
+        settled = len(context) - TAIL
+        if settled - len(frozen) >= TAIL:  # a chunk of the answer will not be translated again
+            self._frozen_draft = self.translate(context[:settled], len(frozen), self._frozen_draft)
+            frozen = self._frozen = list(context[:settled])
+        return self.translate(context, len(frozen), self._frozen_draft)
 
     @torch.inference_mode()
     def propose(self, context: Sequence[int], k: int) -> Draft:
@@ -162,7 +157,7 @@ class RetokenizingDrafter(DrafterBase):
             return EMPTY_DRAFT
         if self._cache is None:
             self._cache = self.draft.new_kv()
-        keep = min(common_prefix_length(self._cached, ids), len(ids) - 1)
+        keep = reusable_prefix(self._cached, ids)
         self._cache.truncate(keep)
         del self._cached[keep:]
         feed = ids[keep:]
