@@ -53,13 +53,15 @@ def test_the_model_drafter_drafts_through_text_when_the_tokenizers_differ(tiny_t
         make_drafter("model", target=tiny_target, draft_model=permuted_draft, retokenize="off")
 
 
-def test_a_draft_that_is_the_target_under_another_tokenizer_has_every_draft_accepted(tiny_target, permuted_draft):
+@pytest.mark.parametrize("new", [30, 200])  # 200: the answer is translated in settled chunks, then the tail
+def test_a_draft_that_is_the_target_under_another_tokenizer_has_every_draft_accepted(tiny_target, permuted_draft,
+                                                                                     new):
     prompt = [5, 9, 3, 5, 9, 12]
-    plain = SpeculativeDecoder(tiny_target).generate(prompt, max_new_tokens=30)
+    plain = SpeculativeDecoder(tiny_target).generate(prompt, max_new_tokens=new)
     drafter = make_drafter("model", target=tiny_target, draft_model=permuted_draft)
-    got = SpeculativeDecoder(tiny_target, drafter, k=4, k_policy="fixed").generate(prompt, max_new_tokens=30)
+    got = SpeculativeDecoder(tiny_target, drafter, k=4, k_policy="fixed").generate(prompt, max_new_tokens=new)
     assert got.token_ids == plain.token_ids
-    assert got.stats.drafted >= 20 and got.stats.accepted == got.stats.drafted
+    assert got.stats.drafted >= 2 * new // 3 and got.stats.accepted == got.stats.drafted
     # k + 1 draft steps give k + 1 words; the last is dropped (text may end inside a word), so k are proposed
     assert max(got.stats.step_drafted) == 4 and drafter.draft_steps <= 5 * got.stats.drafts
     assert drafter.proposed == got.stats.drafted

@@ -75,8 +75,9 @@ def special_map(source, target) -> dict[int, int]:
     found: dict[int, int] = {}
     target_specials = special_ids(target)
     for i in special_ids(source):
-        j = target.convert_tokens_to_ids(source.convert_ids_to_tokens(i))
-        if isinstance(j, int) and j in target_specials and j != getattr(target, "unk_token_id", None):
+        spelling = source.convert_ids_to_tokens(i)
+        j = target.convert_tokens_to_ids(spelling)  # an unknown spelling gives the unknown token's id: checked below
+        if isinstance(j, int) and j in target_specials and target.convert_ids_to_tokens(j) == spelling:
             found[i] = j
     for role in ("bos_token_id", "eos_token_id"):
         i, j = getattr(source, role, None), getattr(target, role, None)
