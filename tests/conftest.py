@@ -4,6 +4,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub; must be
 # measured step costs go to a folder of this run (inherited by the CLI subprocesses), never the user's cache, so
 # no test starts from what an earlier run stored; tests of the store point it elsewhere themselves
 os.environ["VERISPEC_COST_CACHE"] = __import__("tempfile").mkdtemp(prefix="verispec-test-costs-")
+# the command line's --compile defaults to auto (a step compiled by an earlier process is used): tests run eager
+# unless they ask, so that no test's output depends on which test compiled first, and no test server compiles
+os.environ["VERISPEC_COMPILE"] = "off"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -269,10 +269,12 @@ def test_per_method_target_options_load_their_own_target(tiny_target):
     build_method("ngram:weights=f16:k=4", tiny_target, load)
     assert calls[-1][1]["weights"] == "f16" and calls[-1][1]["dtype"] is None
     build_method("baseline:compile=1", tiny_target, load)
-    assert calls[-1][1]["compiled"] is True
+    assert calls[-1][1]["compiled"] == "on"
     build_method("ngram:compile=0", tiny_target, load)
-    assert calls[-1][1]["compiled"] is False
-    with pytest.raises(InvalidRequest, match="compile= takes 0 or 1"):
+    assert calls[-1][1]["compiled"] == "off"
+    build_method("ngram:compile=auto", tiny_target, load)
+    assert calls[-1][1]["compiled"] == "auto"
+    with pytest.raises(InvalidRequest, match="compile= takes 0 / off, 1 / on or auto"):
         build_method("baseline:compile=yes", tiny_target, load)
     with pytest.raises(InvalidRequest, match="compile= is an option of verispec methods"):
         build_method("hf:greedy:compile=1", tiny_target, load)

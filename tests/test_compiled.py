@@ -1,15 +1,21 @@
-"""The opt-in compiled one-token step (verispec.backends.hf.compiled) and the fixed-buffer cache it runs on.
+"""The compiled one-token step (verispec.backends.hf.compiled), the fixed-buffer cache it runs on, and the compile
+cache on disk (verispec.backends.hf.compile_store).
 
 The cache is checked eagerly (no compiler) against a fresh forward over the whole sequence, through rollbacks,
-trees and growth; the compiled step is compiled once on a tiny model and must give greedy output identical to the
-eager path, plain and speculative; a compiler failure must leave decoding eager and working."""
+trees and growth. The step is compiled once on a tiny model (AOTInductor, ~15-30 s) and must give greedy output
+identical to the eager path, plain and speculative; a second model with the same weights loads it from disk, a model
+with other weights of the same shapes must not, a damaged file is removed; a missing compiler leaves decoding eager
+and working. A server's background compile (``--compile auto``) is run for real on a saved tiny model."""
 
+import json
 import logging
 
 import pytest
 import torch
 from tiny import loaded, make_model
 
+from verispec.backends import COMPILE_ENV, compile_mode, default_compile_mode
+from verispec.backends.hf import compile_store
 from verispec.backends.hf import compiled as compiled_module
 from verispec.backends.hf.cache import TorchKV
 from verispec.backends.hf.compiled import FixedKV, unpacked_copy
@@ -76,16 +82,25 @@ def _greedy(target, drafter, prompt, n=40):
     return SpeculativeDecoder(target, drafter, k=4, reuse_prefix=False).generate(prompt, max_new_tokens=n).token_ids
 
 
-def test_compiled_step_gives_the_eager_greedy_output_plain_and_speculative(small_growth):
-    from torch._dynamo.utils import counters
-
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """A compile cache of this module's own, with one step compiled into it (the tiny model of seed 5)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("VERISPEC_CACHE", str(tmp_path_factory.mktemp("verispec-cache")))
+    mp.setattr(compiled_module, "GROWTH", 8)  # grow every 8 positions: many resizes in a short test
     model = make_model(seed=5, scale=0.5)
     pack_linear_layers(model)
-    eager = loaded(model)
     fast = loaded(model)
-    graphs = counters["stats"]["unique_graphs"]
     assert fast.compile_step() is True
-    assert fast.step.compile_seconds > 0 and "compiled" in fast.kernel
+    yield model, fast
+    mp.undo()
+
+
+def test_compiled_step_gives_the_eager_greedy_output_plain_and_speculative(store):
+    model, fast = store
+    eager = loaded(model)
+    assert fast.step.loaded is False and fast.step.seconds > 0 and "compiled (AOTInductor)" in fast.kernel
+    assert fast.step.path.exists() and fast.step.path.parent == compile_store.folder()
     assert isinstance(fast.new_kv(), FixedKV) and isinstance(eager.new_kv(), TorchKV)
     prompt = [5, 9, 3, 5, 9, 4]
     expected = _greedy(eager, None, prompt)
@@ -95,22 +110,51 @@ def test_compiled_step_gives_the_eager_greedy_output_plain_and_speculative(small
     with torch.inference_mode():
         fast.forward(kv, prompt[:-1], last_only=True)
         out = fast.forward(kv, prompt[-1:]).logits
+        assert all(int(layer.cumulative_length) == len(prompt) for layer in kv.cache.layers)
+        kv.truncate(3)  # a rollback after a compiled step: the next eager pass writes where the step wrote
+        again = fast.forward(kv, prompt[3:]).logits
     torch.testing.assert_close(out, _fresh(model, prompt)[-1:], atol=1e-5, rtol=1e-5)
-    # one graph for every cache size and every new cache: nothing recompiled after the first step
-    assert counters["stats"]["unique_graphs"] == graphs + 1
+    torch.testing.assert_close(again, _fresh(model, prompt)[3:], atol=1e-5, rtol=1e-5)
 
 
-def test_a_compiler_failure_leaves_decoding_eager(monkeypatch, caplog):
-    def broken(*args, **kwargs):
-        raise RuntimeError("InductorError: C++ compiler not found")
+def test_the_same_weights_load_the_stored_step_and_other_weights_never_do(store, caplog):
+    model, _ = store
+    again = loaded(model)  # another model object, the same weights: the step comes from disk
+    assert again.compile_step(cached_only=True) is True and again.step.loaded is True
+    assert _greedy(again, None, [5, 9, 3], n=12) == _greedy(loaded(model), None, [5, 9, 3], n=12)
+    other = make_model(seed=5, scale=0.5)
+    with torch.no_grad():
+        other.model.layers[1].mlp.down_proj.weight.mul_(1.5)  # same shapes, other weights: torch's own cache
+    assert loaded(other).compile_step(cached_only=True) is False  # would hand it the first model's kernels
+    record = json.loads(again.step.path.with_suffix(".json").read_text())
+    assert record["key"]["width"] == 1 and record["bytes"] == again.step.path.stat().st_size
+    assert [r["path"] for r in compile_store.records()] == [str(again.step.path)]
 
-    monkeypatch.setattr(compiled_module.CompiledStep, "__call__", broken)
+
+def test_a_damaged_package_is_removed_and_never_run(store, caplog, tmp_path, monkeypatch):
+    model, fast = store
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    damaged = compile_store.folder() / fast.step.path.name
+    damaged.parent.mkdir(parents=True)
+    damaged.write_bytes(b"not a package")
+    target = loaded(model)
+    with caplog.at_level(logging.WARNING, logger="verispec.backends.hf.compile_store"):
+        assert target.compile_step(cached_only=True) is False
+    assert "did not load" in caplog.text and not damaged.exists()
+    assert target.step is None and len(_greedy(target, None, [5, 9, 3], n=5)) == 5
+
+
+def test_a_missing_compiler_leaves_decoding_eager(monkeypatch, caplog, tmp_path):
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "")
+    monkeypatch.setattr(compile_store.shutil, "which", lambda name: None)
     target = loaded(make_model(seed=6))
     with caplog.at_level(logging.WARNING, logger="verispec.backends.hf"):
         assert target.compile_step() is False
-    assert "decoding stays eager" in caplog.text and "C++ compiler not found" in caplog.text
+    assert "decoding stays eager" in caplog.text and "no C++ compiler found" in caplog.text and "g++" in caplog.text
     assert target.step is None and isinstance(target.new_kv(), TorchKV)
     assert len(_greedy(target, None, [5, 9, 3], n=5)) == 5
+    assert not compile_store.folder().exists() or not any(compile_store.folder().iterdir())
 
 
 def test_compile_is_refused_where_it_was_not_measured():
@@ -123,4 +167,53 @@ def test_compile_is_refused_where_it_was_not_measured():
     with pytest.raises(InvalidRequest, match="--compile is for float32"):  # refused before anything loads
         load_model("no-such-model", dtype="bfloat16", compiled=True)
     with pytest.raises(InvalidRequest, match="transformers backend"):
-        load_model("smollm2-135m", backend="llamacpp", compiled=True)
+        load_model("smollm2-135m", backend="llamacpp", compiled="on")
+    with pytest.raises(InvalidRequest, match="compile takes auto, on, off"):
+        load_model("smollm2-135m", compiled="sometimes")
+
+
+def test_compile_modes_and_the_command_line_default(monkeypatch):
+    assert [compile_mode(v) for v in (True, False, "auto", "on", "off")] == ["on", "off", "auto", "on", "off"]
+    monkeypatch.delenv(COMPILE_ENV, raising=False)
+    assert default_compile_mode() == "auto"
+    monkeypatch.setenv(COMPILE_ENV, "OFF")
+    assert default_compile_mode() == "off"
+    monkeypatch.setenv(COMPILE_ENV, "fast")
+    with pytest.raises(InvalidRequest, match="got 'fast'"):
+        default_compile_mode()
+    monkeypatch.delenv(COMPILE_ENV)
+    from verispec.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["generate", "hi"]).compile == "auto"
+    assert parse(["generate", "hi", "--compile"]).compile == "on"  # the flag alone, as before
+    assert parse(["generate", "hi", "--compile", "off"]).compile == "off"
+    assert parse(["serve", "--compile", "on", "--max-batch", "1"]).compile == "on"
+
+
+def test_a_server_compiles_in_the_background_switches_and_the_next_starts_compiled(tiny_dir, tmp_path, monkeypatch):
+    from verispec.server.compiling import BackgroundCompile
+    from verispec.server.config import ServeOptions, build_server_config
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))  # the child process stores its step here too
+    options = ServeOptions(target=str(tiny_dir), drafter="ngram", max_batch=1, compile="auto")
+    config = build_server_config(options)
+    job, target = config.compile_job, config.target
+    assert job is not None and job.state == "eager" and target.step is None
+    eager_kv = target.new_kv()
+    expected = _greedy(target, None, [5, 9, 3, 5], n=20)
+    job.start()
+    assert job.state == "compiling"
+    job.join(timeout=600)
+    assert job.state == "compiled" and target.step is not None and target.step.loaded
+    assert isinstance(target.new_kv(), FixedKV) and isinstance(eager_kv, TorchKV)  # a running request stays eager
+    assert _greedy(target, None, [5, 9, 3, 5], n=20) == expected
+    assert _greedy(target, NgramDrafter(), [5, 9, 3, 5], n=20) == expected
+    restarted = build_server_config(options)
+    assert restarted.compile_job is None and restarted.target.step is not None  # found on disk at start
+    batched = build_server_config(ServeOptions(target=str(tiny_dir), drafter="ngram", compile="auto"))
+    assert batched.compile_job is None and batched.target.step is None  # batched passes never use the step
+    failing = BackgroundCompile(loaded(make_model(seed=8)), "no-such-model")
+    failing.start()
+    failing.join(timeout=300)
+    assert failing.state == "failed"

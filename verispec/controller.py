@@ -205,6 +205,12 @@ def shared_cost_curve(target) -> CostCurve:
     return curve
 
 
+def forget_cost_curve(target) -> None:
+    """Drop this process's cost curve of ``target``, whose passes changed cost (its one-token step was compiled):
+    the next decoder starts from what is stored for the new settings, or measures them."""
+    _CURVES.pop(target.cost_key, None)
+
+
 def save_cost_curve(curve: CostCurve, force: bool = False) -> None:
     """Store what this process measured (at most every SAVE_INTERVAL_S unless ``force``), for the next process."""
     if curve.key is None or not curve.changed or not curve:

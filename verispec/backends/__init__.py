@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..errors import InvalidRequest, ModelNotFound
@@ -18,6 +20,25 @@ from .llamacpp import WEIGHT_CHOICES as _LLAMACPP_WEIGHTS
 from .openvino.export import WEIGHTS as _OPENVINO_WEIGHTS
 from .references import BUILTINS, DEFAULT_MODEL, cache_dir
 
+COMPILE_MODES = ("auto", "on", "off")  # --compile: a stored compiled step if any / compile now / eager
+
+
+COMPILE_ENV = "VERISPEC_COMPILE"  # the command line's default --compile (auto unless set)
+
+
+def default_compile_mode() -> str:
+    """The command line's default ``--compile``: $VERISPEC_COMPILE (auto, on or off), else auto."""
+    return compile_mode(os.environ.get(COMPILE_ENV, "").strip().lower() or "auto")
+
+
+def compile_mode(compiled: bool | str) -> str:
+    """``load_model``'s ``compiled`` as one of COMPILE_MODES (True is "on", False "off")."""
+    mode = {True: "on", False: "off"}.get(compiled, compiled) if isinstance(compiled, bool) else compiled
+    if mode not in COMPILE_MODES:
+        raise InvalidRequest(f"compile takes {', '.join(COMPILE_MODES)} (or True / False), got {compiled!r}")
+    return mode
+
+
 # what --weights takes: llama.cpp's formats (as-is, auto, f32, f16, q8_0, ...) and OpenVINO's (fp32, int8, ...)
 WEIGHT_CHOICES = (*_LLAMACPP_WEIGHTS, *(w for w in _OPENVINO_WEIGHTS if w not in _LLAMACPP_WEIGHTS))
 
@@ -25,7 +46,7 @@ WEIGHT_CHOICES = (*_LLAMACPP_WEIGHTS, *(w for w in _OPENVINO_WEIGHTS if w not in
 def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", device: str | None = None,
                pack: bool | None = None, backend: str = "transformers", weights: str = "as-is",
                threads: int | None = None, features: bool = False, sequences: int | None = None,
-               compiled: bool = False, min_width: int | None = None) -> TargetModel:
+               compiled: bool | str = False, min_width: int | None = None) -> TargetModel:
     """Load a model reference (built-in name, local directory, .gguf file or hub id) on a backend.
 
     ``backend="transformers"`` (default) returns a ``LoadedModel``. ``pack`` prepacks its linear layers' weights for
@@ -39,9 +60,12 @@ def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", d
     lets it return hidden states (for EAGLE heads; costs a little on every pass); ``sequences`` is how many KV caches
     its context holds at once (default 8; a batch of N requests needs N).
 
-    ``compiled=True`` (transformers, float32, CPU) compiles the one-token decoding step with inductor before
-    returning (about a minute; see ``verispec.backends.hf.compiled``): plain decoding then ran ~2x faster than eager
-    on a 2-core EPYC.
+    ``compiled`` (transformers, float32, CPU): one-token decoding steps compiled ahead of time (see
+    ``verispec.backends.hf.compiled``). ``"on"`` (or True) loads the step an earlier process stored for this model,
+    dtype, CPU and software, or compiles and stores it now (about a minute for the default model on 2 cores);
+    ``"auto"`` loads a stored one and otherwise stays eager, and is a no-op where the step does not apply (other
+    dtypes, devices and backends); ``"off"`` (False, the default here; the command line's default is auto) is
+    eager.
 
     ``min_width`` (openvino): passes of fewer tokens are padded to it; 2 (no one-token passes) makes every position's
     logits bitwise the same at every pass width, so greedy speculation equals plain decoding by construction; default
@@ -53,17 +77,18 @@ def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", d
     if not isinstance(ref, str) or not ref.strip():
         raise ModelNotFound("model reference is empty; pass a built-in name (e.g. smollm2-135m), a directory, "
                             "a .gguf file or a hub id")
+    mode = compile_mode(compiled)
     if backend == "llamacpp":
         if parse_dtype(dtype) != torch.float32:
             raise InvalidRequest("dtype applies to the transformers backend; on llama.cpp choose the weight format "
                                  "with --weights (f32, f16, q8_0, ...)")
-        if compiled:
+        if mode == "on":
             raise InvalidRequest("--compile applies to the transformers backend (llama.cpp's kernels are its own)")
         from .llamacpp import load
 
         return load(ref, weights, threads, features, sequences)
     if backend == "openvino":
-        if parse_dtype(dtype) != torch.float32 or compiled:
+        if parse_dtype(dtype) != torch.float32 or mode == "on":
             raise InvalidRequest("the openvino backend takes --weights fp32|fp16|int8|int4 (no --dtype or --compile; "
                                  "its hidden states need no flag)")
         from .openvino.model import load as load_openvino
@@ -77,8 +102,8 @@ def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", d
         raise InvalidRequest("--weights applies to the llamacpp backend; on transformers choose --dtype")
     from .hf import load
 
-    return load(ref, dtype, device, pack, compiled)
+    return load(ref, dtype, device, pack, mode)
 
 
-__all__ = ["BACKENDS", "BUILTINS", "DEFAULT_MODEL", "DTYPES", "WEIGHT_CHOICES", "KVCache", "KVGroup", "TargetModel", "TargetPass",
+__all__ = ["BACKENDS", "BUILTINS", "COMPILE_ENV", "COMPILE_MODES", "DEFAULT_MODEL", "DTYPES", "WEIGHT_CHOICES", "KVCache", "KVGroup", "TargetModel", "TargetPass",
            "cache_dir", "load_model", "parse_dtype"]

@@ -25,7 +25,7 @@ is a model reference:
 
 verispec methods take per-method target options: ``backend=transformers|llamacpp``, on llama.cpp
 ``weights=as-is|f32|f16|q8_0|...`` (e.g. ``ngram:backend=llamacpp:weights=f16``) and on transformers
-``dtype=float32|bfloat16`` (e.g. ``baseline:dtype=bfloat16``) and ``compile=0|1`` (the compiled one-token step,
+``dtype=float32|bfloat16`` (e.g. ``baseline:dtype=bfloat16``) and ``compile=0|1|auto`` (the compiled one-token step,
 ``verispec.backends.hf.compiled``; default: the run's ``--compile``), so backends, weight formats, dtypes and kernels compare in
 one run; ``llamacpp`` peers take ``weights=`` too.
 
@@ -97,11 +97,11 @@ def build_method(spec: str, target, load: Callable | None, default_k: int = 8, d
     backend, weights, dtype = raw_opts.pop("backend", None), raw_opts.pop("weights", None), raw_opts.pop("dtype", None)
     compiled = raw_opts.pop("compile", None)
     if compiled is not None:
-        if compiled not in ("0", "1"):
-            raise InvalidRequest(f"{spec!r}: compile= takes 0 or 1, got {compiled!r}")
+        if compiled not in ("0", "1", "auto", "on", "off"):
+            raise InvalidRequest(f"{spec!r}: compile= takes 0 / off, 1 / on or auto, got {compiled!r}")
         if head.startswith(("hf:", "llamacpp")):
             raise InvalidRequest(f"{spec!r}: compile= is an option of verispec methods on the transformers backend")
-        compiled = compiled == "1"
+        compiled = {"0": "off", "1": "on"}.get(compiled, compiled)
     if head.startswith("hf:") and (backend or weights):
         raise InvalidRequest(f"{spec!r}: transformers' methods run the transformers backend; drop backend=/weights=")
     if dtype and (backend == "llamacpp" or (not backend and target.backend == "llamacpp")):
@@ -205,7 +205,7 @@ def _hf_method(spec: str, head: str, refs: list[str], opts: dict, target, load: 
     elif kind == "assisted":
         if len(refs) != 1:
             raise InvalidRequest(f"{spec!r}: hf:assisted needs a draft model reference, e.g. hf:assisted:PATH")
-        draft = load(refs[0], compiled=False)
+        draft = load(refs[0], compiled="off")
         extra = {"assistant_model": draft.model}
         if draft.vocab_size != target.vocab_size:  # its Universal Assisted Generation (as transformers tells them apart)
             extra.update(tokenizer=target.tokenizer, assistant_tokenizer=draft.tokenizer)
@@ -216,7 +216,7 @@ def _hf_method(spec: str, head: str, refs: list[str], opts: dict, target, load: 
         raise InvalidRequest(f"{spec!r}: unknown option(s) {', '.join(opts)}")
     if target.backend != "transformers" or target.step is not None:
         # transformers' generate runs its own eager forward: never the compiled copy (or llama.cpp)
-        target = load(target.name, pack=None if pack else False, backend="transformers", compiled=False)
+        target = load(target.name, pack=None if pack else False, backend="transformers", compiled="off")
     model = target if pack or not target.packed_layers or load is None else load(target.name, pack=False,
                                                                                   compiled=False)
     return Method(spec, _hf_runner(model, extra), "transformers", kind, k, _kernel(model))

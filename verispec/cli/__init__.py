@@ -1,4 +1,5 @@
-"""Command line: ``verispec generate | audit | bench | analyze | bench-serve | serve | train-eagle | train-medusa | models``.
+"""Command line: ``verispec generate | audit | bench | analyze | bench-serve | serve | train-eagle | train-medusa | compile |
+models``.
 Argument parsing and printing live in this package, never in the library."""
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from .bench import add_analyze_parser, add_parsers as add_bench_parsers
 from .bench_serve import add_bench_serve_parser
 from .serve import add_serve_parser
 from .train import add_train_parser
-from ..errors import VerispecError
-from ..backends import BUILTINS
+from ..errors import InvalidRequest, VerispecError
+from ..backends import BUILTINS, DEFAULT_MODEL
 
 # Raw repetitive text: the n-gram drafter proposes at every tested position and the target's next-token
 # distribution is spread out, so a lossy acceptance rule shows up within ~100 samples.
@@ -71,7 +72,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     add_train_parser(sub)
 
-    mod = sub.add_parser("models", help="list built-in models and where they are cached")
+    com = sub.add_parser("compile", help="compile a model's one-token step ahead of time into the compile cache",
+                         description="Compile the one-token decoding step of a transformers model (float32, CPU) "
+                                     "with AOTInductor and store it in the compile cache, keyed by the weights, "
+                                     "CPU and software; later processes load it in seconds (--compile auto, the "
+                                     "default, uses it). Prints where it is and what it cost. Needs a C++ compiler.")
+    com.add_argument("--target", default=DEFAULT_MODEL, metavar="REF",
+                     help=f"model: built-in name, local directory, .gguf file or hub id (default: {DEFAULT_MODEL})")
+    com.add_argument("--threads", type=int, help="torch threads while compiling (default: torch's choice)")
+    com.add_argument("--json", action="store_true", help="print one JSON object instead of a line")
+    com.set_defaults(func=cmd_compile)
+
+    mod = sub.add_parser("models", help="list built-in models, the caches and the compiled steps stored")
     mod.set_defaults(func=cmd_models)
     return parser
 
@@ -125,6 +137,34 @@ def cmd_audit(args) -> int:
     return 0 if report.passed else 1
 
 
+def cmd_compile(args) -> int:
+    import time
+
+    import torch
+
+    from ..backends import load_model
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise InvalidRequest(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    target = load_model(args.target, compiled="on")
+    step = target.step
+    if step is None:
+        raise VerispecError("the one-token step did not compile (the warning above says why); decoding stays eager")
+    result = {"model": args.target, "compiled": not step.loaded, "seconds": round(step.seconds, 1),
+              "total_seconds": round(time.perf_counter() - t0, 1), "path": str(step.path),
+              "bytes": step.path.stat().st_size}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        how = "compiled and stored" if result["compiled"] else "already stored; loaded"
+        print(f"{args.target}: one-token step {how} in {result['seconds']} s: {result['path']} "
+              f"({result['bytes'] / 1e9:.2f} GB)")
+    return 0
+
+
 def cmd_models(args) -> int:
     import torch
 
@@ -144,7 +184,19 @@ def cmd_models(args) -> int:
     for dtype in ("float32", "bfloat16"):
         print(f"linear layers in {dtype}: {linear_kernel(getattr(torch, dtype), pack=pack)}{note}")
     print_measurements()
+    print_compiled_steps()
     return 0
+
+
+def print_compiled_steps() -> None:
+    from ..backends.hf import compile_store
+
+    found = compile_store.records()
+    print(f"compiled steps: {len(found)} in {compile_store.folder()} (verispec compile builds one; delete a file "
+          f"to build it again)")
+    for r in found:
+        print(f"  {r['model']:18} {r['key'].get('dtype', '')} · built {r['built']} in {r['compile_seconds']} s · "
+              f"{r['bytes'] / 1e9:.2f} GB · {Path(r['path']).name}")
 
 
 def print_measurements() -> None:

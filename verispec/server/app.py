@@ -416,7 +416,9 @@ async def health(request: Request):
     return {"status": "ok", "model": server.served, "speculation": await server.speculation_on(),
             "default_drafter": config.default_drafter, "drafters": server.drafter_names, "k": config.k,
             "k_policy": config.k_policy, "running": pool.busy, "queued": pool.waiting,
-            "admitted": pool.admitted, "capacity": pool.capacity, "max_batch": config.max_batch}
+            "admitted": pool.admitted, "capacity": pool.capacity, "max_batch": config.max_batch,
+            "compiled_step": config.compile_job.state if config.compile_job else
+            ("compiled" if getattr(server.target, "step", None) is not None else "eager")}
 
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response,
@@ -458,6 +460,8 @@ def create_app(config: ServerConfig) -> FastAPI:
     app.add_exception_handler(Exception, _server_error)
     app.include_router(router)
     app.state.server = server
+    if config.compile_job is not None:
+        config.compile_job.start()
     app.state.config, app.state.metrics, app.state.pool, app.state.worker = (config, server.metrics, server.pool,
                                                                              server.worker)
     app.openapi = lambda: _openapi(app, sorted(server.model_names), server.drafter_names, server.token_cap,

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Mapping
 
-from ..backends import DEFAULT_MODEL, DTYPES
+from ..backends import COMPILE_MODES, DEFAULT_MODEL, DTYPES, default_compile_mode
 from ..backends.base import BACKENDS, TargetModel
 from ..backends import WEIGHT_CHOICES
 from ..batching import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
@@ -48,7 +48,8 @@ class ServeOptions:
     backend: str = _option("transformers", str, BACKENDS)
     weights: str = _option("as-is", str, WEIGHT_CHOICES)
     threads: int | None = _option(None, int)
-    compile: bool = _option(False, bool)
+    # the command line's default: $VERISPEC_COMPILE, else auto
+    compile: str = field(default_factory=default_compile_mode, metadata={"type": str, "choices": COMPILE_MODES})
     host: str = _option("127.0.0.1", str)
     port: int = _option(8000, int)
     max_batch: int = _option(DEFAULT_MAX_BATCH, int)
@@ -134,7 +135,7 @@ class ServeOptions:
         if self.max_batch > 1 and self.max_concurrency > 1:
             raise InvalidRequest("--max-concurrency applies to unbatched serving (--max-batch 1); with batching, "
                                  "--max-batch is the number of requests generating at once")
-        if self.max_batch > 1 and self.compile:
+        if self.max_batch > 1 and self.compile == "on":
             raise InvalidRequest("--compile speeds up one-token passes of unbatched sequences; batched passes stay "
                                  "eager. Add --max-batch 1 or drop --compile")
         if self.max_batch > 1:
@@ -180,6 +181,8 @@ class ServerConfig:
     extra_model_names: list[str] = field(default_factory=list)
     # where the server-wide off switch lives: in this process (None) or shared by many replicas (verispec.ray)
     switch: "LocalSwitch | None" = None
+    # --compile auto on an unbatched transformers server whose step is not stored yet: compiled once it starts
+    compile_job: "BackgroundCompile | None" = None
 
 
 def build_server_config(options: ServeOptions) -> ServerConfig:
@@ -195,8 +198,9 @@ def build_server_config(options: ServeOptions) -> ServerConfig:
     from ..backends import load_model
 
     # llama.cpp: a KV sequence per batch row (unbatched, each slot's decoders keep theirs for prompt reuse)
+    # the compiled step runs one-token passes of unbatched sequences only: a batched server never loads it
     load = dict(dtype=options.dtype, backend=options.backend, weights=options.weights, threads=options.threads,
-                compiled=options.compile)
+                compiled=options.compile if options.max_batch == 1 and options.backend == "transformers" else "off")
     if options.backend == "llamacpp":
         load["sequences"] = max(8, options.max_batch + 1, 4 * options.max_concurrency)
     target = load_model(options.target, features=options.backend == "llamacpp" and reads_hidden_states(options),
@@ -219,8 +223,14 @@ def build_server_config(options: ServeOptions) -> ServerConfig:
             continue
         shared = {**opts, **(spec.share(first) if spec.share else {})}
         drafters[spec.name] = lambda spec=spec, shared=shared: spec.build(target, draft, **shared)
+    compile_job = None
+    if (options.compile == "auto" and load["compiled"] == "auto" and options.dtype == "float32"
+            and getattr(target, "step", False) is None and target.device.type == "cpu"):
+        from .compiling import BackgroundCompile
+
+        compile_job = BackgroundCompile(target, options.target)
     return ServerConfig(
-        target=target, drafters=drafters, default_drafter=options.drafter, k=options.k, k_policy=options.k_policy,
+        target=target, drafters=drafters, compile_job=compile_job, default_drafter=options.drafter, k=options.k, k_policy=options.k_policy,
         served_model_name=options.served_model_name, max_batch=options.max_batch,
         max_concurrency=options.max_concurrency, prefill_chunk=options.prefill_chunk, max_queue=options.max_queue,
         default_max_tokens=options.default_max_tokens, max_tokens_limit=options.max_tokens_limit,

@@ -292,6 +292,8 @@ class Health(BaseModel):
     admitted: int
     capacity: int
     max_batch: int
+    # the target's one-token step: compiled, eager, or (--compile auto) compiling in the background or failed
+    compiled_step: Literal["eager", "compiling", "compiled", "failed"]
 
 
 class SpeculationState(BaseModel):

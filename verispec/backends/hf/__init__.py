@@ -110,25 +110,25 @@ class LoadedModel:
     def new_kv(self, trees: bool = False) -> TorchKV | FixedKV:
         return FixedKV() if self.step is not None else TorchKV()
 
-    def compile_step(self) -> bool:
-        """Compile the one-token step with inductor now (about a minute on a 2-core CPU for the default model), so
-        that later one-token passes run compiled (see ``verispec.backends.hf.compiled``). Returns False, with a warning, where
-        compiling fails (no C++ compiler, an unsupported operator, ...): decoding then stays eager."""
+    def compile_step(self, cached_only: bool = False) -> bool:
+        """Use the compiled one-token step (``verispec.backends.hf.compiled``): loaded from the compile cache on disk
+        (seconds), else compiled now and stored (about a minute on a 2-core CPU for the default model), so that
+        later one-token passes run compiled. With ``cached_only`` nothing is compiled: returns whether a stored
+        step was found. Returns False, with a warning, where compiling fails (no C++ compiler, an unsupported
+        operator, ...): decoding then stays eager."""
         if self.dtype != torch.float32 or self.device.type != "cpu":
             raise InvalidRequest(f"the compiled one-token step is for float32 on CPU (what it was measured on), not "
                                  f"{str(self.dtype).removeprefix('torch.')} on {self.device.type}; drop --compile")
-        step = CompiledStep(self.model)
-        kv = FixedKV()
         try:
-            with torch.inference_mode():
-                self.forward(kv, [0], last_only=True)  # eager: self.step is not set yet
-                step(kv, 0)
+            step = CompiledStep.build(self.model, self.name, cached_only=cached_only)
         except Exception as exc:  # noqa: BLE001 - any compiler failure means: stay eager
             log.warning("compiling the one-token step failed (%s: %s); decoding stays eager",
                         type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
             return False
+        if step is None:
+            return False
         self.step = step
-        log.info("one-token steps compiled in %.1f s", step.compile_seconds)
+        log.info("one-token steps compiled (%s in %.1f s)", "loaded" if step.loaded else "compiled", step.seconds)
         return True
 
     def new_kv_group(self, capacity: int) -> BatchKV:
@@ -211,7 +211,7 @@ class LoadedModel:
     @property
     def linear_kernel(self) -> str:
         """The kernel the linear layers run on ("oneDNN-packed", "F.linear (MKL)", ...), for reports."""
-        compiled = "; one-token steps compiled (inductor)" if self.step is not None else ""
+        compiled = "; one-token steps compiled (AOTInductor)" if self.step is not None else ""
         if self.packed_layers:
             return "oneDNN-packed" + compiled
         kernel = linear_kernel(self.dtype, pack=False)
@@ -231,12 +231,13 @@ def _eos_ids(model, tokenizer) -> set[int]:
 
 
 def load(ref: str, dtype: str | torch.dtype = "float32", device: str | None = None, pack: bool | None = None,
-         compiled: bool = False) -> LoadedModel:
+         compiled: str = "off") -> LoadedModel:
     """Load a model reference (``verispec.backends.references``) with transformers; see ``verispec.load_model``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = parse_dtype(dtype)
-    if compiled and (torch_dtype != torch.float32 or (device or "cpu") != "cpu"):
+    compiles = torch_dtype == torch.float32 and (device or "cpu") == "cpu"
+    if compiled == "on" and not compiles:
         raise InvalidRequest(f"--compile is for float32 on CPU (what it was measured on), not {dtype} on "
                              f"{device or 'cpu'}; drop --compile or use --dtype float32")
     folder = resolve(ref)
@@ -259,9 +260,12 @@ def load(ref: str, dtype: str | torch.dtype = "float32", device: str | None = No
     packed = pack_linear_layers(model) if pack else 0
     loaded = LoadedModel(model=model, tokenizer=tokenizer, name=ref, dtype=torch_dtype, packed_layers=packed,
                          pack_requested=pack)
-    if compiled:
-        log.warning("compiling the one-token step of %s (about a minute, once per process) ...", ref)
-        loaded.compile_step()
+    if compiled == "on":
+        if not loaded.compile_step(cached_only=True):
+            log.warning("compiling the one-token step of %s (about a minute, once per model and machine) ...", ref)
+            loaded.compile_step()
+    elif compiled == "auto" and compiles:
+        loaded.compile_step(cached_only=True)
     log.info("%s in %s: linear layers run on %s", ref, dtype, loaded.linear_kernel)
     return loaded
 

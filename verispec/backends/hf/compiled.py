@@ -1,22 +1,24 @@
-"""An opt-in one-token decoder step compiled by inductor, over a KV cache of fixed buffers with rollback.
+"""The compiled one-token decoder step (AOTInductor), over a KV cache of fixed buffers with rollback.
 
-On CPU a one-token step is bound by streaming the weights. oneDNN's packed kernels stream them at about half the
-memory bandwidth; inductor's CPU GEMM template with frozen weights (``max_autotune`` + ``freezing``) gets closer, and
-compiling the whole step also fuses the norms, rotary and attention around the linears. Measured on an AMD EPYC
-(Zen 4, 2 cores) with the default model: 17-25 ms against 40-43 ms for the eager packed step at 100 to 1,500
-cached tokens (docs/kernels.md). Wider passes gain nothing from it, so prefill and verification stay eager
-(packed) over the same cache; both are checked against a fresh forward over the whole sequence in
-tests/test_compiled.py and tests/test_e2e_compiled.py.
+On CPU a one-token step is bound by streaming the weights, and an eager step spends much of its time in Python and
+small ops around the linears. The step is exported (``torch.export``, with the cache's size dynamic: one program
+for every length) and compiled ahead of time by AOTInductor with frozen weights and ``max_autotune``: inductor's
+C++ GEMM kernels over weights it packs once, the norms, rotary and attention fused around them, and a C++ wrapper
+that calls them, so no Python runs per layer. Measured on the 2-core AMD EPYC Zen 5 with the default model: 15.3 ms
+a step against 22.2 ms eager (docs/kernels.md). Wider passes gained nothing from compiling (measured with
+``torch.compile``), so prefill and verification stay eager over the same cache; both are checked against a fresh
+forward over the whole sequence in tests/test_compiled.py and tests/test_e2e_compiled.py.
+
+Compiling takes about a minute for the default model on 2 cores, so the step is stored on disk
+(``verispec.backends.hf.compile_store``, keyed by the weights, CPU and software) and a later process loads it in
+about two seconds; ``LoadedModel.compile_step`` loads or builds it before the first request.
 
 The cache is transformers' ``StaticLayer`` with a length that can be set back (``FixedLayer``): every pass writes
 at the sequence's length and attends through an explicit mask that hides the columns past each token's position,
 so rolled-back positions are never read and the next pass overwrites them. The compiled step attends over the
-whole buffer, whose size is marked dynamic, so one graph serves every sequence length; the buffer grows in steps
-of ``GROWTH``. Eager passes attend over the columns they need only. The
-compiled copy of the model attends through ``one_token_attention``, which reads each KV head once.
-
-Compiling takes about a minute per model and process (freezing bypasses inductor's on-disk cache);
-``LoadedModel.compile_step`` does it at load, before the first request, so that no user's first token pays it.
+whole buffer (its size is the program's dynamic dimension); the buffer grows in steps of ``GROWTH``. Eager passes
+attend over the columns they need only. The compiled step attends through ``one_token_attention``, which reads each
+KV head once.
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ from __future__ import annotations
 import copy
 import logging
 import time
+import warnings
 from contextlib import contextmanager
 
 import torch
-import torch._inductor.config as inductor_config
 from torch import nn
 from transformers import AttentionInterface, Cache, StaticLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -42,8 +44,7 @@ GROWTH = 256  # a cache's capacity is a multiple of this many positions: the few
 class FixedLayer(StaticLayer):
     """A ``StaticLayer`` that writes at its ``cumulative_length`` and can be set back to any shorter length.
 
-    Its buffers are plain tensors (not marked as static addresses), so a compiled graph takes each new cache as an
-    input instead of recompiling for it. An eager pass sets ``columns`` to attend over the positions it needs only
+    Its buffers are plain tensors that the compiled step takes as inputs (and writes in place). An eager pass sets ``columns`` to attend over the positions it needs only
     (``FixedKV.eager``)."""
 
     columns: int | None = None
@@ -58,16 +59,15 @@ class FixedLayer(StaticLayer):
 
     def _allocate(self, capacity: int, key_like: torch.Tensor, value_like: torch.Tensor) -> None:
         self.max_cache_len = capacity
-        self.keys = _dynamic_columns(key_like.new_zeros((self.batch_size, self.num_heads, capacity, self.k_head_dim)), 2)
-        self.values = _dynamic_columns(
-            value_like.new_zeros((self.batch_size, self.num_heads, capacity, self.v_head_dim)), 2)
+        self.keys = key_like.new_zeros((self.batch_size, self.num_heads, capacity, self.k_head_dim))
+        self.values = value_like.new_zeros((self.batch_size, self.num_heads, capacity, self.v_head_dim))
 
     def set_length(self, length: int) -> None:
         self.cumulative_length.fill_(length)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         keys, values = super().update(key_states, value_states, *args, **kwargs)
-        if self.columns is None:  # a compiled pass: the whole buffer (its size is the graph's dynamic dimension)
+        if self.columns is None:  # a compiled pass: the whole buffer (its size is the program's dynamic dimension)
             return keys, values
         return keys[:, :, : self.columns], values[:, :, : self.columns]
 
@@ -142,8 +142,7 @@ class FixedKV:
         """The additive attention mask of a causal pass of ``width`` tokens after the cached ones:
         ``[1, 1, width, columns]`` (all of the buffer, or what ``eager`` set), 0 where a token may attend, the
         dtype's minimum elsewhere; with the model's ``config``, as its layers take it (``masks.for_layers``: a
-        model with sliding-window layers gets them a windowed copy). Columns are marked dynamic: one graph for all
-        cache sizes."""
+        model with sliding-window layers gets them a windowed copy)."""
         columns = torch.arange(self._columns or self.capacity, device=device)
         positions = torch.arange(self.length, self.length + width, device=device)
         allowed = columns[None, :] <= positions[:, None]
@@ -151,19 +150,11 @@ class FixedKV:
         mask = mask[None, None]
         if config is not None:
             mask = for_layers(config, mask, positions, columns)
-        if isinstance(mask, dict):
-            return {kind: _dynamic_columns(m, 3) for kind, m in mask.items()}
-        return _dynamic_columns(mask, 3)
+        return mask
 
     def close(self) -> None:
         self.cache = Cache(layer_class_to_replicate=self._new_layer)
         self.length = 0
-
-
-def _dynamic_columns(tensor: torch.Tensor, dim: int) -> torch.Tensor:
-    """Tell the compiler that ``tensor``'s size along ``dim`` (a cache's capacity) varies: one graph for all."""
-    torch._dynamo.maybe_mark_dynamic(tensor, dim)
-    return tensor
 
 
 def unpacked_copy(model: nn.Module) -> nn.Module:
@@ -212,30 +203,105 @@ def one_token_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
 AttentionInterface.register(ONE_TOKEN_ATTENTION, one_token_attention)
 
 
-class CompiledStep:
-    """The compiled one-token forward of a transformers causal LM over a ``FixedKV``."""
+class StepModule(nn.Module):
+    """The one-token forward as a function of tensors only (what ``torch.export`` takes): the token, its position,
+    the attention mask (one tensor, or one per kind of layer for sliding-window models), the sequence's length and
+    every layer's key and value buffers, which the pass writes in place. Returns the logits ``[1, 1, vocab]``."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.compile_seconds: float | None = None  # set by the first call (the compile)
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, position_ids, mask, length, keys, values):
+        layers = []
+        for k, v in zip(keys, values):
+            layer = FixedLayer(max_cache_len=k.shape[2])
+            layer.keys, layer.values, layer.cumulative_length = k, v, length.clone()  # each layer advances its own
+            layer.dtype, layer.device, layer.is_initialized = k.dtype, k.device, True
+            layer.batch_size, layer.num_heads, layer.k_head_dim, layer.v_head_dim = *k.shape[:2], k.shape[3], v.shape[3]
+            layers.append(layer)
+        cache = Cache(layers=layers)
+        return self.model(input_ids=input_ids, cache=cache, position_ids=position_ids, attention_mask=mask,
+                          use_cache=True).logits
+
+
+class CompiledStep:
+    """The one-token forward of a transformers causal LM over a ``FixedKV``, compiled ahead of time by AOTInductor
+    (its C++ wrapper calls the kernels: no Python per layer) and kept on disk (``compile_store``): the first process
+    compiles it, later ones load it in seconds. ``build`` makes one (or loads it)."""
+
+    def __init__(self, runner, model: nn.Module, seconds: float, loaded: bool, path) -> None:
+        self._runner = runner
+        self.path = path  # the package on disk
         weight = next(model.parameters())
         self.dtype, self.device = weight.dtype, weight.device
         self._config = model.config
+        self.seconds = seconds  # to compile (or to load, when ``loaded``)
+        self.loaded = loaded  # True: read from the compile cache on disk
+
+    @property
+    def compile_seconds(self) -> float:
+        return self.seconds
+
+    @classmethod
+    def build(cls, model: nn.Module, name: str = "", *, cached_only: bool = False) -> "CompiledStep | None":
+        """The compiled step of ``model``: loaded from the compile cache, else compiled now (about a minute for the
+        default model on 2 cores) and stored there; with ``cached_only`` None when it is not on disk. Raises what
+        the compiler raises (``LoadedModel.compile_step`` turns that into a warning and eager decoding)."""
+        from . import compile_store
+
         shadow = unpacked_copy(model)
         shadow.set_attn_implementation(ONE_TOKEN_ATTENTION)
-        self._model = torch.compile(shadow, dynamic=False, options={"max_autotune": True})
+        key = compile_store.package_key(shadow, 1, compile_store.source_of(StepModule, FixedLayer,
+                                                                           one_token_attention))
+        path = compile_store.package_path(key)
+        t0 = time.perf_counter()
+        runner = compile_store.load(path)
+        if runner is not None:
+            return cls(runner, model, time.perf_counter() - t0, loaded=True, path=path)
+        if cached_only:
+            return None
+        missing = compile_store.compiler_missing()
+        if missing:
+            raise RuntimeError(missing)
+        exported = _export(shadow)
+        compile_store.save(exported, path, key, name)
+        runner = compile_store.load(path)
+        if runner is None:
+            raise RuntimeError(f"the compiled step written to {path} does not load")
+        return cls(runner, model, time.perf_counter() - t0, loaded=False, path=path)
 
     def __call__(self, kv: FixedKV, token: int) -> torch.Tensor:
         """Run one token after ``kv``'s cached positions and cache it; returns its logits ``[1, vocab]``."""
         kv.reserve(1)
-        t0 = time.perf_counter()
-        # freezing folds the weights into the graph as constants; inductor reads it when it compiles, which is
-        # during a call (the first, or one whose guards fail), and torch.compile's options do not pass it on
-        with inductor_config.patch(freezing=True):
-            out = self._model(input_ids=torch.tensor([[token]], device=self.device), cache=kv.cache,
-                              position_ids=torch.tensor([[kv.length]], device=self.device),
-                              attention_mask=kv.mask(1, self.dtype, self.device, self._config), use_cache=True)
+        layers = kv.cache.layers
+        logits = self._runner(torch.tensor([[token]], device=self.device),
+                              torch.tensor([[kv.length]], device=self.device),
+                              kv.mask(1, self.dtype, self.device, self._config),
+                              torch.tensor(kv.length, device=self.device),
+                              [layer.keys for layer in layers], [layer.values for layer in layers])
         kv.length += 1
-        if self.compile_seconds is None:
-            self.compile_seconds = time.perf_counter() - t0
-            log.info("compiled the one-token step in %.1f s", self.compile_seconds)
-        return out.logits[0]
+        for layer in layers:
+            layer.set_length(kv.length)
+        return (logits[0] if isinstance(logits, (list, tuple)) else logits)[0]
+
+
+def _export(shadow: nn.Module):
+    """``torch.export`` of the step with the cache's size (columns) dynamic: one program for every length."""
+    config = shadow.config
+    kv = FixedKV(capacity=3 * GROWTH)
+    with torch.no_grad():  # lay out the buffers with an eager pass of two tokens (not inference mode: export
+        kv_pass = shadow(input_ids=torch.tensor([[1, 2]]), cache=kv.cache, use_cache=True)  # mutates them)
+    del kv_pass
+    kv.length = 2
+    layers = kv.cache.layers
+    keys, values = [layer.keys for layer in layers], [layer.values for layer in layers]
+    mask = kv.mask(1, keys[0].dtype, keys[0].device, config)
+    columns = torch.export.Dim("columns", min=2, max=1 << 20)
+    mask_shape = {kind: {3: columns} for kind in mask} if isinstance(mask, dict) else {3: columns}
+    args = (torch.tensor([[3]]), torch.tensor([[2]]), mask, torch.tensor(2), keys, values)
+    shapes = {"input_ids": None, "position_ids": None, "mask": mask_shape, "length": None,
+              "keys": [{2: columns}] * len(keys), "values": [{2: columns}] * len(values)}
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree deprecations, not ours to fix
+        return torch.export.export(StepModule(shadow).eval(), args, dynamic_shapes=shapes, strict=False)

@@ -1,0 +1,77 @@
+"""``--compile auto`` on a server: compile the one-token step in the background, keep answering, switch when ready.
+
+The compile runs in a child process (``verispec compile``) at the lowest CPU priority with one thread, so requests
+keep the cores they need and a compiler crash cannot take the server down. The child stores the step in the compile
+cache (``verispec.backends.hf.compile_store``); this process then loads it (about two seconds, in this thread) and
+sets it on the target. Requests that started before keep their eager caches; the next ones run compiled one-token
+steps. The controller's cost curve of the target is dropped at the switch, because one-token passes got cheaper.
+The next server on the same machine finds the step stored and starts compiled.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+
+from ..controller import forget_cost_curve
+
+log = logging.getLogger(__name__)
+
+STATES = ("eager", "compiling", "compiled", "failed")
+
+
+def _lowest_priority() -> None:  # runs in the child before exec (POSIX)
+    try:
+        os.nice(19)
+    except OSError:
+        pass
+
+
+class BackgroundCompile:
+    """Compile ``target``'s one-token step (a ``LoadedModel`` loaded from ``ref``) while the server runs."""
+
+    def __init__(self, target, ref: str) -> None:
+        self.target, self.ref = target, ref
+        self.state = "compiled" if target.step is not None else "eager"
+        self.seconds: float | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self.state != "eager" or self._thread is not None:
+            return
+        self.state = "compiling"
+        self._thread = threading.Thread(target=self._run, name="verispec-compile", daemon=True)
+        self._thread.start()
+
+    def join(self, timeout: float | None = None) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "verispec.cli", "compile", "--target", self.ref, "--threads", "1"]
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        log.warning("compiling the one-token step of %s in the background (about a minute; requests run eagerly "
+                    "until it is ready)", self.ref)
+        try:
+            done = subprocess.run(self.command(), capture_output=True, text=True,
+                                  preexec_fn=_lowest_priority if os.name == "posix" else None,
+                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
+            if done.returncode != 0:
+                reason = (done.stderr.strip().splitlines() or ["no output"])[-1]
+                raise RuntimeError(f"verispec compile exited with {done.returncode}: {reason}")
+            if not self.target.compile_step(cached_only=True):
+                raise RuntimeError("the stored step did not load")
+        except Exception as exc:  # noqa: BLE001 - the server keeps answering eagerly whatever went wrong
+            self.state = "failed"
+            log.warning("background compile failed (%s); decoding stays eager", exc)
+            return
+        forget_cost_curve(self.target)
+        self.seconds = time.perf_counter() - t0
+        self.state = "compiled"
+        log.warning("one-token steps of %s now run compiled (ready after %.0f s)", self.ref, self.seconds)
