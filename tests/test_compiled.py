@@ -117,6 +117,41 @@ def test_compiled_step_gives_the_eager_greedy_output_plain_and_speculative(store
     torch.testing.assert_close(again, _fresh(model, prompt)[3:], atol=1e-5, rtol=1e-5)
 
 
+def test_the_compiled_step_gives_hidden_states_and_eagle_keeps_plain_greedy_output(store):
+    from test_eagle import LAYERS, random_head
+
+    from verispec import EagleDrafter
+
+    model, fast = store
+    eager = loaded(model)
+    prompt = [5, 9, 3, 5, 9, 4, 7]
+    kv = fast.new_kv()
+    with torch.inference_mode():
+        fast.forward(kv, prompt[:-1], last_only=True)
+        out = fast.forward(kv, prompt[-1:], feature_layers=LAYERS)  # the compiled step, with features
+        ref = eager.forward(eager.new_kv(), prompt, feature_layers=LAYERS)
+    assert out.hidden.shape == (1, len(LAYERS), model.config.hidden_size)
+    torch.testing.assert_close(out.hidden[0], ref.hidden[-1], atol=1e-5, rtol=1e-5)
+    expected = _greedy(eager, None, prompt)
+    head = random_head(fast, 20)
+    step, calls = fast.step, []
+
+    class Counted:  # the step, counting its calls
+        def __call__(self, kv, token):
+            calls.append(token)
+            return step(kv, token)
+
+    fast.step = Counted()
+    try:  # the controller's k = 0 steps run the compiled step, and the head drafts from the features it returns
+        decoder = SpeculativeDecoder(fast, EagleDrafter(fast, head), k=3, reuse_prefix=False)
+        assert decoder.generate(prompt, max_new_tokens=40).token_ids == expected
+        assert calls, "no one-token step ran compiled"
+        fixed = SpeculativeDecoder(fast, EagleDrafter(fast, head), k=1, k_policy="fixed", reuse_prefix=False)
+        assert fixed.generate(prompt, max_new_tokens=40).token_ids == expected
+    finally:
+        fast.step = step
+
+
 def test_the_same_weights_load_the_stored_step_and_other_weights_never_do(store, caplog):
     model, _ = store
     again = loaded(model)  # another model object, the same weights: the step comes from disk

@@ -189,8 +189,9 @@ class LoadedModel:
                 raise InvalidRequest("token trees run one sequence per pass; verify them outside a batch")
             return self.forward_batch([(kv, tokens)], feature_layers=feature_layers, last_only=last_only)[0]
         n, fixed = len(tokens), isinstance(kv, FixedKV)
-        if fixed and n == 1 and parents is None and not feature_layers and self.step is not None:
-            return TargetPass(self.step(kv, int(tokens[0])))
+        if fixed and n == 1 and parents is None and self.step is not None and _initialized(kv):
+            logits, hidden = self.step(kv, int(tokens[0]))
+            return TargetPass(logits, select_layers(hidden, tuple(feature_layers)) if feature_layers else None)
         with kv.eager(n) if fixed else nullcontext():
             extra = {}
             if parents is not None:
@@ -217,6 +218,11 @@ class LoadedModel:
         kernel = linear_kernel(self.dtype, pack=False)
         kernel = kernel if self.pack_requested or self.device.type != "cpu" else f"{kernel}, packing off"
         return kernel + compiled
+
+
+def _initialized(kv: FixedKV) -> bool:
+    """Whether ``kv``'s buffers exist (an eager pass lays them out; the compiled step only writes into them)."""
+    return bool(kv.cache.layers) and all(layer.is_initialized for layer in kv.cache.layers)
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

@@ -206,7 +206,9 @@ AttentionInterface.register(ONE_TOKEN_ATTENTION, one_token_attention)
 class StepModule(nn.Module):
     """The one-token forward as a function of tensors only (what ``torch.export`` takes): the token, its position,
     the attention mask (one tensor, or one per kind of layer for sliding-window models), the sequence's length and
-    every layer's key and value buffers, which the pass writes in place. Returns the logits ``[1, 1, vocab]``."""
+    every layer's key and value buffers, which the pass writes in place. Returns the logits ``[1, 1, vocab]`` and
+    every layer's hidden state ``[layers + 1, 1, 1, hidden]`` (the embeddings first), for drafters that read them
+    (EAGLE): computed anyway, they cost one small copy, and one program serves every drafter."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
@@ -221,8 +223,9 @@ class StepModule(nn.Module):
             layer.batch_size, layer.num_heads, layer.k_head_dim, layer.v_head_dim = *k.shape[:2], k.shape[3], v.shape[3]
             layers.append(layer)
         cache = Cache(layers=layers)
-        return self.model(input_ids=input_ids, cache=cache, position_ids=position_ids, attention_mask=mask,
-                          use_cache=True).logits
+        out = self.model(input_ids=input_ids, cache=cache, position_ids=position_ids, attention_mask=mask,
+                         use_cache=True, output_hidden_states=True)
+        return out.logits, torch.stack(out.hidden_states)
 
 
 class CompiledStep:
@@ -271,19 +274,20 @@ class CompiledStep:
             raise RuntimeError(f"the compiled step written to {path} does not load")
         return cls(runner, model, time.perf_counter() - t0, loaded=False, path=path)
 
-    def __call__(self, kv: FixedKV, token: int) -> torch.Tensor:
-        """Run one token after ``kv``'s cached positions and cache it; returns its logits ``[1, vocab]``."""
+    def __call__(self, kv: FixedKV, token: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run one token after ``kv``'s cached positions and cache it; returns its logits ``[1, vocab]`` and every
+        layer's hidden state ``[layers + 1, 1, 1, hidden]`` (index it as transformers' ``hidden_states``)."""
         kv.reserve(1)
         layers = kv.cache.layers
-        logits = self._runner(torch.tensor([[token]], device=self.device),
-                              torch.tensor([[kv.length]], device=self.device),
-                              kv.mask(1, self.dtype, self.device, self._config),
-                              torch.tensor(kv.length, device=self.device),
-                              [layer.keys for layer in layers], [layer.values for layer in layers])
+        logits, hidden = self._runner(torch.tensor([[token]], device=self.device),
+                                      torch.tensor([[kv.length]], device=self.device),
+                                      kv.mask(1, self.dtype, self.device, self._config),
+                                      torch.tensor(kv.length, device=self.device),
+                                      [layer.keys for layer in layers], [layer.values for layer in layers])
         kv.length += 1
         for layer in layers:
             layer.set_length(kv.length)
-        return (logits[0] if isinstance(logits, (list, tuple)) else logits)[0]
+        return logits[0], hidden
 
 
 def _export(shadow: nn.Module):
