@@ -28,8 +28,10 @@ import logging
 import os
 import platform
 import shutil
+import tempfile
 import time
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -102,12 +104,33 @@ def load(path: Path):
     if not path.exists():
         return None
     try:
-        return torch._inductor.aoti_load_package(str(path))
+        # the loader unpacks the package (1 GB for the default model) into a temporary folder that it removes only
+        # when the runner is freed, which a killed process never does: unpack it into a folder of ours and remove
+        # that once the library is loaded (the runner keeps what it needs in memory)
+        with _environment("TMPDIR", tempfile.mkdtemp(prefix="verispec-unpack-")) as unpacked:
+            try:
+                return torch._inductor.aoti_load_package(str(path))
+            finally:
+                shutil.rmtree(unpacked, ignore_errors=True)
     except Exception as exc:  # noqa: BLE001 - a damaged or foreign file: drop it, never run it
         log.warning("removing compiled package %s, which did not load (%s: %s)", path, type(exc).__name__,
                     str(exc).splitlines()[0] if str(exc) else "")
         remove(path)
         return None
+
+
+@contextmanager
+def _environment(name: str, value: str):
+    """``os.environ[name] = value`` for the block (C code such as AOTInductor's loader reads it), then as before."""
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield value
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
 
 
 def save(exported, path: Path, key: dict, name: str) -> float:
@@ -118,8 +141,11 @@ def save(exported, path: Path, key: dict, name: str) -> float:
 
     t0 = time.perf_counter()
     quiet, select_algorithm.PRINT_AUTOTUNE = select_algorithm.PRINT_AUTOTUNE, False  # a table per matmul otherwise
+    # inductor's own cache would keep another copy of the library and weights (1 GB) for every build: build in a
+    # folder of ours, removed afterwards (C++ kernels are then compiled afresh for every build; builds are rare)
+    work = tempfile.mkdtemp(prefix="verispec-build-")
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _environment("TORCHINDUCTOR_CACHE_DIR", work):
             warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree deprecations
             # a copy of the options: inductor adds its own keys to the dict it is given
             torch._inductor.aoti_compile_and_package(exported, package_path=str(partial),
@@ -129,6 +155,7 @@ def save(exported, path: Path, key: dict, name: str) -> float:
     finally:
         select_algorithm.PRINT_AUTOTUNE = quiet
         partial.unlink(missing_ok=True)
+        shutil.rmtree(work, ignore_errors=True)
     record = {"model": name, "built": time.strftime("%Y-%m-%d %H:%M:%S"), "compile_seconds": round(seconds, 1),
               "bytes": path.stat().st_size, "key": key}
     tmp = path.with_suffix(f".{os.getpid()}.json.tmp")
