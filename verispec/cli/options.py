@@ -88,7 +88,7 @@ def add_compile_option(g: argparse._ArgumentGroup) -> None:
                         "background and switches when ready); on: compile now if none is stored (about a minute once "
                         "per model and machine, then ~2 s to load; needs a C++ compiler); off: always eager. "
                         f"${COMPILE_ENV} sets the default. "
-                        "Measured 1.36x faster plain decoding on a 2-core EPYC (docs/kernels.md)")
+                        "Plain decoding ran 1.67x faster on a 2-core EPYC (docs/kernels.md)")
 
 
 def load_args_model(args, ref: str, **overrides):
