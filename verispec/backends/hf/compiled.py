@@ -242,10 +242,6 @@ class CompiledStep:
         self.seconds = seconds  # to compile (or to load, when ``loaded``)
         self.loaded = loaded  # True: read from the compile cache on disk
 
-    @property
-    def compile_seconds(self) -> float:
-        return self.seconds
-
     @classmethod
     def build(cls, model: nn.Module, name: str = "", *, cached_only: bool = False) -> "CompiledStep | None":
         """The compiled step of ``model``: loaded from the compile cache, else compiled now (about a minute for the
