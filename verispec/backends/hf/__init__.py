@@ -267,9 +267,7 @@ def load(ref: str, dtype: str | torch.dtype = "float32", device: str | None = No
     loaded = LoadedModel(model=model, tokenizer=tokenizer, name=ref, dtype=torch_dtype, packed_layers=packed,
                          pack_requested=pack)
     if compiled == "on":
-        if not loaded.compile_step(cached_only=True):
-            log.warning("compiling the one-token step of %s (about a minute, once per model and machine) ...", ref)
-            loaded.compile_step()
+        loaded.compile_step()
     elif compiled == "auto" and compiles:
         loaded.compile_step(cached_only=True)
     log.info("%s in %s: linear layers run on %s", ref, dtype, loaded.linear_kernel)

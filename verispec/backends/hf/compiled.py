@@ -263,6 +263,8 @@ class CompiledStep:
         missing = compile_store.compiler_missing()
         if missing:
             raise RuntimeError(missing)
+        log.warning("compiling the one-token step of %s (about a minute on 2 cores, once per model and machine) ...",
+                    name or "the model")
         exported = _export(shadow)
         compile_store.save(exported, path, key, name)
         runner = compile_store.load(path)
@@ -290,9 +292,9 @@ def _export(shadow: nn.Module):
     """``torch.export`` of the step with the cache's size (columns) dynamic: one program for every length."""
     config = shadow.config
     kv = FixedKV(capacity=3 * GROWTH)
-    with torch.no_grad():  # lay out the buffers with an eager pass of two tokens (not inference mode: export
-        kv_pass = shadow(input_ids=torch.tensor([[1, 2]]), cache=kv.cache, use_cache=True)  # mutates them)
-    del kv_pass
+    # lay out the buffers with an eager pass of two tokens (no_grad, not inference mode: export writes into them)
+    with torch.no_grad():
+        shadow(input_ids=torch.tensor([[1, 2]]), cache=kv.cache, use_cache=True)
     kv.length = 2
     layers = kv.cache.layers
     keys, values = [layer.keys for layer in layers], [layer.values for layer in layers]
