@@ -105,3 +105,8 @@ def test_the_compiled_step_gives_greedy_decoding_with_no_cache(family):
     assert SpeculativeDecoder(fast).generate(PROMPT, max_new_tokens=NEW).token_ids == expected
     spec = SpeculativeDecoder(fast, NgramDrafter(), k=3, k_policy="fixed")  # compiled steps and eager verify passes
     assert spec.generate(PROMPT, max_new_tokens=NEW).token_ids == expected
+    # the same step loaded again from the compile cache, after other families' steps were loaded in this process
+    # (in another process the sliding-window masks came in another order, swapped, before they were sorted)
+    again = zoo_target(family)
+    assert again.compile_step(cached_only=True) is True and again.step.loaded
+    assert SpeculativeDecoder(again).generate(PROMPT, max_new_tokens=NEW).token_ids == expected

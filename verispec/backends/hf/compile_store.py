@@ -21,6 +21,7 @@ float32 package is about 1.1 GB (the weights as the kernels read them, and as th
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import inspect
 import json
@@ -105,18 +106,38 @@ def load(path: Path):
         return None
     try:
         # the loader unpacks the package (1 GB for the default model) into a temporary folder that it removes only
-        # when the runner is freed, which a killed process never does: unpack it into a folder of ours and remove
-        # that once the library is loaded (the runner keeps what it needs in memory)
-        with _environment("TMPDIR", tempfile.mkdtemp(prefix="verispec-unpack-")) as unpacked:
-            try:
-                return torch._inductor.aoti_load_package(str(path))
-            finally:
-                shutil.rmtree(unpacked, ignore_errors=True)
+        # when the runner is freed, which a killed process never does. It unpacks into a folder named for this
+        # process instead, removed when the process exits, or by the next load once the process is gone (not at
+        # once after loading: nothing promises that the runner never reads its files again)
+        with _environment("TMPDIR", _unpack_folder()):
+            return torch._inductor.aoti_load_package(str(path))
     except Exception as exc:  # noqa: BLE001 - a damaged or foreign file: drop it, never run it
         log.warning("removing compiled package %s, which did not load (%s: %s)", path, type(exc).__name__,
                     str(exc).splitlines()[0] if str(exc) else "")
         remove(path)
         return None
+
+
+def _unpack_folder() -> str:
+    """A temporary folder for this process's unpacked packages (removed at exit); folders of processes that are gone
+    (killed before their exit could remove them) are removed first."""
+    for old in Path(tempfile.gettempdir()).glob("verispec-unpack-*"):
+        pid = old.name.split("-")[2]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            shutil.rmtree(old, ignore_errors=True)
+    folder = tempfile.mkdtemp(prefix=f"verispec-unpack-{os.getpid()}-")
+    atexit.register(shutil.rmtree, folder, True)
+    return folder
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 @contextmanager

@@ -252,7 +252,7 @@ class CompiledStep:
         shadow = unpacked_copy(model)
         shadow.set_attn_implementation(ONE_TOKEN_ATTENTION)
         key = compile_store.package_key(shadow, 1, compile_store.source_of(StepModule, FixedLayer,
-                                                                           one_token_attention))
+                                                                           one_token_attention, for_layers))
         path = compile_store.package_path(key)
         t0 = time.perf_counter()
         runner = compile_store.load(path)

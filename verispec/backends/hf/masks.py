@@ -37,4 +37,6 @@ def for_layers(config, mask: torch.Tensor, query_positions: torch.Tensor, key_po
     types = getattr(config, "layer_types", None)
     if types is None:
         return windowed
-    return {kind: windowed if kind == SLIDING else mask for kind in set(types)}
+    # in a fixed order: a compiled step takes the dict as inputs in the order it was exported with, and a set's
+    # order changes with each process's string hashing (a stored Gemma 3 step then got its masks swapped)
+    return {kind: windowed if kind == SLIDING else mask for kind in sorted(set(types))}
