@@ -5,6 +5,7 @@
 
 --split hash is the split train-eagle uses now; --split random is the seeded random sample of 64 it used before
 (the shipped head's round 2). --skip-first N drops the first N cached answers (those an earlier round trained on).
+Token-only data (train-eagle --features online) works too: the target is run over the validation answers.
 """
 
 import argparse
@@ -39,12 +40,17 @@ def main() -> None:
     print(f"{len(val)} validation answers ({answer_tokens} answer tokens)")
     target = load_model(args.target, dtype="float32")
     full_head = target.model.get_output_embeddings().weight.detach().float()
-    cached = list(load_meta(args.data)["layers"]) + [target.model.config.num_hidden_layers]  # as stored
+    meta = load_meta(args.data)
+    cached = list(meta["layers"]) + [target.model.config.num_hidden_layers]  # as stored
     for folder in args.heads.split(","):
         head = EagleHead.load(folder).attach(target.model)
         head.lm_head_d = head.lm_head_d.float()
-        select = [cached.index(i) for i in head.config.feature_layers]
-        print(folder, json.dumps(validate(head, val, TrainConfig(), full_head, select)))
+        layers = list(head.config.feature_layers)
+        if meta.get("features", True):  # cached features: pick the head's layers among the stored ones
+            scores = validate(head, val, TrainConfig(), full_head, [cached.index(i) for i in layers])
+        else:  # token-only data: the target runs over the answers here (teacher forcing)
+            scores = validate(head, val, TrainConfig(), full_head, model=target.model, layers=layers)
+        print(folder, json.dumps(scores), flush=True)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ exact sampling distribution, checkpoints bound to their target, and the train-ea
 
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -420,3 +421,82 @@ def test_eagle_with_a_lookup_branch(small_target, trained_head_dir):
         assert out.token_ids == expected and out.stats.drafter == "eagle+lookup"
     with pytest.raises(Exception, match="needs tree mode"):
         EagleDrafter(small_target, trained_head_dir[0], lookup=True)
+
+
+def test_token_only_data_trains_by_teacher_forcing_and_a_stopped_run_resumes_exactly(small_target, tmp_path):
+    """--features online: the data holds tokens only and the target is run per batch; a run stopped after a step
+    and resumed from checkpoint.pt ends with the same weights as one that never stopped."""
+    from verispec.eagle import runs
+    from verispec.eagle.train import train_head
+
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 32) for _ in range(rng.randrange(3, 9))] for _ in range(40)]
+    build_dataset(small_target, prompts, tmp_path / "data", layers=LAYERS, max_new_tokens=10, batch_size=16,
+                  shard_size=16, progress=False, features=False)
+    assert load_meta(tmp_path / "data")["features"] is False
+    assert all(s.features is None for s in load_sequences(tmp_path / "data"))
+    config = TrainConfig(epochs=3, lr=3e-3, warmup_steps=2, batch_tokens=128, draft_vocab_size=24, val_sequences=6,
+                         val_every=3, bf16_autocast=False, feature_layers=list(LAYERS))
+    whole = train_head(small_target, tmp_path / "data", tmp_path / "whole", config, progress=False, log=lambda m: None)
+    assert whole.finished and whole.steps > 6 and whole.best["top1"][0] > 0
+    assert EagleHead.load(tmp_path / "whole").config.feature_layers == list(LAYERS)
+
+    first = train_head(small_target, tmp_path / "data", tmp_path / "split", config, progress=False, log=lambda m: None,
+                       should_stop=lambda step: step >= 4)  # what Ctrl-C or SIGTERM does between steps
+    assert not first.finished and first.steps == 4
+    with pytest.raises(Exception, match="other settings"):
+        train_head(small_target, tmp_path / "data", tmp_path / "split", replace(config, resume=True, lr=1e-3),
+                   progress=False, log=lambda m: None)
+    rest = train_head(small_target, tmp_path / "data", tmp_path / "split", replace(config, resume=True),
+                      progress=False, log=lambda m: None)
+    assert rest.finished and rest.steps == whole.steps and rest.train_tokens == whole.train_tokens
+    a = torch.load(tmp_path / "whole" / runs.CHECKPOINT, weights_only=False)["weights"]
+    b = torch.load(tmp_path / "split" / runs.CHECKPOINT, weights_only=False)["weights"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [m["top1"] for m in rest.val_history] == [m["top1"] for m in whole.val_history]
+
+
+def test_train_eagle_online_features_with_a_time_limit(tiny_dir, tmp_path, capsys):
+    from verispec.cli import main
+
+    rng = random.Random(2)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": " ".join(f"w{rng.randrange(3, 32)}" for _ in range(5))}) + "\n"
+                               for _ in range(30)))
+    args = ["train-eagle", "--target", str(tiny_dir), "--prompts", str(prompts), "--out", str(tmp_path / "head"),
+            "--data", str(tmp_path / "data"), "--samples", "24", "--max-new-tokens", "6", "--epochs", "2",
+            "--draft-vocab", "16", "--val-every", "4", "--check-prompts", "0", "--features", "online",
+            "--max-minutes", "5", "--batch-tokens", "128", "--val-sequences", "4"]
+    assert main(args) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["finished"] and summary["trained_positions_per_second"] > 0
+    assert load_meta(tmp_path / "data")["features"] is False
+    assert EagleHead.load(tmp_path / "head").config.feature_layers == [2, 1, 0, 2]  # 2, L/2, L-2, L of L=2 layers
+    assert main(args[:-4] + ["--device", "nosuchdevice"]) == 2
+    assert "--device nosuchdevice" in capsys.readouterr().err
+    assert main(args + ["--max-minutes", "0"]) == 2
+    assert main(["train-eagle", "--target", str(tiny_dir), "--prompts", str(prompts), "--out", str(tmp_path / "new"),
+                 "--resume"]) == 2
+    assert "checkpoint.pt does not exist" in capsys.readouterr().err
+
+
+def test_schedule_ends_on_steps_or_minutes_and_signals_stop_a_run_between_steps():
+    import signal
+
+    from verispec.eagle.runs import Schedule, StopSignals
+    from verispec.eagle.train import cosine_lr
+
+    steps = Schedule(1e-3, total=100, warmup=10)
+    assert [steps.lr(s) for s in (0, 9, 10, 55, 99)] == [cosine_lr(s, 100, 10, 1e-3) for s in (0, 9, 10, 55, 99)]
+    assert not steps.done(99) and steps.done(100)
+    timed = Schedule(1e-3, total=10**6, warmup=10, minutes=1.0, seconds=45.0)  # 45 of 60 s already trained
+    assert 0.75 <= timed.progress(20) < 0.9 and timed.lr(20) < 0.5e-3 and not timed.done(20)
+    assert Schedule(1e-3, total=10**6, warmup=10, minutes=1.0, seconds=60.0).done(20)
+    before = signal.getsignal(signal.SIGINT)
+    with StopSignals() as stop:
+        assert not stop.requested
+        signal.raise_signal(signal.SIGINT)  # Ctrl-C: the run finishes its step, writes a checkpoint, then stops
+        assert stop.requested
+        with pytest.raises(KeyboardInterrupt):  # a second Ctrl-C interrupts at once
+            signal.raise_signal(signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is before

@@ -266,3 +266,33 @@ def test_bench_and_analyze_with_medusa_methods(small_dir, trained_heads, tmp_pat
         assert "drafts token trees" in capsys.readouterr().err
     assert main(["analyze", "--target", str(small_dir), "--prompts", str(prompts), "--drafter", "nothing"]) == 2
     assert "medusa" in capsys.readouterr().err
+
+
+def test_medusa_trains_on_token_only_data_and_a_stopped_run_resumes_exactly(small_target, tmp_path):
+    """The EAGLE pipeline's token-only data trains Medusa heads too (the target's final state computed per batch),
+    and a run stopped after a step then resumed ends with the weights of one that never stopped."""
+    import dataclasses
+
+    from verispec.eagle.data import load_sequences
+    from verispec.eagle.runs import CHECKPOINT
+
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 32) for _ in range(rng.randrange(3, 9))] for _ in range(40)]
+    build_dataset(small_target, prompts, tmp_path / "data", layers=(), max_new_tokens=10, batch_size=16,
+                  shard_size=16, progress=False, features=False)
+    assert all(s.features is None for s in load_sequences(tmp_path / "data"))
+    config = MedusaTrainConfig(num_heads=2, epochs=3, lr=3e-3, warmup_steps=2, batch_tokens=128, draft_vocab_size=24,
+                               val_sequences=6, val_every=3, bf16_autocast=False)
+    whole = train_medusa(small_target, tmp_path / "data", tmp_path / "whole", config, progress=False,
+                         log=lambda m: None)
+    assert whole.finished and whole.steps > 6 and whole.best["top1"][0] > 0
+    first = train_medusa(small_target, tmp_path / "data", tmp_path / "split", config, progress=False,
+                         log=lambda m: None, should_stop=lambda step: step >= 5)
+    assert not first.finished and first.steps == 5
+    rest = train_medusa(small_target, tmp_path / "data", tmp_path / "split", dataclasses.replace(config, resume=True),
+                        progress=False, log=lambda m: None)
+    assert rest.finished and rest.steps == whole.steps
+    a = torch.load(tmp_path / "whole" / CHECKPOINT, weights_only=False)["weights"]
+    b = torch.load(tmp_path / "split" / CHECKPOINT, weights_only=False)["weights"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    MedusaHeads.load(tmp_path / "split").attach(small_target.model)

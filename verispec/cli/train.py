@@ -18,11 +18,13 @@ def add_train_parser(sub) -> None:
     t = sub.add_parser(
         "train-eagle", help="train an EAGLE draft head for a target on its own answers",
         description="Train an EAGLE-style draft head for TARGET. 1) The target answers --samples prompts from "
-                    "--prompts (greedy, self-distillation) and its hidden states on prompt + answer are cached in "
-                    "--data (resumable). 2) The head trains on CPU with a progress bar and periodic validation of "
-                    "top-1 agreement and acceptance (beta) per draft depth. 3) The best checkpoint is written to "
-                    "--out (model.safetensors + config.json naming the target) and checked in the real engine on "
-                    "held-out prompts. Use it with: verispec generate --drafter eagle --eagle-head OUT.",
+                    "--prompts (greedy, self-distillation) and the answers are stored in --data (resumable) with its "
+                    "hidden states, or as tokens only with --features online (the target then runs over each "
+                    "training batch). 2) The head trains on --device (cpu, cuda) with a progress bar, periodic "
+                    "validation of top-1 agreement and acceptance (beta) per draft depth, and a checkpoint at each "
+                    "validation: Ctrl-C stops it after the current step, --resume goes on. 3) The best head is "
+                    "written to --out (model.safetensors + config.json naming the target) and checked in the real "
+                    "engine on held-out prompts. Use it with: verispec generate --drafter eagle --eagle-head OUT.",
         epilog="example: verispec train-eagle --prompts ../shared/train-prompts/train_prompts.jsonl --out heads/smollm2")
     _add_data_arguments(t, eagle=True)
     g = t.add_argument_group("training")
@@ -38,7 +40,11 @@ def add_train_parser(sub) -> None:
     g.add_argument("--init-head", metavar="DIR",
                    help="continue training this head (e.g. after adding data with a larger --samples) instead of "
                         "starting afresh; it keeps its draft vocabulary and must read the same --layers")
-    g.add_argument("--val-every", type=int, default=200, help="steps between validations (default: 200)")
+    g.add_argument("--val-every", type=int, default=200,
+                   help="steps between validations, each also writing a resumable checkpoint (default: 200)")
+    g.add_argument("--val-sequences", type=int, default=64,
+                   help="held-out answers for validation, chosen by a hash of their prompts (default: 64)")
+    _add_run_arguments(g)
     g.add_argument("--check-prompts", type=int, default=8,
                    help="held-out prompts for the final check in the real engine (default: 8; 0 skips it)")
     t.set_defaults(func=cmd_train_eagle)
@@ -48,9 +54,10 @@ def add_train_parser(sub) -> None:
         description="Train Medusa-1 heads for TARGET: one residual block per head on the target's final hidden "
                     "state, the target's frozen lm_head over a reduced draft vocabulary; head i guesses the token i+2 "
                     "places ahead. 1) The target answers --samples prompts from --prompts (greedy) and its final "
-                    "hidden states are cached in --data (resumable; EAGLE data works too). 2) The heads train on CPU "
-                    "against the target's own distributions (soft labels), with a progress bar and validation of "
-                    "top-1 agreement and beta per head. 3) The best checkpoint is written to --out and checked in the "
+                    "hidden states are cached in --data (resumable; EAGLE data works too; tokens only with "
+                    "--features online). 2) The heads train on --device against the target's own distributions (soft "
+                    "labels), with a progress bar, validation of top-1 agreement and beta per head, and resumable "
+                    "checkpoints (Ctrl-C, then --resume). 3) The best checkpoint is written to --out and checked in the "
                     "real engine on held-out prompts. Use it with: verispec generate --drafter medusa --medusa-heads OUT.",
         epilog="example: verispec train-medusa --prompts ../shared/train-prompts/train_prompts.jsonl --out heads/medusa")
     _add_data_arguments(m, eagle=False)
@@ -68,10 +75,30 @@ def add_train_parser(sub) -> None:
     g.add_argument("--init-heads", metavar="DIR",
                    help="continue training these heads (e.g. after adding data) instead of starting afresh; they "
                         "keep their draft vocabulary and head count")
-    g.add_argument("--val-every", type=int, default=100, help="steps between validations (default: 100)")
+    g.add_argument("--val-every", type=int, default=100,
+                   help="steps between validations, each also writing a resumable checkpoint (default: 100)")
+    _add_run_arguments(g)
     g.add_argument("--check-prompts", type=int, default=8,
                    help="held-out prompts for the final check in the real engine (default: 8; 0 skips it)")
     m.set_defaults(func=cmd_train_medusa)
+
+
+def _add_run_arguments(g) -> None:
+    g.add_argument("--device", default="cpu", metavar="DEV",
+                   help="where the target answers and the head trains: cpu (default), cuda, cuda:1, ...")
+    g.add_argument("--features", default="auto", choices=["auto", "cached", "online"],
+                   help="cached: store the target's hidden states with the answers (4.6 kB a token for the default "
+                        "model) and train from disk; online: store the answers' tokens only and teacher-force each "
+                        "batch through the target while training (one target pass per sequence and epoch); auto "
+                        "(default): cached on CPU, online elsewhere")
+    g.add_argument("--max-minutes", type=float, metavar="M",
+                   help="train for at most M minutes: the schedule is fitted to the time after a few steps, and a "
+                        "checkpoint lets --resume go on (default: no limit)")
+    g.add_argument("--gen-minutes", type=float, metavar="M",
+                   help="answer prompts for at most M minutes, then train on the answers so far (a later run "
+                        "answers the rest; 0 answers none and trains on the data already there; default: no limit)")
+    g.add_argument("--resume", action="store_true",
+                   help="go on from the checkpoint.pt a stopped run left in --out (same settings)")
 
 
 def _add_data_arguments(t, *, eagle: bool) -> None:
@@ -127,7 +154,8 @@ def _self_distillation(args, kind: str) -> tuple[Path, list[list[int]]]:
                          ("--gen-batch-size", args.gen_batch_size, 1), ("--max-prompt-tokens", args.max_prompt_tokens, 2))
     texts = read_prompts(args.prompts)
     _refuse_eval_prompts(texts)
-    gen_target = load_model(args.target, dtype=args.gen_dtype)
+    device = getattr(args, "device", "cpu")
+    gen_target = load_model(args.target, dtype=args.gen_dtype, device=None if device == "cpu" else device)
     layers = _parse_layers(args.layers, gen_target.model.config.num_hidden_layers) if kind == "eagle" else []
     chosen = select_prompts(gen_target, texts, args.samples + args.check_prompts, args.max_prompt_tokens, args.seed)
     train_ids, check_ids = chosen[: args.samples], chosen[args.samples:]
@@ -135,15 +163,27 @@ def _self_distillation(args, kind: str) -> tuple[Path, list[list[int]]]:
         raise InvalidRequest(f"only {len(train_ids)} prompts of at most {args.max_prompt_tokens} tokens; raise "
                              "--max-prompt-tokens or pass more prompts")
     # --samples is not part of the key: a run with more samples extends the same data (prompts are a seeded prefix)
+    online = _online(args)
     settings = dict(target=args.target, prompts=str(Path(args.prompts).resolve()), max_prompt=args.max_prompt_tokens,
-                    max_new=args.max_new_tokens, layers=layers, seed=args.seed, dtype=args.gen_dtype)
+                    max_new=args.max_new_tokens, layers=[] if online else layers, seed=args.seed, dtype=args.gen_dtype,
+                    **({"features": False} if online else {}))
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     data_dir = Path(args.data) if args.data else cache_dir() / f"{kind}-data" / f"{Path(args.target).name}-{key}"
     print(f"verispec: step 1/3: {len(train_ids)} answers by {args.target} ({args.gen_dtype}) -> {data_dir}",
           file=sys.stderr)
+    gen_minutes = getattr(args, "gen_minutes", None)
     build_dataset(gen_target, train_ids, data_dir, layers=tuple(layers), max_new_tokens=args.max_new_tokens,
-                  batch_size=args.gen_batch_size, source=f"{Path(args.prompts).name} (seed {args.seed})")
+                  batch_size=args.gen_batch_size, shard_size=max(128, args.gen_batch_size),
+                  source=f"{Path(args.prompts).name} (seed {args.seed})",
+                  features=not online, max_seconds=None if gen_minutes is None else 60 * gen_minutes)
+    del gen_target
     return data_dir, check_ids
+
+
+def _online(args) -> bool:
+    """Token-only data teacher-forced while training (--features online, or auto off the CPU)."""
+    mode = getattr(args, "features", "cached")
+    return mode == "online" or (mode == "auto" and getattr(args, "device", "cpu") != "cpu")
 
 
 def cmd_train_eagle(args) -> int:
@@ -151,7 +191,9 @@ def cmd_train_eagle(args) -> int:
     from ..backends import load_model
 
     _check_whole_numbers(("--epochs", args.epochs, 1), ("--ttt-steps", args.ttt_steps, 1),
-                         ("--draft-vocab", args.draft_vocab, 2), ("--batch-tokens", args.batch_tokens, 64))
+                         ("--draft-vocab", args.draft_vocab, 2), ("--batch-tokens", args.batch_tokens, 64),
+                         ("--val-sequences", args.val_sequences, 1))
+    _check_run_arguments(args)
     if args.init_head:  # fail before an hour of data generation, not after
         from ..eagle.head import EagleHead
 
@@ -159,10 +201,13 @@ def cmd_train_eagle(args) -> int:
     started = time.perf_counter()
     data_dir, check_ids = _self_distillation(args, "eagle")
 
-    target = load_model(args.target, dtype="float32")
+    target = load_model(args.target, dtype="float32", device=None if args.device == "cpu" else args.device)
     config = TrainConfig(epochs=args.epochs, lr=args.lr, batch_tokens=args.batch_tokens, ttt_steps=args.ttt_steps,
                          draft_vocab_size=args.draft_vocab, val_every=args.val_every, seed=args.seed,
-                         prompt_loss=not args.answers_only, init_head=args.init_head)
+                         prompt_loss=not args.answers_only, init_head=args.init_head, device=args.device,
+                         max_minutes=args.max_minutes, resume=args.resume, val_sequences=args.val_sequences,
+                         feature_layers=_online_layers(args.layers, target.model.config.num_hidden_layers)
+                         if _online(args) and args.layers else None)
     print(f"verispec: step 2/3: training the head -> {args.out}", file=sys.stderr)
     report = train_head(target, data_dir, args.out, config, log=lambda m: print(f"verispec: {m}", file=sys.stderr))
     return _finish(args, target, data_dir, check_ids, report, started, "eagle")
@@ -174,6 +219,7 @@ def cmd_train_medusa(args) -> int:
 
     _check_whole_numbers(("--epochs", args.epochs, 1), ("--heads", args.heads, 1), ("--head-layers", args.head_layers, 1),
                          ("--draft-vocab", args.draft_vocab, 2), ("--batch-tokens", args.batch_tokens, 64))
+    _check_run_arguments(args)
     if args.init_heads:  # fail before an hour of data generation, not after
         from ..medusa.head import MedusaHeads
 
@@ -181,20 +227,43 @@ def cmd_train_medusa(args) -> int:
     started = time.perf_counter()
     data_dir, check_ids = _self_distillation(args, "medusa")
 
-    target = load_model(args.target, dtype="float32")
+    target = load_model(args.target, dtype="float32", device=None if args.device == "cpu" else args.device)
     config = MedusaTrainConfig(num_heads=args.heads, layers=args.head_layers, epochs=args.epochs, lr=args.lr,
                                batch_tokens=args.batch_tokens, draft_vocab_size=args.draft_vocab,
                                val_every=args.val_every, seed=args.seed, prompt_loss=not args.answers_only,
-                               init_heads=args.init_heads)
+                               init_heads=args.init_heads, device=args.device, max_minutes=args.max_minutes,
+                               resume=args.resume)
     print(f"verispec: step 2/3: training the heads -> {args.out}", file=sys.stderr)
     report = train_medusa(target, data_dir, args.out, config, log=lambda m: print(f"verispec: {m}", file=sys.stderr))
     return _finish(args, target, data_dir, check_ids, report, started, "medusa")
 
 
+def _check_run_arguments(args) -> None:
+    import torch
+
+    device = args.device
+    if device != "cpu":
+        kind = device.split(":")[0]
+        backend = getattr(torch, kind, None)
+        if backend is None or not hasattr(backend, "is_available") or not backend.is_available():
+            raise InvalidRequest(f"--device {device}: torch sees no such device here (torch {torch.__version__}); "
+                                 "use --device cpu or install a torch build for it")
+    if args.max_minutes is not None and args.max_minutes <= 0:
+        raise InvalidRequest(f"--max-minutes must be > 0, got {args.max_minutes:g}")
+    if args.gen_minutes is not None and args.gen_minutes < 0:
+        raise InvalidRequest(f"--gen-minutes must be >= 0 (0: train on the answers already in --data), "
+                             f"got {args.gen_minutes:g}")
+    if args.resume and not (Path(args.out) / "checkpoint.pt").exists():
+        raise InvalidRequest(f"--resume: {Path(args.out) / 'checkpoint.pt'} does not exist; start without --resume")
+
+
 def _finish(args, target, data_dir, check_ids, report, started: float, drafter: str) -> int:
     """Step 3: the trained drafter in the real engine on held-out prompts; a JSON summary on stdout."""
     summary = {"out": str(args.out), "data": str(data_dir), "steps": report.steps,
-               "train_seconds": round(report.seconds, 1), "best_validation": report.best}
+               "train_seconds": round(report.seconds, 1), "best_validation": report.best,
+               "trained_positions_per_second": report.tokens_per_second, "finished": report.finished}
+    if not report.finished:
+        check_ids = []  # the check is for a finished head; a stopped run goes on with --resume
     if check_ids:
         print(f"verispec: step 3/3: greedy check on {len(check_ids)} held-out prompts", file=sys.stderr)
         check = measure_acceptance(target, drafter, args.out, check_ids)
@@ -204,6 +273,12 @@ def _finish(args, target, data_dir, check_ids, report, started: float, drafter: 
     _record(args.out, "total_seconds", summary["total_seconds"])
     print(json.dumps(summary))
     return 0
+
+
+def _online_layers(text: str, n_layers: int) -> list[int]:
+    """--layers read online: the named hidden states, then the final one unless named already (``--layers 30`` of 30
+    layers is a head on the final normed state alone, the feature llama.cpp returns without an eval callback)."""
+    return list(dict.fromkeys(_parse_layers(text, n_layers) + [n_layers]))
 
 
 def _parse_layers(text: str | None, n_layers: int) -> list[int]:

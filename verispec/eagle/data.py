@@ -10,12 +10,18 @@ tokens in all: ``tokens`` [N] int32, ``offsets`` [S+1] int64 (sequence i is toke
 ``answer_start`` [S] int64 (index inside the sequence where the answer begins), ``features`` [N, L, H] bfloat16
 (the hidden states named by ``meta.json``'s ``layers``, then the final normed state). Shards are written one at
 a time, so an interrupted run resumes where it stopped, and a run with more prompts adds only the new ones.
+
+Token-only data (``features=False``; ``meta.json`` says ``"features": false``) holds the answers without their
+hidden states: the trainer then runs the target over each batch itself (teacher forcing, see
+``batch_features``). That costs one target forward pass per sequence and epoch instead of 4.6 kB of disk per
+token for the default model's four feature layers, and it is the form that pays on a GPU.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +40,7 @@ META = "meta.json"
 class Sequence:
     tokens: torch.Tensor  # [n] long: prompt + answer
     answer_start: int
-    features: torch.Tensor  # [n, L+1, H]: the feature layers, then the final normed hidden state
+    features: torch.Tensor | None  # [n, L+1, H]: the feature layers, then the final normed state (None: token-only)
 
 
 def read_prompts(path: str | Path) -> list[str]:
@@ -83,6 +89,14 @@ def select_prompts(target: LoadedModel, prompts: list[str], count: int, max_prom
     return chosen
 
 
+def batch_features(model, ids: torch.Tensor, mask: torch.Tensor, layers: tuple[int, ...] | list[int]) -> torch.Tensor:
+    """Hidden states [B, T, L+1, H] of a right-padded batch ``ids`` [B, T] (``mask`` 1 on real tokens), on the
+    model's device and in its dtype: the feature layers, then the final normed state. Padding rows are garbage."""
+    out = model.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    hidden = out.hidden_states
+    return torch.stack([hidden[i] for i in layers] + [hidden[-1]], dim=2)
+
+
 def target_features(target: LoadedModel, batch: list[list[int]], layers: tuple[int, ...]) -> list[torch.Tensor]:
     """Hidden states [n, L+1, H] of each sequence (feature layers, then the final normed state), from one
     right-padded forward pass."""
@@ -93,10 +107,8 @@ def target_features(target: LoadedModel, batch: list[list[int]], layers: tuple[i
     for row, seq in enumerate(batch):
         ids[row, : len(seq)] = torch.tensor(seq)
         mask[row, : len(seq)] = 1
-    out = target.model.model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
-    hidden = out.hidden_states
-    stacked = torch.stack([hidden[i] for i in layers] + [hidden[-1]], dim=2)  # [B, T, L+1, H]
-    return [stacked[row, : len(seq)].to(torch.bfloat16).clone() for row, seq in enumerate(batch)]
+    stacked = batch_features(target.model, ids, mask, layers)
+    return [stacked[row, : len(seq)].to(torch.bfloat16).cpu().clone() for row, seq in enumerate(batch)]
 
 
 def generate_answers(target: LoadedModel, batch: list[list[int]], max_new_tokens: int) -> list[list[int]]:
@@ -133,19 +145,26 @@ def _batches(items: list, size: int) -> Iterator[list]:
 
 def build_dataset(target: LoadedModel, prompts: list[list[int]], out_dir: str | Path, *, layers: tuple[int, ...],
                   max_new_tokens: int = 192, batch_size: int = 16, shard_size: int = 128,
-                  progress: bool = True, source: str = "") -> Path:
-    """Let the target answer ``prompts`` (encoded) and cache its hidden states under ``out_dir``. Resumes: shards
-    already on disk are kept."""
+                  progress: bool = True, source: str = "", features: bool = True,
+                  max_seconds: float | None = None) -> Path:
+    """Let the target answer ``prompts`` (encoded) and cache its hidden states under ``out_dir`` (only the tokens
+    with ``features=False``). Resumes: shards already on disk are kept. ``max_seconds``: stop starting new shards
+    after that long (the data so far is complete and usable; a later call answers the rest)."""
     from tqdm import tqdm
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"target": target.name, "layers": list(layers), "hidden_size": int(target.model.config.hidden_size),
-            "vocab_size": target.vocab_size, "max_new_tokens": max_new_tokens, "sequences": len(prompts),
-            "shard_size": shard_size, "source": source, "dtype": str(target.dtype).removeprefix("torch.")}
+    meta = {"target": target.name, "layers": list(layers) if features else [],
+            "hidden_size": int(target.model.config.hidden_size), "vocab_size": target.vocab_size,
+            "max_new_tokens": max_new_tokens, "sequences": len(prompts), "shard_size": shard_size, "source": source,
+            "dtype": str(target.dtype).removeprefix("torch."), "features": features}
     meta_path = out / META
     if meta_path.exists():
         old = json.loads(meta_path.read_text())
+        if old.get("features", True) != features:
+            raise InvalidRequest(f"{out} holds {'features' if old.get('features', True) else 'tokens only'}, but "
+                                 f"this run asks for {'features' if features else 'tokens only'}; use another "
+                                 "--data folder or the matching --features")
         if set(layers) <= set(old.get("layers") or ()):  # more layers serve too (Medusa reads the final state only)
             layers = tuple(old["layers"])
             meta["layers"] = list(layers)
@@ -156,6 +175,7 @@ def build_dataset(target: LoadedModel, prompts: list[list[int]], out_dir: str | 
     meta_path.write_text(json.dumps(meta, indent=2))
     shards = list(_batches(prompts, shard_size))
     bar = tqdm(total=len(prompts), desc="self-distilling", unit="answer", disable=not progress)
+    started = time.perf_counter()
     with torch.inference_mode():
         for index, shard in enumerate(shards):
             path = out / f"shard-{index:05d}.safetensors"
@@ -164,6 +184,10 @@ def build_dataset(target: LoadedModel, prompts: list[list[int]], out_dir: str | 
             bar.update(len(shard) - len(todo))
             if not todo:
                 continue
+            if max_seconds is not None and time.perf_counter() - started >= max_seconds:
+                bar.write(f"verispec: answering stopped after {max_seconds:.0f} s ({bar.n} of {len(prompts)} "
+                          "answers); a later run answers the rest")
+                break
             sequences: list[Sequence] = list(_read_shard(path)) if path.exists() else []
             # length-sorted batches waste less compute on padding
             order = sorted(range(len(todo)), key=lambda i: len(todo[i]))
@@ -171,11 +195,14 @@ def build_dataset(target: LoadedModel, prompts: list[list[int]], out_dir: str | 
                 batch = [todo[i] for i in chunk]
                 answers = generate_answers(target, batch, max_new_tokens)
                 full = [p + a for p, a in zip(batch, answers)]
-                for prompt, seq, feats in zip(batch, full, target_features(target, full, layers)):
-                    sequences.append(Sequence(torch.tensor(seq), len(prompt), feats))
+                feats = target_features(target, full, layers) if features else [None] * len(full)
+                for prompt, seq, f in zip(batch, full, feats):
+                    sequences.append(Sequence(torch.tensor(seq), len(prompt), f))
                 bar.update(len(chunk))
             _write_shard(path, sequences)
     bar.close()
+    meta["sequences"] = bar.n  # the answers on disk (fewer than the prompts when --gen-minutes stopped early)
+    meta_path.write_text(json.dumps(meta, indent=2))
     return out
 
 
@@ -198,8 +225,9 @@ def _write_shard(path: Path, sequences: list[Sequence]) -> None:
         "tokens": torch.cat([s.tokens for s in sequences]).to(torch.int32),
         "offsets": lengths.cumsum(0),
         "answer_start": torch.tensor([s.answer_start for s in sequences]),
-        "features": torch.cat([s.features for s in sequences]),
     }
+    if sequences[0].features is not None:
+        tensors["features"] = torch.cat([s.features for s in sequences])
     partial = path.with_suffix(".partial")
     save_file(tensors, str(partial))
     partial.rename(path)  # an interrupted write never looks like a finished shard
@@ -224,9 +252,11 @@ def _shard_prompts(path: Path) -> list[tuple[int, ...]]:
 def _read_shard(path: Path) -> Iterator[Sequence]:
     shard = load_file(str(path))
     offsets = shard["offsets"].tolist()
+    features = shard.get("features")
     for i in range(len(offsets) - 1):
         a, b = offsets[i], offsets[i + 1]
-        yield Sequence(shard["tokens"][a:b].long(), int(shard["answer_start"][i]), shard["features"][a:b])
+        yield Sequence(shard["tokens"][a:b].long(), int(shard["answer_start"][i]),
+                       None if features is None else features[a:b])
 
 
 def load_sequences(data_dir: str | Path) -> Iterable[Sequence]:

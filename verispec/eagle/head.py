@@ -66,7 +66,7 @@ def target_fingerprint(model) -> str:
     in_w = model.get_input_embeddings().weight
     digest = hashlib.sha256()
     for w in (out_w, in_w):
-        digest.update(w[:64, :64].detach().to(torch.bfloat16).float().mul(64).round().to(torch.int32).numpy().tobytes())
+        digest.update(w[:64, :64].detach().cpu().to(torch.bfloat16).float().mul(64).round().to(torch.int32).numpy().tobytes())
     shape = f"{cfg.model_type}-L{cfg.num_hidden_layers}-H{cfg.hidden_size}-V{out_w.shape[0]}"
     return f"{shape}-{digest.hexdigest()[:16]}"
 
@@ -237,7 +237,7 @@ class EagleHead(nn.Module):
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         # the head's own weights only: an attached head also holds the target's embedding module
-        state = {k: v.detach().to(torch.bfloat16) if v.is_floating_point() else v.detach()
+        state = {k: v.detach().cpu().to(torch.bfloat16) if v.is_floating_point() else v.detach().cpu()
                  for k, v in self.state_dict().items() if not k.startswith("embed.")}
         save_file({k: v.contiguous() for k, v in state.items()}, str(folder / WEIGHTS))
         self.config.save(folder)

@@ -1,4 +1,5 @@
-"""Training an EAGLE head on cached self-distillation data (see ``data.py``), on CPU.
+"""Training an EAGLE head on self-distillation data (see ``data.py``): cached features, or token-only data
+teacher-forced through the target per batch; on CPU or a GPU (``device``), stoppable and resumable (``runs.py``).
 
 Loss: soft cross-entropy between the target's distribution over the draft vocabulary (its frozen lm_head applied
 to the cached final hidden state) and the head's q, at every position (the target's distribution is a valid label
@@ -22,8 +23,9 @@ import torch
 import torch.nn.functional as F
 
 from ..backends.hf import LoadedModel
-from .data import Sequence, load_meta, load_sequences
-from .head import EagleHead, head_config_for, ttt_mask
+from .data import Sequence, batch_features, load_meta, load_sequences
+from .head import WEIGHTS, EagleHead, head_config_for, ttt_mask
+from .runs import Schedule, StopSignals, load_checkpoint, save_checkpoint, scheduled_batches
 
 
 @dataclass
@@ -44,6 +46,9 @@ class TrainConfig:
     feature_layers: list[int] | None = None  # among the cached ones (and the final one); None = all of them
     bf16_autocast: bool = True
     init_head: str | None = None  # continue from this trained head (its weights and draft vocabulary)
+    device: str = "cpu"  # where the head trains (and token-only data is teacher-forced): cpu, cuda, ...
+    max_minutes: float | None = None  # the schedule ends after this many minutes of training if its steps do not
+    resume: bool = False  # go on from the checkpoint in the output folder
 
 
 @dataclass
@@ -64,6 +69,8 @@ class TrainReport:
     val_history: list[dict] = field(default_factory=list)
     best: dict = field(default_factory=dict)
     continued_from: dict = field(default_factory=dict)  # the training record of the --init-head checkpoint
+    tokens_per_second: float = 0.0  # trained positions per second of this run (the training signal's rate)
+    finished: bool = False  # the schedule ran to its end (False: stopped by --max-minutes; --resume goes on)
 
 
 def draft_vocabulary(sequences: list[Sequence], size: int, vocab_size: int, always: set[int]) -> torch.Tensor:
@@ -120,23 +127,36 @@ def make_batches(sequences: list[Sequence], batch_tokens: int, rng: random.Rando
     return batches
 
 
-def collate(sequences: list[Sequence], select: list[int] | None = None, prompt_loss: bool = False) -> Batch:
-    """Pad a batch; ``select`` picks the head's feature layers among the cached ones (default: all but the last,
-    which is the final state the labels come from)."""
+def collate(sequences: list[Sequence], select: list[int] | None = None, prompt_loss: bool = False,
+            model=None, layers: list[int] | None = None, device: str | torch.device = "cpu") -> Batch:
+    """Pad a batch on ``device``; ``select`` picks the head's feature layers among the cached ones (default: all but
+    the last, which is the final state the labels come from). Token-only sequences (no cached features) are
+    teacher-forced through ``model`` here: its hidden states at ``layers`` and its final state."""
     width = max(len(s.tokens) for s in sequences)
     b = len(sequences)
-    n_layers, hidden = sequences[0].features.shape[1:]
     tokens = torch.zeros(b, width, dtype=torch.long)
-    feats = torch.zeros(b, width, n_layers, hidden, dtype=torch.bfloat16)
+    real = torch.zeros(b, width, dtype=torch.long)
     answer = torch.zeros(b, width - 1, dtype=torch.bool)
     everywhere = torch.zeros(b, width - 1, dtype=torch.bool)
     for row, s in enumerate(sequences):
         n = len(s.tokens)
         tokens[row, :n] = s.tokens
-        feats[row, :n] = s.features
+        real[row, :n] = 1
         answer[row, max(0, s.answer_start - 2): n - 2] = True  # pairs i whose label t_{i+2} is in the answer
         everywhere[row, : n - 2] = True
     labels = torch.cat([tokens[:, 2:], torch.zeros(b, 1, dtype=torch.long)], dim=1)
+    tokens, labels, answer, everywhere = (t.to(device) for t in (tokens, labels, answer, everywhere))
+    if sequences[0].features is None:
+        if model is None or not layers:
+            raise ValueError("token-only data needs the target model and its feature layers to teacher-force")
+        with torch.no_grad():
+            feats = batch_features(model, tokens, real.to(device), layers)
+        return Batch(tokens, feats[:, :, :-1], feats[:, :, -1], everywhere if prompt_loss else answer, labels, answer)
+    n_layers, hidden = sequences[0].features.shape[1:]
+    feats = torch.zeros(b, width, n_layers, hidden, dtype=torch.bfloat16)
+    for row, s in enumerate(sequences):
+        feats[row, : len(s.tokens)] = s.features
+    feats = feats.to(device)
     chosen = feats[:, :, :-1] if select is None else feats[:, :, select]
     return Batch(tokens, chosen, feats[:, :, -1], everywhere if prompt_loss else answer, labels, answer)
 
@@ -146,7 +166,7 @@ def unrolled_states(head: EagleHead, batch: Batch, steps: int) -> list[torch.Ten
     features up to i - s and its own outputs after that, exactly as the drafter does at draft depth s."""
     tok_in = batch.tokens[:, 1:]  # t_{i+1}
     t = tok_in.shape[1]
-    positions = torch.arange(t)
+    positions = torch.arange(t, device=tok_in.device)
     feature = head.fuse_features(batch.features[:, :-1].float())  # f_i
     keys, values, out = [], [], []
     g = None
@@ -160,25 +180,39 @@ def unrolled_states(head: EagleHead, batch: Batch, steps: int) -> list[torch.Ten
         if s == 0:
             g = head.finish(x, q, k, v, None, causal=True)
         else:
-            mask = ttt_mask(t, s)
+            mask = ttt_mask(t, s, device=tok_in.device)
             g = head.finish(x, q, torch.cat(keys, dim=2), torch.cat(values, dim=2), mask)
         out.append(g)
     return out
 
 
+def default_feature_layers(n_layers: int) -> list[int]:
+    """Three intermediate layers (2, L/2, L-2) and the final normed state (L), EAGLE-3's choice."""
+    return [2, n_layers // 2, n_layers - 2, n_layers]
+
+
 def train_head(target: LoadedModel, data_dir: str | Path, out_dir: str | Path, config: TrainConfig,
-               progress: bool = True, log: Callable[[str], None] = print) -> TrainReport:
+               progress: bool = True, log: Callable[[str], None] = print,
+               should_stop: Callable[[int], bool] | None = None) -> TrainReport:
     """Train a head for ``target`` on the data in ``data_dir``; the best checkpoint (by validation acceptance) is
-    written to ``out_dir``."""
+    written to ``out_dir``, with a resumable ``checkpoint.pt`` beside it (see ``runs.py``). Token-only data is
+    teacher-forced through the target batch by batch on ``config.device``, where the target must live too.
+    ``should_stop(step)`` (or Ctrl-C / SIGTERM) ends the run after a step with a checkpoint; ``config.resume`` goes on."""
     from tqdm import tqdm
 
     meta = load_meta(data_dir)
+    device = torch.device(config.device)
+    if target.device.type != device.type:
+        raise ValueError(f"the target is on {target.device}, training on {device}: load it with device={config.device!r}")
     torch.manual_seed(config.seed)
     rng = random.Random(config.seed)
-    log(f"loading cached features from {data_dir} ...")
+    log(f"loading {'cached features' if meta.get('features', True) else 'answers (teacher-forced per batch)'} "
+        f"from {data_dir} ...")
     sequences = list(load_sequences(data_dir))
     if len(sequences) < 2:
         raise ValueError(f"{data_dir} holds {len(sequences)} sequences; build more data first")
+    meta = dict(meta, sequences=len(sequences))  # what this run trains and validates on, for the record
+    online = sequences[0].features is None
     train, val = validation_split(sequences, min(config.val_sequences, max(1, len(sequences) // 10)), config.seed)
     if config.init_head:
         head = EagleHead.load(config.init_head)  # continue training: keep its weights and draft vocabulary
@@ -191,12 +225,18 @@ def train_head(target: LoadedModel, data_dir: str | Path, out_dir: str | Path, c
 
     model = target.model
     final = model.config.num_hidden_layers  # hidden_states[final] is the final normed state, cached last
-    available = list(meta["layers"]) + [final]
-    layers = config.feature_layers or list(dict.fromkeys(available))
+    if online:  # any hidden state can be read: the head's own, the configured ones, or EAGLE-3's default
+        available = list(range(final + 1))
+        layers = (config.feature_layers or (list(head.config.feature_layers) if config.init_head else None)
+                  or default_feature_layers(final))
+    else:
+        available = list(meta["layers"]) + [final]
+        layers = config.feature_layers or list(dict.fromkeys(available))
     missing = [i for i in layers if i not in available]
     if missing:
         raise ValueError(f"feature layers {missing} are not in the cached data (layers {available})")
-    select = [available.index(i) for i in layers]
+    select = None if online else [available.index(i) for i in layers]
+    collate_kw = dict(select=select, model=model, layers=layers, device=device)
     if config.init_head:
         if list(head.config.feature_layers) != layers:
             raise ValueError(f"the head in {config.init_head} reads target layers {head.config.feature_layers}, "
@@ -210,10 +250,12 @@ def train_head(target: LoadedModel, data_dir: str | Path, out_dir: str | Path, c
         head.d2t.copy_(d2t)
         if config.init_from_layer is not None:
             _init_from_target_layer(head, model, config.init_from_layer)
+    head.to(device)
     head.attach(model)  # a head continued from another target's checkpoint is refused here
     head.lm_head_d = head.lm_head_d.float()
     head.embed = _FrozenEmbedding(model.get_input_embeddings().weight.detach().float())
     full_head = model.get_output_embeddings().weight.detach().float()  # [V, H], for validation beta
+    d2t = head.d2t
 
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0, betas=(0.9, 0.95))
@@ -222,20 +264,45 @@ def train_head(target: LoadedModel, data_dir: str | Path, out_dir: str | Path, c
 
     report = TrainReport(continued_from=continued_from)
     best_score = -1.0
-    start = time.perf_counter()
-    if config.init_head:  # where the continued head starts, on this run's validation answers
-        metrics = validate(head, val, config, full_head, select)
+    step, seconds_before = 0, 0.0
+    settings = asdict(config) | {"feature_layers": layers}
+    if config.resume:
+        state = load_checkpoint(out_dir, settings)
+        head.load_state_dict(state["weights"])
+        opt.load_state_dict(state["optimizer"])
+        step, total, best_score = state["step"], state["total"], state["best_score"]
+        seconds_before = state["seconds"]
+        report = TrainReport(**state["report"])
+        log(f"resuming at step {step} of {total} ({seconds_before:.0f} s trained so far)")
+    schedule = Schedule(config.lr, total, config.warmup_steps, config.max_minutes, seconds_before)
+    elapsed = schedule.seconds
+
+    def checkpoint() -> None:
+        report.steps, report.seconds = step, elapsed()
+        save_checkpoint(out_dir, {"settings": settings, "step": step, "total": total, "best_score": best_score,
+                                  "seconds": elapsed(), "report": asdict(report), "optimizer": opt.state_dict(),
+                                  "weights": {k: v.detach().cpu() for k, v in head.state_dict().items()}})
+
+    autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=config.bf16_autocast)
+    if config.init_head and not config.resume:  # where the continued head starts, on this run's validation answers
+        metrics = validate(head, val, config, full_head, **collate_kw)
         metrics.update(step=0, epoch=0, seconds=0.0)
         report.val_history.append(metrics)
         log(_format_metrics(metrics))
-    bar = tqdm(total=total, desc="training EAGLE head", unit="step", disable=not progress)
-    step = 0
-    for epoch in range(config.epochs):
-        for seqs in make_batches(train, config.batch_tokens, rng):
-            batch = collate(seqs, select, config.prompt_loss)
+    bar = tqdm(total=total, initial=step, desc="training EAGLE head", unit="step", disable=not progress)
+    stopped = False
+    with StopSignals() as signals:
+        for epoch, index, seqs in scheduled_batches(lambda: make_batches(train, config.batch_tokens, rng),
+                                                    config.epochs, step):
+            if schedule.done(step):
+                break
+            if signals.requested or (should_stop is not None and should_stop(step)):
+                stopped = True
+                break
+            batch = collate(seqs, prompt_loss=config.prompt_loss, **collate_kw)
             for group in opt.param_groups:
-                group["lr"] = cosine_lr(step, total, config.warmup_steps, config.lr)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16_autocast):
+                group["lr"] = schedule.lr(step)
+            with torch.autocast(**autocast):
                 states = unrolled_states(head, batch, config.ttt_steps)
             loss, weight_sum = 0.0, 0.0
             accs = []
@@ -246,7 +313,7 @@ def train_head(target: LoadedModel, data_dir: str | Path, out_dir: str | Path, c
                     continue
                 with torch.no_grad():  # the target's distribution over the draft vocabulary
                     p = torch.softmax(batch.final[:, 1:][mask].float() @ head.lm_head_d.T, dim=-1)
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16_autocast):
+                with torch.autocast(**autocast):
                     lg = head.logits(g[mask])  # only where there is a label: the logits dominate the cost
                 logq = torch.log_softmax(lg.float(), dim=-1)
                 loss = loss + (config.step_decay ** s) * -(p * logq).sum(-1).mean()
@@ -264,19 +331,27 @@ def train_head(target: LoadedModel, data_dir: str | Path, out_dir: str | Path, c
             report.train_tokens += int(batch.loss_mask.sum())
             bar.update(1)
             bar.set_postfix(epoch=epoch + 1, loss=f"{loss.item():.3f}", top1="/".join(f"{a:.2f}" for a in accs))
-            if step % config.val_every == 0 or step == total:
-                metrics = validate(head, val, config, full_head, select)
-                metrics.update(step=step, epoch=epoch + 1, seconds=round(time.perf_counter() - start, 1))
+            if step % config.val_every == 0 or schedule.done(step):
+                metrics = validate(head, val, config, full_head, **collate_kw)
+                metrics.update(step=step, epoch=epoch + 1, seconds=round(elapsed(), 1))
                 report.val_history.append(metrics)
                 log(_format_metrics(metrics))
                 if metrics["est_tokens_per_step"] > best_score:
                     best_score = metrics["est_tokens_per_step"]
                     report.best = metrics
+                    report.steps, report.seconds = step, elapsed()
                     _save(head, out_dir, meta, config, report, coverage)
+                checkpoint()
     bar.close()
     report.steps = step
-    report.seconds = time.perf_counter() - start
-    _save_training_record(out_dir, meta, config, report, coverage)
+    report.seconds = elapsed()
+    report.tokens_per_second = round(report.train_tokens / max(report.seconds, 1e-9), 1)
+    report.finished = not stopped
+    checkpoint()
+    if stopped:
+        log(f"stopped at step {step} of {total} ({elapsed():.0f} s trained); go on with --resume")
+    if (Path(out_dir) / WEIGHTS).exists():
+        _save_training_record(out_dir, meta, config, report, coverage)
     return report
 
 
@@ -330,16 +405,18 @@ def vocabulary_coverage(sequences: list[Sequence], d2t: torch.Tensor) -> float:
 
 @torch.no_grad()
 def validate(head: EagleHead, sequences: list[Sequence], config: TrainConfig, full_head: torch.Tensor,
-             select: list[int] | None = None) -> dict:
+             select: list[int] | None = None, model=None, layers: list[int] | None = None,
+             device: str | torch.device = "cpu") -> dict:
     """Teacher-forced validation per draft depth: top-1 agreement with the target's own next token, and
     beta = sum min(p, q) at temperature 1 over the full vocabulary (q is zero outside the draft vocabulary)."""
     head.eval()
     hits = [0] * config.ttt_steps
     betas = [0.0] * config.ttt_steps
     count = [0] * config.ttt_steps
+    device = torch.device(device)
     for seqs in make_batches(sequences, config.batch_tokens, random.Random(0)):
-        batch = collate(seqs, select)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16_autocast):
+        batch = collate(seqs, select, model=model, layers=layers, device=device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=config.bf16_autocast):
             states = unrolled_states(head, batch, config.ttt_steps)
         first = batch.answer_mask
         p = torch.softmax(batch.final[:, 1:][first].float() @ full_head.T, dim=-1)  # [n, V], shared by all depths

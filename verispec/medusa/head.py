@@ -118,7 +118,7 @@ class MedusaHeads(nn.Module):
 
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().to(torch.bfloat16) if v.is_floating_point() else v.detach()
+        state = {k: v.detach().cpu().to(torch.bfloat16) if v.is_floating_point() else v.detach().cpu()
                  for k, v in self.state_dict().items()}
         save_file({k: v.contiguous() for k, v in state.items()}, str(folder / WEIGHTS))
         self.config.save(folder)

@@ -1,5 +1,6 @@
-"""Training Medusa heads on cached self-distillation data (``verispec.eagle.data``: only the final hidden state is
-read, so EAGLE data serves too), on CPU.
+"""Training Medusa heads on self-distillation data (``verispec.eagle.data``: only the final hidden state is read, so
+EAGLE data serves too; token-only data is teacher-forced through the target per batch), on CPU or a GPU, stoppable
+and resumable like EAGLE training (``verispec.eagle.runs``).
 
 Loss (Medusa-1 with soft labels): at position j, head i is trained towards the target's own distribution of
 t_{j+i+2}, i.e. its frozen lm_head applied to the cached final state h_{j+i+1}, over the draft vocabulary; soft
@@ -11,17 +12,17 @@ token (its greedy answer) and beta = sum_x min(p(x), q(x)) at temperature 1 over
 from __future__ import annotations
 
 import random
-import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 import torch
 
 from ..backends.hf import LoadedModel
-from ..eagle.data import Sequence, load_meta, load_sequences
-from ..eagle.train import (TrainReport, cosine_lr, draft_vocabulary, make_batches, training_record,
-                           validation_split, vocabulary_coverage)
+from ..eagle.data import Sequence, batch_features, load_meta, load_sequences
+from ..eagle.runs import Schedule, StopSignals, load_checkpoint, save_checkpoint, scheduled_batches
+from ..eagle.train import (TrainReport, draft_vocabulary, make_batches, training_record, validation_split,
+                           vocabulary_coverage)
 from .head import MedusaConfig, MedusaHeads, config_for
 
 
@@ -42,26 +43,38 @@ class MedusaTrainConfig:
     prompt_loss: bool = True  # also learn the target's distribution inside prompts
     bf16_autocast: bool = True
     init_heads: str | None = None  # continue from these trained heads (weights and draft vocabulary)
+    device: str = "cpu"  # where the heads train (and token-only data is teacher-forced)
+    max_minutes: float | None = None  # the schedule ends after this many minutes of training if its steps do not
+    resume: bool = False  # go on from the checkpoint in the output folder
 
 
-def collate_final(sequences: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(tokens [B, T], final states [B, T, H] bfloat16, lengths [B], answer starts [B]) of a padded batch."""
+def collate_final(sequences: list[Sequence], model=None,
+                  device: str | torch.device = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens [B, T], final states [B, T, H], lengths [B], answer starts [B]) of a padded batch on ``device``. The
+    final states are the cached ones (bfloat16), or for token-only data the target ``model``'s, computed now."""
     width = max(len(s.tokens) for s in sequences)
-    hidden = sequences[0].features.shape[-1]
     tokens = torch.zeros(len(sequences), width, dtype=torch.long)
-    final = torch.zeros(len(sequences), width, hidden, dtype=torch.bfloat16)
     for row, s in enumerate(sequences):
         tokens[row, : len(s.tokens)] = s.tokens
-        final[row, : len(s.tokens)] = s.features[:, -1]
     lengths = torch.tensor([len(s.tokens) for s in sequences])
     starts = torch.tensor([s.answer_start for s in sequences])
-    return tokens, final, lengths, starts
+    if sequences[0].features is None:
+        if model is None:
+            raise ValueError("token-only data needs the target model to teacher-force")
+        real = (torch.arange(width)[None, :] < lengths[:, None]).long()
+        with torch.no_grad():
+            final = batch_features(model, tokens.to(device), real.to(device), [])[:, :, -1]
+        return tokens.to(device), final, lengths.to(device), starts.to(device)
+    final = torch.zeros(len(sequences), width, sequences[0].features.shape[-1], dtype=torch.bfloat16)
+    for row, s in enumerate(sequences):
+        final[row, : len(s.tokens)] = s.features[:, -1]
+    return tokens.to(device), final.to(device), lengths.to(device), starts.to(device)
 
 
 def head_mask(lengths: torch.Tensor, starts: torch.Tensor, width: int, head: int, answers_only: bool) -> torch.Tensor:
     """[B, T]: positions j where head ``head`` has a label, the text's token t_{j+head+2} (in the answer when
     ``answers_only``)."""
-    j = torch.arange(width)[None, :]
+    j = torch.arange(width, device=lengths.device)[None, :]
     label = j + head + 2
     mask = label < lengths[:, None]
     if answers_only:
@@ -76,18 +89,27 @@ def _labels_at(p: torch.Tensor, mask: torch.Tensor, head: int) -> torch.Tensor:
 
 
 def train_medusa(target: LoadedModel, data_dir: str | Path, out_dir: str | Path, config: MedusaTrainConfig,
-                 progress: bool = True, log: Callable[[str], None] = print) -> TrainReport:
+                 progress: bool = True, log: Callable[[str], None] = print,
+                 should_stop: Callable[[int], bool] | None = None) -> TrainReport:
     """Train Medusa heads for ``target`` on the data in ``data_dir``; the best checkpoint (by the estimated greedy
-    tokens per step on validation) is written to ``out_dir``."""
+    tokens per step on validation) is written to ``out_dir``, a resumable ``checkpoint.pt`` beside it. Token-only
+    data is teacher-forced through the target per batch on ``config.device`` (see ``verispec.eagle.runs`` for
+    ``max_minutes``, ``resume``, ``should_stop`` and Ctrl-C)."""
     from tqdm import tqdm
 
     meta = load_meta(data_dir)
+    device = torch.device(config.device)
+    if target.device.type != device.type:
+        raise ValueError(f"the target is on {target.device}, training on {device}: load it with device={config.device!r}")
     torch.manual_seed(config.seed)
     rng = random.Random(config.seed)
-    log(f"loading cached final hidden states from {data_dir} ...")
-    sequences = [Sequence(s.tokens, s.answer_start, s.features[:, -1:].clone()) for s in load_sequences(data_dir)]
+    online = not meta.get("features", True)
+    log(f"loading {'answers (teacher-forced per batch)' if online else 'cached final hidden states'} from {data_dir} ...")
+    sequences = [s if s.features is None else Sequence(s.tokens, s.answer_start, s.features[:, -1:].clone())
+                 for s in load_sequences(data_dir)]
     if len(sequences) < 2:
         raise ValueError(f"{data_dir} holds {len(sequences)} sequences; build more data first")
+    meta = dict(meta, sequences=len(sequences))
     train, val = validation_split(sequences, min(config.val_sequences, max(1, len(sequences) // 10)), config.seed)
     model = target.model
     if config.init_heads:
@@ -99,38 +121,64 @@ def train_medusa(target: LoadedModel, data_dir: str | Path, out_dir: str | Path,
         heads = MedusaHeads(config_for(model, target.name, config.num_heads, len(d2t), config.layers))
         heads.d2t.copy_(d2t)
         continued_from = {}
+    heads.to(device)
     heads.attach(model)  # heads continued from another target's checkpoint are refused here
     heads.train()
     heads.lm_head_d = heads.lm_head_d.float()
     d2t = heads.d2t
-    coverage = vocabulary_coverage(val, d2t)
+    coverage = vocabulary_coverage(val, d2t.cpu())
     log(f"{len(train)} training / {len(val)} validation sequences; draft vocabulary {len(d2t)} tokens covers "
         f"{100 * coverage:.1f}% of validation answer tokens; {heads.num_heads} heads")
     full_head = model.get_output_embeddings().weight.detach().float()  # [V, H], for validation beta
+    collate_kw = dict(model=model, device=device)
 
     params = [p for p in heads.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0, betas=(0.9, 0.95))
     total = max(1, len(make_batches(train, config.batch_tokens, random.Random(0))) * config.epochs)
     report = TrainReport(continued_from=continued_from)
     best_score = -1.0
-    start = time.perf_counter()
-    bar = tqdm(total=total, desc="training Medusa heads", unit="step", disable=not progress)
-    step = 0
-    for epoch in range(config.epochs):
-        for seqs in make_batches(train, config.batch_tokens, rng):
-            tokens, final, lengths, starts = collate_final(seqs)
+    step, seconds_before = 0, 0.0
+    settings = asdict(config)
+    if config.resume:
+        state = load_checkpoint(out_dir, settings)
+        heads.load_state_dict(state["weights"])
+        opt.load_state_dict(state["optimizer"])
+        step, total, best_score, seconds_before = state["step"], state["total"], state["best_score"], state["seconds"]
+        report = TrainReport(**state["report"])
+        log(f"resuming at step {step} of {total} ({seconds_before:.0f} s trained so far)")
+    schedule = Schedule(config.lr, total, config.warmup_steps, config.max_minutes, seconds_before)
+
+    def checkpoint() -> None:
+        report.steps, report.seconds = step, schedule.seconds()
+        save_checkpoint(out_dir, {"settings": settings, "step": step, "total": total, "best_score": best_score,
+                                  "seconds": schedule.seconds(), "report": asdict(report),
+                                  "optimizer": opt.state_dict(),
+                                  "weights": {k: v.detach().cpu() for k, v in heads.state_dict().items()}})
+
+    autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=config.bf16_autocast)
+    bar = tqdm(total=total, initial=step, desc="training Medusa heads", unit="step", disable=not progress)
+    stopped = False
+    with StopSignals() as signals:
+        for epoch, _, seqs in scheduled_batches(lambda: make_batches(train, config.batch_tokens, rng), config.epochs,
+                                                step):
+            if schedule.done(step):
+                break
+            if signals.requested or (should_stop is not None and should_stop(step)):
+                stopped = True
+                break
+            tokens, final, lengths, starts = collate_final(seqs, **collate_kw)
             for group in opt.param_groups:
-                group["lr"] = cosine_lr(step, total, config.warmup_steps, config.lr)
+                group["lr"] = schedule.lr(step)
             with torch.no_grad():  # the target's distribution over the draft vocabulary at every position
                 p = torch.softmax(final.float() @ heads.lm_head_d.T, dim=-1)
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16_autocast):
+            with torch.autocast(**autocast):
                 states = heads.states(final.float())  # [B, T, K, H]
             loss, weight_sum, accs, trained = 0.0, 0.0, [], 0
             for i in range(heads.num_heads):
                 mask = head_mask(lengths, starts, tokens.shape[1], i, not config.prompt_loss)
                 if not mask.any():
                     continue
-                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16_autocast):
+                with torch.autocast(**autocast):
                     lg = heads.logits(states[:, :, i][mask])
                 logq = torch.log_softmax(lg.float(), dim=-1)
                 loss = loss + (config.head_decay ** i) * -(_labels_at(p, mask, i) * logq).sum(-1).mean()
@@ -150,35 +198,44 @@ def train_medusa(target: LoadedModel, data_dir: str | Path, out_dir: str | Path,
             report.train_tokens += trained
             bar.update(1)
             bar.set_postfix(epoch=epoch + 1, loss=f"{loss.item():.3f}", top1="/".join(f"{a:.2f}" for a in accs))
-            if step % config.val_every == 0 or step == total:
-                metrics = validate(heads, val, config, full_head)
-                metrics.update(step=step, epoch=epoch + 1, seconds=round(time.perf_counter() - start, 1))
+            if step % config.val_every == 0 or schedule.done(step):
+                metrics = validate(heads, val, config, full_head, **collate_kw)
+                metrics.update(step=step, epoch=epoch + 1, seconds=round(schedule.seconds(), 1))
                 report.val_history.append(metrics)
                 log(format_metrics(metrics))
                 if metrics["est_tokens_per_step"] > best_score:
                     best_score = metrics["est_tokens_per_step"]
                     report.best = metrics
+                    report.steps, report.seconds = step, schedule.seconds()
                     heads.config.training = training_record(meta, config, report, coverage)
                     heads.save(out_dir)
+                checkpoint()
     bar.close()
     report.steps = step
-    report.seconds = time.perf_counter() - start
-    cfg = MedusaConfig.load(Path(out_dir))
-    cfg.training = training_record(meta, config, report, coverage)
-    cfg.save(Path(out_dir))
+    report.seconds = schedule.seconds()
+    report.tokens_per_second = round(report.train_tokens / max(report.seconds, 1e-9), 1)
+    report.finished = not stopped
+    checkpoint()
+    if stopped:
+        log(f"stopped at step {step} of {total} ({report.seconds:.0f} s trained); go on with --resume")
+    if (Path(out_dir) / "config.json").exists():
+        cfg = MedusaConfig.load(Path(out_dir))
+        cfg.training = training_record(meta, config, report, coverage)
+        cfg.save(Path(out_dir))
     return report
 
 
 @torch.no_grad()
-def validate(heads: MedusaHeads, sequences: list[Sequence], config: MedusaTrainConfig, full_head: torch.Tensor) -> dict:
+def validate(heads: MedusaHeads, sequences: list[Sequence], config: MedusaTrainConfig, full_head: torch.Tensor,
+             model=None, device: str | torch.device = "cpu") -> dict:
     """Per head, on answer positions: top-1 agreement with the target's own token t_{j+i+2}, and beta at
     temperature 1 over the full vocabulary (q is zero outside the draft vocabulary)."""
     heads.eval()
     k = heads.num_heads
     hits, betas, count = [0] * k, [0.0] * k, [0] * k
     for seqs in make_batches(sequences, config.batch_tokens, random.Random(0)):
-        tokens, final, lengths, starts = collate_final(seqs)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=config.bf16_autocast):
+        tokens, final, lengths, starts = collate_final(seqs, model, device)
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=config.bf16_autocast):
             states = heads.states(final.float())
         for i in range(k):
             mask = head_mask(lengths, starts, tokens.shape[1], i, answers_only=True)
