@@ -115,6 +115,8 @@ class StopSignals:
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
+                if signal.getsignal(sig) is None:  # a handler installed outside Python: leave it alone
+                    continue
                 self._old[sig] = signal.signal(sig, self._handle)
         return self
 
