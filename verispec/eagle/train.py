@@ -70,7 +70,7 @@ class TrainReport:
     best: dict = field(default_factory=dict)
     continued_from: dict = field(default_factory=dict)  # the training record of the --init-head checkpoint
     tokens_per_second: float = 0.0  # trained positions per second of this run (the training signal's rate)
-    finished: bool = False  # the schedule ran to its end (False: stopped by --max-minutes; --resume goes on)
+    finished: bool = False  # the schedule ran to its end (False: stopped by Ctrl-C, SIGTERM or should_stop; --resume goes on)
 
 
 def draft_vocabulary(sequences: list[Sequence], size: int, vocab_size: int, always: set[int]) -> torch.Tensor:
