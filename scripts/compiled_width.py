@@ -13,7 +13,7 @@ from torch._inductor import select_algorithm
 
 import verispec
 from verispec.backends.hf import compile_store
-from verispec.backends.hf.compiled import GROWTH, FixedKV, StepModule, unpacked_copy
+from verispec.backends.hf.compiled import FixedKV, _export, unpacked_copy
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("width", type=int)
@@ -23,20 +23,8 @@ path = ap.parse_args().out
 m = verispec.load_model("smollm2-135m")
 shadow = unpacked_copy(m.model); shadow.set_attn_implementation("sdpa")
 config = shadow.config
-kv = FixedKV(capacity=3 * GROWTH)
-with torch.no_grad():
-    shadow(input_ids=torch.tensor([[1, 2]]), cache=kv.cache, use_cache=True)
-kv.length = 2
-layers = kv.cache.layers
-keys, values = [l.keys for l in layers], [l.values for l in layers]
-mask = kv.mask(W, keys[0].dtype, keys[0].device, config)
-columns = torch.export.Dim("columns", min=16, max=1 << 20)
-args = (torch.arange(3, 3 + W)[None], torch.arange(2, 2 + W)[None], mask, torch.tensor(2), keys, values)
-shapes = {"input_ids": None, "position_ids": None, "mask": {3: columns}, "length": None,
-          "keys": [{2: columns}] * len(keys), "values": [{2: columns}] * len(values)}
 t = time.time()
-with torch.no_grad():
-    ep = torch.export.export(StepModule(shadow).eval(), args, dynamic_shapes=shapes, strict=False)
+ep = _export(shadow, W)
 select_algorithm.PRINT_AUTOTUNE = False
 torch._inductor.aoti_compile_and_package(ep, package_path=path, inductor_configs=dict(compile_store.OPTIONS))
 print("compile", round(time.time() - t, 1))

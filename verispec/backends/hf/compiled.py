@@ -288,8 +288,9 @@ class CompiledStep:
         return logits[0], hidden
 
 
-def _export(shadow: nn.Module):
-    """``torch.export`` of the step with the cache's size (columns) dynamic: one program for every length."""
+def _export(shadow: nn.Module, width: int = 1):
+    """``torch.export`` of a pass of ``width`` tokens (the one-token step by default) with the cache's size (columns)
+    dynamic: one program for every length. ``scripts/compiled_width.py`` exports wider passes with it."""
     config = shadow.config
     kv = FixedKV(capacity=3 * GROWTH)
     # lay out the buffers with an eager pass of two tokens (no_grad, not inference mode: export writes into them)
@@ -298,10 +299,10 @@ def _export(shadow: nn.Module):
     kv.length = 2
     layers = kv.cache.layers
     keys, values = [layer.keys for layer in layers], [layer.values for layer in layers]
-    mask = kv.mask(1, keys[0].dtype, keys[0].device, config)
+    mask = kv.mask(width, keys[0].dtype, keys[0].device, config)
     columns = torch.export.Dim("columns", min=2, max=1 << 20)
     mask_shape = {kind: {3: columns} for kind in mask} if isinstance(mask, dict) else {3: columns}
-    args = (torch.tensor([[3]]), torch.tensor([[2]]), mask, torch.tensor(2), keys, values)
+    args = (torch.arange(3, 3 + width)[None], torch.arange(2, 2 + width)[None], mask, torch.tensor(2), keys, values)
     shapes = {"input_ids": None, "position_ids": None, "mask": mask_shape, "length": None,
               "keys": [{2: columns}] * len(keys), "values": [{2: columns}] * len(values)}
     with torch.no_grad(), warnings.catch_warnings():
