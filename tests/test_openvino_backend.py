@@ -267,3 +267,37 @@ def test_sliding_window_models_are_limited_to_the_window():
                    layer_types=["sliding_attention", "full_attention"]) == 512
     assert context(max_position_embeddings=8192, sliding_window=4096, layer_types=["full_attention"]) == 8192
     assert context(max_position_embeddings=8192) == 8192
+
+
+def test_a_padded_pass_computes_logits_at_every_fed_row_so_its_shapes_depend_on_its_width_alone():
+    """OpenVINO re-plans its kernels whenever an input's shape changes (~4 ms a pass on 2 cores): a padded item asks
+    for logits at all its fed rows, whatever it asked for, and hands back only the rows it wanted."""
+    from verispec.backends.openvino.paged import PagedKV, pass_inputs
+
+    class Pool:  # the block bookkeeping pass_inputs touches, without a compiled model
+        size = 32
+
+        def __init__(self):
+            self.next = 0
+
+        def take(self, n):
+            self.next += n
+            return list(range(self.next - n, self.next))
+
+        def give(self, ids):
+            pass
+
+    kvs = [PagedKV(Pool()) for _ in range(3)]
+    shapes, picked = set(), []
+    for tokens, last_only in (([5], True), ([5, 6], False), ([5, 6, 7], True), ([5, 6, 7, 8], False)):
+        inputs, rows, offsets, picks = pass_inputs([(kvs[0], tokens)], last_only, min_width=4)
+        shapes.add((inputs["input_ids"].shape, inputs["logit_rows"].shape))
+        picked.append(list(inputs["logit_rows"][picks[0]]))
+        kvs[0].length = 40  # as if the pass ran (a fixed length keeps block_indices' shape)
+    assert shapes == {((4,), (4,))}
+    assert picked == [[0], [0, 1], [2], [0, 1, 2, 3]]
+    # a batch: each item's rows and picks by its own padding; a long item is not padded
+    inputs, rows, offsets, picks = pass_inputs([(kvs[1], [1]), (kvs[2], [1, 2, 3, 4, 5])], last_only=False,
+                                               min_width=4)
+    assert offsets == [0, 4] and list(inputs["logit_rows"]) == [0, 1, 2, 3, 4, 5, 6, 7, 8]
+    assert [list(r[p]) for r, p in zip(rows, picks)] == [[0], [4, 5, 6, 7, 8]]

@@ -306,15 +306,15 @@ class OpenVINOModel(BorrowedEmbeddings):
     def _paged(self, items, last_only: bool, feature_layers) -> list[TargetPass]:
         """One pass of the paged graph over every item's new tokens (one sequence each)."""
         with self._lock:
-            inputs, rows, offsets = pass_inputs(items, last_only, self.min_width)
+            inputs, rows, offsets, picks = pass_inputs(items, last_only, self.min_width)
             out = self._paged_request(bool(feature_layers)).infer(inputs, share_inputs=True, share_outputs=True)
             for kv, tokens in items:
                 kv.length += len(tokens)  # a padding token stays past the length: written over by the next pass
             logits = np.array(out["logits"][:, 0], dtype=np.float32)
             hidden = out["hidden_states"] if feature_layers else None
             passes, row = [], 0
-            for (_, tokens), picked, start in zip(items, rows, offsets):
-                item_logits = torch.from_numpy(logits[row:row + len(picked)])
+            for (_, tokens), picked, start, pick in zip(items, rows, offsets, picks):
+                item_logits = torch.from_numpy(logits[row:row + len(picked)][pick])
                 item_hidden = None
                 if hidden is not None:
                     item_hidden = torch.from_numpy(

@@ -145,12 +145,14 @@ class PagedKV:
             pass
 
 
-def pass_inputs(items, last_only: bool, min_width: int = 1) -> tuple[dict, list[np.ndarray], list[int]]:
+def pass_inputs(items, last_only: bool, min_width: int = 1) -> tuple[dict, list[np.ndarray], list[int], list[slice]]:
     """The paged graph's inputs for one pass over ``items`` ([(PagedKV, tokens)]), each item's rows of the logits
-    output, and each item's offset in the pass's tokens. An item of fewer than ``min_width`` tokens is padded with
+    output, each item's offset in the pass's tokens and which of its rows it asked for. A padded item's logits are
+    computed at all its fed rows: a pass's shapes then depend on its width alone, and OpenVINO re-plans its kernels
+    (~4 ms on 2 cores) only when a shape changes. An item of fewer than ``min_width`` tokens is padded with
     copies of its last token (written past the cache's length, so never read: see ``OpenVINOModel.min_width``);
     reserves the blocks every item needs."""
-    ids, positions, past, begins, blocks, block_begins, rows, offsets = [], [], [], [0], [], [0], [], []
+    ids, positions, past, begins, blocks, block_begins, rows, offsets, picks = [], [], [], [0], [], [0], [], [], []
     longest = 0
     for kv, tokens in items:
         n = len(tokens)
@@ -165,7 +167,12 @@ def pass_inputs(items, last_only: bool, min_width: int = 1) -> tuple[dict, list[
         used = -(-(kv.length + len(fed)) // kv.pool.size)
         blocks.extend(kv.blocks[:used])
         block_begins.append(block_begins[-1] + used)
-        rows.append(np.array([done + n - 1], dtype=np.int64) if last_only else np.arange(done, done + n, dtype=np.int64))
+        if len(fed) > n:  # padded: logits at every fed row, so the pass's shapes depend on its width alone
+            rows.append(np.arange(done, done + len(fed), dtype=np.int64))
+            picks.append(slice(n - 1, n) if last_only else slice(0, n))
+        else:
+            rows.append(np.array([done + n - 1], dtype=np.int64) if last_only else np.arange(done, done + n, dtype=np.int64))
+            picks.append(slice(0, len(rows[-1])))
         longest = max(longest, kv.length + len(fed))
     inputs = {
         "input_ids": np.asarray(ids, dtype=np.int64), "position_ids": np.concatenate(positions),
@@ -173,4 +180,4 @@ def pass_inputs(items, last_only: bool, min_width: int = 1) -> tuple[dict, list[
         "block_indices": np.asarray(blocks, dtype=np.int32),
         "block_indices_begins": np.asarray(block_begins, dtype=np.int32),
         "max_context_len": np.array(longest, dtype=np.int32), "logit_rows": np.concatenate(rows)}
-    return inputs, rows, offsets
+    return inputs, rows, offsets, picks
