@@ -274,6 +274,10 @@ def test_per_method_target_options_load_their_own_target(tiny_target):
     assert calls[-1][1]["compiled"] == "off"
     build_method("ngram:compile=auto", tiny_target, load)
     assert calls[-1][1]["compiled"] == "auto"
+    build_method("ngram:backend=openvino:weights=int4:min_width=6", tiny_target, load)
+    assert calls[-1][1]["min_width"] == 6 and calls[-1][1]["backend"] == "openvino"
+    with pytest.raises(InvalidRequest, match="min_width= pads the openvino backend"):
+        build_method("ngram:min_width=6", tiny_target, load)
     with pytest.raises(InvalidRequest, match="compile= takes 0 / off, 1 / on or auto"):
         build_method("baseline:compile=yes", tiny_target, load)
     with pytest.raises(InvalidRequest, match="compile= is an option of verispec methods"):

@@ -96,6 +96,11 @@ def build_method(spec: str, target, load: Callable | None, default_k: int = 8, d
         raise InvalidRequest(f"{spec!r}: policy is an option of verispec methods, not of {head}")
     backend, weights, dtype = raw_opts.pop("backend", None), raw_opts.pop("weights", None), raw_opts.pop("dtype", None)
     compiled = raw_opts.pop("compile", None)
+    min_width = raw_opts.pop("min_width", None)
+    if min_width is not None:
+        if backend != "openvino":
+            raise InvalidRequest(f"{spec!r}: min_width= pads the openvino backend's passes; add backend=openvino")
+        min_width = int(_number("min_width", min_width))
     if compiled is not None:
         if compiled not in ("0", "1", "auto", "on", "off"):
             raise InvalidRequest(f"{spec!r}: compile= takes 0 / off, 1 / on or auto, got {compiled!r}")
@@ -133,7 +138,8 @@ def build_method(spec: str, target, load: Callable | None, default_k: int = 8, d
     if hidden and not target.supports_features:  # a llama.cpp run: load a copy that gives hidden states
         target = load(target.name, backend=backend, weights=weights, features=True)
     elif backend or weights or dtype or compiled is not None:
-        target = load(target.name, backend=backend, weights=weights, features=hidden, dtype=dtype, compiled=compiled)
+        target = load(target.name, backend=backend, weights=weights, features=hidden, dtype=dtype, compiled=compiled,
+                      **({"min_width": min_width} if min_width is not None else {}))
     policy = raw_opts.pop("policy", default_policy)
     if policy not in K_POLICIES:
         raise InvalidRequest(f"{spec!r}: policy must be one of {', '.join(K_POLICIES)}, got {policy!r}")
