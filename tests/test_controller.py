@@ -209,3 +209,38 @@ def test_stats_and_summary_report_the_controller(tiny_target):
     assert "k policy cost" in out.stats.summary()
     plain = SpeculativeDecoder(tiny_target).generate([5, 9, 3], max_new_tokens=5).stats
     assert plain.k_policy == "" and "k policy" not in plain.summary()
+
+
+def test_a_request_stuck_in_plain_steps_drifts_back_to_the_drafters_history():
+    """Unlucky early drafts push a request's estimate below break-even; plain steps observe nothing, so without
+    ageing that evidence a drafter that pays on the rest of the answer would stay off until a lucky probe. The
+    estimate drifts towards the drafter's long run (not its recent history, which the same failures dragged down)."""
+    c = controller(slope=0.3, acceptance=0.8, draft_seconds_per_token=0.001, first_probe_interval=1000)
+    c.longrun = Acceptance(prior=0.8, weight=1e9, smoothing=0.0)  # hundreds of earlier drafts, mostly taken
+    for _ in range(40):
+        c.observe_verdict(4, 0)  # the request's own drafts all fail
+    assert c.state.acceptance.at(0) < 0.2 and c.draft_budget(4).n == 0
+    plain = 1
+    while c.draft_budget(4).n == 0:
+        plain += 1
+        assert plain < 100, "never drafted again"
+    assert c.state.acceptance.at(0) > 0.4 and not c.state.probe_pending  # the rule itself, not a probe
+    # a drafter whose long run is as poor as the request stays plain
+    c = controller(slope=0.3, acceptance=0.05, draft_seconds_per_token=0.001, first_probe_interval=1000)
+    c.longrun = Acceptance(prior=0.05, weight=1e9, smoothing=0.0)
+    assert all(c.draft_budget(4).n == 0 for _ in range(200))
+
+
+def test_a_wide_width_measured_during_a_stall_does_not_make_every_draft_look_dear():
+    """The stored curve of a real run (ms, EAGLE on the default model, 2 cores): widths 2-11 on a line, 12 and 13
+    measured once each while the machine stalled. The fitted line must follow the many, not the two."""
+    measured = {2: 25.4, 3: 24.1, 4: 27.4, 5: 27.2, 6: 28.6, 7: 30.5, 8: 30.2, 9: 32.1, 11: 35.4}
+    curve = CostCurve()
+    curve.observe(1, 0.0227)
+    for _ in range(10):
+        for w, ms in measured.items():
+            curve.observe(w, ms / 1000)
+    curve.observe(12, 0.1419)
+    curve.observe(13, 0.0755)
+    assert 0.0255 < curve(4) < 0.0285 and 0.034 < curve(11) < 0.037
+    assert curve(5) - curve(4) < 0.002  # a draft token costs ~1.2 ms of pass, not ~5

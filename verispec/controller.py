@@ -23,7 +23,12 @@ returns the target's distribution. Deterministic drafts (n-gram, greedy) may use
 
 Exploration: when the rule says "plain", a small draft is still verified now and then (``probe``) so that a turn
 of the text towards something predictable is noticed; the interval doubles after each failed probe (up to
-``max_probe_interval``) and resets after a successful one. Switching between plain and speculative steps needs
+``max_probe_interval``) and resets after a successful one. And each plain step moves the request's acceptance
+estimate a little (``plain_relax``) back towards the drafter's long-run acceptance (its last several hundred drafts,
+across requests): a few unlucky drafts early in
+an answer no longer keep a drafter that pays on the rest of it in plain steps for the whole answer (measured with
+the EAGLE head: one Spec-Bench answer ran 114 of 123 steps plain at 1.04 tokens per step where a fixed k = 3 committed
+2.46). Switching between plain and speculative steps needs
 a ``margin`` of predicted gain (hysteresis), so near-ties do not flap.
 """
 
@@ -68,8 +73,8 @@ class CostCurve:
 
     A running mean per measured width. Width 1 is read as measured (a one-token pass often takes a different
     kernel path than any wider one); wider widths are read from a straight line fitted to the measured widths
-    from 2 up (least squares, each width weighted by how often it was measured, at most 20), so that one noisy
-    width does not bend the curve; never below the one-token time. With one wider width measured, the line goes
+    from 2 up (Theil-Sen: weighted medians of the pairwise slopes and of the intercepts, each width weighted by how
+    often it was measured, at most 20), so that one noisy width does not bend the curve; never below the one-token time. With one wider width measured, the line goes
     through it and width 1; with none, the extra tokens are assumed to cost ``prior_slope`` of a one-token pass
     each (an optimistic start that the first measurements correct).
 
@@ -175,15 +180,29 @@ class CostCurve:
         else:
             base = one.value
         if len(wide) >= 2:
-            total = sum(c for _, _, c in wide)
-            mw = sum(w * c for w, _, c in wide) / total
-            mt = sum(t * c for _, t, c in wide) / total
-            var = sum(c * (w - mw) ** 2 for w, _, c in wide)
-            return base, mw, mt, max(0.0, sum(c * (w - mw) * (t - mt) for w, t, c in wide) / var)
+            # Theil-Sen: the weighted median of the slopes between pairs of widths, then of the intercepts. A width
+            # measured once during a stall (a stored curve had 142 ms at width 12 between 30 and 35 ms at 11 and 13)
+            # moves a median little, where it tilted a least-squares line enough to make every draft look dear
+            pairs = [((tj - ti) / (wj - wi), min(ci, cj)) for i, (wi, ti, ci) in enumerate(wide)
+                     for wj, tj, cj in wide[i + 1:]]
+            slope = max(0.0, _weighted_median(pairs))
+            intercept = _weighted_median([(t - slope * w, c) for w, t, c in wide])
+            return base, 0.0, intercept, slope
         if len(wide) == 1:
             w0, t0, _ = wide[0]
             return base, 1.0, base, (t0 - base) / (w0 - 1)
         return base, 1.0, base, base * self.prior_slope
+
+
+def _weighted_median(values: list[tuple[float, float]]) -> float:
+    """The median of (value, weight) pairs: the smallest value with at least half the total weight at or below."""
+    ordered = sorted(values)
+    half, acc = sum(w for _, w in ordered) / 2, 0.0
+    for value, weight in ordered:
+        acc += weight
+        if acc >= half:
+            return value
+    return ordered[-1][0]
 
 
 _CURVES: "weakref.WeakKeyDictionary[object, CostCurve]" = weakref.WeakKeyDictionary()
@@ -253,6 +272,12 @@ class Acceptance:
             return self.positions[i].value
         return self.positions[-1].value if self.positions else self.prior
 
+    def relax(self, toward: "Acceptance", rate: float) -> None:
+        """Move each position's estimate the share ``rate`` of the way to ``toward``'s: evidence ages while no
+        draft is verified (the text may have turned), so a request's estimate drifts back to the drafter's long run."""
+        for i, mean in enumerate(self.positions):
+            mean.value += (toward.at(i) - mean.value) * rate
+
     def calibrated(self, confidence: float) -> float:
         return self.bins[_bin(confidence, self.BINS)].value
 
@@ -304,7 +329,7 @@ class Controller:
 
     def __init__(self, costs: CostCurve, policy: str = COST, margin: float = 0.03, probe_length: int = 2,
                  first_probe_interval: int = 8, max_probe_interval: int = 64, request_weight: float = 4.0,
-                 cheap_draft: float = 0.02) -> None:
+                 cheap_draft: float = 0.02, plain_relax: float = 0.03) -> None:
         if policy not in K_POLICIES:
             raise InvalidRequest(f"k policy must be one of {', '.join(K_POLICIES)}, got {policy!r}")
         self.costs = costs
@@ -315,7 +340,9 @@ class Controller:
         self.max_probe_interval = max_probe_interval
         self.request_weight = request_weight
         self.cheap_draft = cheap_draft
-        self.history = Acceptance()  # across requests, for this drafter
+        self.plain_relax = plain_relax  # per plain step: how far the request's acceptance drifts back to the long run
+        self.history = Acceptance()  # across requests, for this drafter (follows the last few dozen drafts)
+        self.longrun = Acceptance(smoothing=0.002)  # the same over the last several hundred drafts
         # a pass shared with other sequences (verispec.batching): what a pass over w of this sequence's tokens
         # computes in all, and the tokens the others commit with it (both 0 extra when the pass is ours alone)
         self.width_of: Callable[[int], int] | None = None
@@ -392,6 +419,7 @@ class Controller:
             st.plain_run = 0
             return best
         st.plain_run += 1
+        st.acceptance.relax(self.longrun, self.plain_relax)
         if st.plain_run >= st.probe_interval:
             st.plain_run = 0
             st.probe_pending = True
@@ -461,6 +489,7 @@ class Controller:
         if verified:
             st.acceptance.observe(verified, accepted, confidence)
             self.history.observe(verified, accepted, confidence)
+            self.longrun.observe(verified, accepted)
             if st.probe_pending:
                 st.probe_interval = (self.first_probe_interval if accepted
                                      else min(2 * st.probe_interval, self.max_probe_interval))
