@@ -24,12 +24,11 @@ returns the target's distribution. Deterministic drafts (n-gram, greedy) may use
 Exploration: when the rule says "plain", a small draft is still verified now and then (``probe``) so that a turn
 of the text towards something predictable is noticed; the interval doubles after each failed probe (up to
 ``max_probe_interval``) and resets after a successful one. And each plain step moves the request's acceptance
-estimate a little (``plain_relax``) back towards the drafter's long-run acceptance (its last several hundred drafts,
-across requests): a few unlucky drafts early in
-an answer no longer keep a drafter that pays on the rest of it in plain steps for the whole answer (measured with
-the EAGLE head: one Spec-Bench answer ran 114 of 123 steps plain at 1.04 tokens per step where a fixed k = 3 committed
-2.46). Switching between plain and speculative steps needs
-a ``margin`` of predicted gain (hysteresis), so near-ties do not flap.
+estimate a little (``plain_relax``) back towards the drafter's long-run acceptance (its last several hundred
+drafts, across requests), so a few unlucky drafts early in an answer no longer keep a drafter that pays on the rest
+of it in plain steps for the whole answer (with the EAGLE head one Spec-Bench answer had run 114 of 123 steps plain
+at 1.04 tokens per step, where a fixed k = 3 committed 2.46). Switching between plain and speculative steps needs a
+``margin`` of predicted gain (hysteresis), so near-ties do not flap.
 """
 
 from __future__ import annotations
@@ -74,9 +73,10 @@ class CostCurve:
     A running mean per measured width. Width 1 is read as measured (a one-token pass often takes a different
     kernel path than any wider one); wider widths are read from a straight line fitted to the measured widths
     from 2 up (Theil-Sen: weighted medians of the pairwise slopes and of the intercepts, each width weighted by how
-    often it was measured, at most 20), so that one noisy width does not bend the curve; never below the one-token time. With one wider width measured, the line goes
-    through it and width 1; with none, the extra tokens are assumed to cost ``prior_slope`` of a one-token pass
-    each (an optimistic start that the first measurements correct).
+    often it was measured, at most 20), so that one noisy width does not bend the curve; never below the one-token
+    time. With one wider width measured, the line goes through it and width 1; with none, the extra tokens are
+    assumed to cost ``prior_slope`` of a one-token pass each (an optimistic start that the first measurements
+    correct).
 
     A curve may start from one an earlier process measured on the same machine (``seed``): those widths count as
     ``SEED_WEIGHT`` observations, so this process's own measurements soon outweigh them, and once ``STALE_AFTER``
