@@ -171,7 +171,8 @@ def pass_inputs(items, last_only: bool, min_width: int = 1) -> tuple[dict, list[
             rows.append(np.arange(done, done + len(fed), dtype=np.int64))
             picks.append(slice(n - 1, n) if last_only else slice(0, n))
         else:
-            rows.append(np.array([done + n - 1], dtype=np.int64) if last_only else np.arange(done, done + n, dtype=np.int64))
+            rows.append(np.array([done + n - 1], dtype=np.int64) if last_only
+                        else np.arange(done, done + n, dtype=np.int64))
             picks.append(slice(0, len(rows[-1])))
         longest = max(longest, kv.length + len(fed))
     inputs = {
