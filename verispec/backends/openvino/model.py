@@ -310,11 +310,11 @@ class OpenVINOModel(BorrowedEmbeddings):
             out = self._paged_request(bool(feature_layers)).infer(inputs, share_inputs=True, share_outputs=True)
             for kv, tokens in items:
                 kv.length += len(tokens)  # a padding token stays past the length: written over by the next pass
-            logits = np.array(out["logits"][:, 0], dtype=np.float32)
+            logits = out["logits"]  # the infer request's own memory: each item copies only the rows it asked for
             hidden = out["hidden_states"] if feature_layers else None
             passes, row = [], 0
             for (_, tokens), picked, start, pick in zip(items, rows, offsets, picks):
-                item_logits = torch.from_numpy(logits[row:row + len(picked)][pick])
+                item_logits = torch.from_numpy(np.array(logits[row:row + len(picked), 0][pick], dtype=np.float32))
                 item_hidden = None
                 if hidden is not None:
                     item_hidden = torch.from_numpy(
