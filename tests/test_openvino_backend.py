@@ -239,9 +239,9 @@ def test_the_batch_engine_runs_rows_in_one_paged_pass_with_lone_output(tiny_dir)
     prompts = [[1, 5, 9, 5, 9, 5, 9, 12, 5, 9], [3, 4, 3, 4, 3, 4], [7] * 12, [2, 8, 11, 2, 8]]
     lone = [SpeculativeDecoder(target).generate(p, max_new_tokens=24).token_ids for p in prompts]
     calls = []
-    request = target._paged_requests[False]
+    request = target._paged_requests[()]
     original = request.infer
-    target._paged_requests[False] = type("Counting", (), {
+    target._paged_requests[()] = type("Counting", (), {
         "infer": staticmethod(lambda *a, **k: calls.append(len(a[0]["past_lens"])) or original(*a, **k)),
         "get_compiled_model": request.get_compiled_model})()
     decoders = [SpeculativeDecoder(target, make_drafter("ngram", target=target), k=4, k_policy="fixed")
@@ -301,3 +301,17 @@ def test_a_padded_pass_computes_logits_at_every_fed_row_so_its_shapes_depend_on_
                                                min_width=4)
     assert offsets == [0, 4] and list(inputs["logit_rows"]) == [0, 1, 2, 3, 4, 5, 6, 7, 8]
     assert [list(r[p]) for r, p in zip(rows, picks)] == [[0], [4, 5, 6, 7, 8]]
+
+
+def test_paged_passes_return_the_hidden_states_of_the_layers_asked_for_in_their_order(ov_target, tiny_target):
+    """The paged graph with hidden states outputs only the layers a drafter reads (one graph per layer set), in the
+    order asked: each equals the transformers model's hidden state of that layer."""
+    seq = _ids(20, seed=7)
+    with torch.no_grad():
+        want = tiny_target.model(torch.tensor([seq]), output_hidden_states=True).hidden_states
+    for layers in ((2, 0), (1,), (-1, 1)):
+        got = ov_target.forward(ov_target.new_kv(), seq, feature_layers=layers)
+        assert got.hidden.shape == (len(seq), len(layers), ov_target.config.hidden_size)
+        for j, layer in enumerate(layers):
+            torch.testing.assert_close(got.hidden[:, j], want[layer][0], atol=1e-4, rtol=1e-4)
+    assert {(2, 0), (1,), (-1, 1), ()} <= set(ov_target._paged_requests)

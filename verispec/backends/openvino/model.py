@@ -132,7 +132,7 @@ class OpenVINOModel(BorrowedEmbeddings):
                             "PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1}
         self._masked = None
         self.pool: BlockPool | None = None
-        self._paged_requests = {}  # with hidden states or not -> an infer request on the pool's blocks
+        self._paged_requests = {}  # hidden-state layers (none: ()) -> an infer request on the pool's blocks
         if attention == "paged" and self._properties["INFERENCE_PRECISION_HINT"] == "bf16" and kv_precision != "bf16":
             log.info("paged attention computing in bf16 takes a bf16 KV cache only; %s runs the stateful graph", name)
             attention = "masked"
@@ -145,7 +145,7 @@ class OpenVINOModel(BorrowedEmbeddings):
                 attention = "masked"
             else:
                 self.pool = BlockPool(self.ov, compiled)
-                self._paged_requests[False] = self.pool.attach(compiled.create_infer_request())
+                self._paged_requests[()] = self.pool.attach(compiled.create_infer_request())
         self.attention = attention
         if min_width is None:
             min_width = 1 if weights == "fp32" or self.pool is None else 2
@@ -158,7 +158,7 @@ class OpenVINOModel(BorrowedEmbeddings):
         # the width of the pass that computed them: greedy speculation is token-identical to plain decoding by
         # construction. fp32's one-token rows differ by ~7e-5 and no argmax was seen to flip: it pads only if asked.
         self.min_width = min_width if self.pool is not None else 1
-        compiled = self._paged_requests[False].get_compiled_model() if self.pool else self.masked
+        compiled = self._paged_requests[()].get_compiled_model() if self.pool else self.masked
         self.inference_precision = compiled.get_property("INFERENCE_PRECISION_HINT").to_string()
         self._lock = threading.Lock()
         self.width_invariant = self.pool is not None and self._probe_widths()
@@ -295,19 +295,20 @@ class OpenVINOModel(BorrowedEmbeddings):
             return self._paged(items, False, feature_layers)
         return [self.forward(kv, tokens, feature_layers=feature_layers) for kv, tokens in items]
 
-    def _paged_request(self, hidden: bool):
-        """The paged graph's infer request, the one with every layer's hidden states compiled on first use."""
-        if hidden not in self._paged_requests:
-            compiled = self._core.compile_model(paged_model(self._core, self.folder / VERISPEC_XML, hidden=True),
+    def _paged_request(self, layers: tuple[int, ...]):
+        """The paged graph's infer request for the hidden states of ``layers`` (none: the graph chains run), each
+        compiled on first use."""
+        if layers not in self._paged_requests:
+            compiled = self._core.compile_model(paged_model(self._core, self.folder / VERISPEC_XML, layers),
                                                 "CPU", self._properties)
-            self._paged_requests[hidden] = self.pool.attach(compiled.create_infer_request())
-        return self._paged_requests[hidden]
+            self._paged_requests[layers] = self.pool.attach(compiled.create_infer_request())
+        return self._paged_requests[layers]
 
     def _paged(self, items, last_only: bool, feature_layers) -> list[TargetPass]:
         """One pass of the paged graph over every item's new tokens (one sequence each)."""
         with self._lock:
             inputs, rows, offsets, picks = pass_inputs(items, last_only, self.min_width)
-            out = self._paged_request(bool(feature_layers)).infer(inputs, share_inputs=True, share_outputs=True)
+            out = self._paged_request(tuple(feature_layers)).infer(inputs, share_inputs=True, share_outputs=True)
             for kv, tokens in items:
                 kv.length += len(tokens)  # a padding token stays past the length: written over by the next pass
             logits = out["logits"]  # the infer request's own memory: each item copies only the rows it asked for
@@ -317,8 +318,7 @@ class OpenVINOModel(BorrowedEmbeddings):
                 item_logits = torch.from_numpy(np.array(logits[row:row + len(picked), 0][pick], dtype=np.float32))
                 item_hidden = None
                 if hidden is not None:
-                    item_hidden = torch.from_numpy(
-                        np.array(hidden[start:start + len(tokens), 0][:, list(feature_layers)], dtype=np.float32))
+                    item_hidden = torch.from_numpy(np.array(hidden[start:start + len(tokens), 0], dtype=np.float32))
                 passes.append(TargetPass(item_logits, item_hidden))
                 row += len(picked)
         return passes
