@@ -1,0 +1,41 @@
+"""Tokens/s and tokens per step of one drafter at a fixed draft length on 12 Spec-Bench first turns (every 40th
+question, 128 tokens, end of sequence ignored), on any backend: for A/B runs of one change, interleaved by hand.
+
+    python scripts/drafter_rate.py --backend openvino --weights int4 --drafter eagle --k 5
+"""
+
+import argparse
+import json
+import time
+
+from verispec import SpeculativeDecoder, make_drafter
+from verispec.backends import load_model
+from verispec.bench.prompts import PACKAGED
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--backend", default="transformers")
+    ap.add_argument("--weights", default=None)
+    ap.add_argument("--drafter", default="ngram")
+    ap.add_argument("--k", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    rows = [json.loads(line) for line in PACKAGED.open()]
+    texts = [r["turns"][0] for r in rows[::40][:12]]
+    options = {"weights": args.weights} if args.weights else {}
+    target = load_model("smollm2-135m", backend=args.backend, threads=args.threads, **options)
+    target.eos_token_ids = frozenset()
+    decoder = SpeculativeDecoder(target, make_drafter(args.drafter, target), k=args.k, k_policy="fixed")
+    tokens = steps = 0
+    t0 = time.perf_counter()
+    for text in texts:
+        out = decoder.generate(text, max_new_tokens=128)
+        tokens += len(out.token_ids)
+        steps += out.stats.verify_steps
+    print(f"{args.drafter} on {target.kernel}: {tokens / (time.perf_counter() - t0):.1f} tok/s, "
+          f"{tokens / steps:.3f} tokens per step")
+
+
+if __name__ == "__main__":
+    main()
