@@ -13,6 +13,17 @@ from verispec.backends import load_model
 from verispec.bench.prompts import PACKAGED
 
 
+def decode_rate(decoder, texts: list[str], max_new_tokens: int = 128) -> tuple[float, float]:
+    """(tokens/s, tokens per step) of ``decoder`` over ``texts``, one after another."""
+    tokens = steps = 0
+    t0 = time.perf_counter()
+    for text in texts:
+        out = decoder.generate(text, max_new_tokens=max_new_tokens)
+        tokens += len(out.token_ids)
+        steps += out.stats.verify_steps
+    return tokens / (time.perf_counter() - t0), tokens / steps
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--backend", default="transformers")
@@ -27,14 +38,8 @@ def main() -> None:
     target = load_model("smollm2-135m", backend=args.backend, threads=args.threads, **options)
     target.eos_token_ids = frozenset()
     decoder = SpeculativeDecoder(target, make_drafter(args.drafter, target), k=args.k, k_policy="fixed")
-    tokens = steps = 0
-    t0 = time.perf_counter()
-    for text in texts:
-        out = decoder.generate(text, max_new_tokens=128)
-        tokens += len(out.token_ids)
-        steps += out.stats.verify_steps
-    print(f"{args.drafter} on {target.kernel}: {tokens / (time.perf_counter() - t0):.1f} tok/s, "
-          f"{tokens / steps:.3f} tokens per step")
+    rate, per_step = decode_rate(decoder, texts)
+    print(f"{args.drafter} on {target.kernel}: {rate:.1f} tok/s, {per_step:.3f} tokens per step")
 
 
 if __name__ == "__main__":

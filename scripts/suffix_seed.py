@@ -10,7 +10,6 @@ process's shared suffix store is seeded with the answers of the first ``--answer
 import argparse
 import glob
 import json
-import time
 
 from safetensors.numpy import load_file
 
@@ -18,6 +17,8 @@ from verispec import SpeculativeDecoder, make_drafter
 from verispec.backends import load_model
 from verispec.bench.prompts import PACKAGED
 from verispec.drafters import suffix
+
+from drafter_rate import decode_rate  # scripts/ is on the path when a script runs
 
 
 def main() -> None:
@@ -46,13 +47,8 @@ def main() -> None:
             added += 1
     print(f"seeded {added} answers, {store.tokens} tokens")
     decoder = SpeculativeDecoder(target, make_drafter("suffix", target), k=args.k, k_policy="fixed")
-    tokens = steps = 0
-    t0 = time.perf_counter()
-    for text in texts:
-        out = decoder.generate(text, max_new_tokens=128)
-        tokens += len(out.token_ids)
-        steps += out.stats.verify_steps
-    print(f"{tokens / steps:.3f} tokens per pass, {tokens / (time.perf_counter() - t0):.1f} tok/s")
+    rate, per_step = decode_rate(decoder, texts)
+    print(f"{per_step:.3f} tokens per pass, {rate:.1f} tok/s")
 
 
 if __name__ == "__main__":
