@@ -239,9 +239,9 @@ def test_the_batch_engine_runs_rows_in_one_paged_pass_with_lone_output(tiny_dir)
     prompts = [[1, 5, 9, 5, 9, 5, 9, 12, 5, 9], [3, 4, 3, 4, 3, 4], [7] * 12, [2, 8, 11, 2, 8]]
     lone = [SpeculativeDecoder(target).generate(p, max_new_tokens=24).token_ids for p in prompts]
     calls = []
-    request = target._paged_requests[()]
+    request = target._paged_requests[(), None]
     original = request.infer
-    target._paged_requests[()] = type("Counting", (), {
+    target._paged_requests[(), None] = type("Counting", (), {
         "infer": staticmethod(lambda *a, **k: calls.append(len(a[0]["past_lens"])) or original(*a, **k)),
         "get_compiled_model": request.get_compiled_model})()
     decoders = [SpeculativeDecoder(target, make_drafter("ngram", target=target), k=4, k_policy="fixed")
@@ -301,6 +301,44 @@ def test_a_padded_pass_computes_logits_at_every_fed_row_so_its_shapes_depend_on_
                                                min_width=4)
     assert offsets == [0, 4] and list(inputs["logit_rows"]) == [0, 1, 2, 3, 4, 5, 6, 7, 8]
     assert [list(r[p]) for r, p in zip(rows, picks)] == [[0], [4, 5, 6, 7, 8]]
+    # a static graph's pass: logits at every row even where the item is not padded
+    inputs, rows, offsets, picks = pass_inputs([(kvs[1], [3, 4])], last_only=True, min_width=2, every_row=True)
+    assert list(inputs["logit_rows"]) == [0, 1] and list(rows[0][picks[0]]) == [1]
+
+
+def test_one_sequence_passes_run_padded_on_graphs_of_static_shapes_with_the_dynamic_graphs_logits(tiny_dir):
+    """A one-sequence pass of up to 6 tokens runs padded to the next static width (2, 4, 6) on a graph of static
+    shapes, which OpenVINO never re-plans; longer and batched passes run the dynamic graph. Each position gets the
+    dynamic graph's logits (bitwise where the load's probe, which compares the two, says so)."""
+    static = load_model(str(tiny_dir), backend="openvino", threads=1, min_width=2)
+    dynamic = load_model(str(tiny_dir), backend="openvino", threads=1, min_width=2, static_widths=())
+    assert static.static_widths == (2, 4, 6) and dynamic.static_widths == ()
+    assert "static widths 2/4/6" in static.kernel and "static" not in dynamic.kernel
+    ran = []
+    for key, request in list(static._paged_requests.items()):
+        def counted(*a, _key=key, _infer=request.infer, **k):
+            ran.append(_key[1])
+            return _infer(*a, **k)
+        static._paged_requests[key] = type("Counting", (), {"infer": staticmethod(counted)})()
+    seq = _ids(40, seed=3)
+    kv_s, kv_d = static.new_kv(), dynamic.new_kv()
+    done = 0
+    for width in (10, 1, 2, 3, 5, 6, 7, 4):
+        got = static.forward(kv_s, seq[done:done + width]).logits
+        want = dynamic.forward(kv_d, seq[done:done + width]).logits
+        assert got.shape == want.shape == (width, static.vocab_size)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        if static.width_invariant:
+            assert torch.equal(got, want)
+        done += width
+    assert ran == [None, 2, 2, 4, 6, 6, None, 4]
+    assert [static.pass_width([w]) for w in (1, 3, 6, 7)] == [2, 4, 6, 7] and static.pass_width([1, 1]) == 4
+    assert dynamic.pass_width([3]) == 3
+    for bad in ((0, 4), (1, 4), (65,)):
+        with pytest.raises(InvalidRequest, match="static width"):
+            load_model(str(tiny_dir), backend="openvino", threads=1, min_width=2, static_widths=bad)
+    with pytest.raises(InvalidRequest, match="static_widths applies to the openvino backend"):
+        load_model(str(tiny_dir), static_widths=(2,))
 
 
 def test_paged_passes_return_the_hidden_states_of_the_layers_asked_for_in_their_order(ov_target, tiny_target):
@@ -314,4 +352,4 @@ def test_paged_passes_return_the_hidden_states_of_the_layers_asked_for_in_their_
         assert got.hidden.shape == (len(seq), len(layers), ov_target.config.hidden_size)
         for j, layer in enumerate(layers):
             torch.testing.assert_close(got.hidden[:, j], want[layer][0], atol=1e-4, rtol=1e-4)
-    assert {(2, 0), (1,), (-1, 1), ()} <= set(ov_target._paged_requests)
+    assert {((2, 0), None), ((1,), None), ((-1, 1), None), ((), None)} <= set(ov_target._paged_requests)

@@ -46,7 +46,8 @@ WEIGHT_CHOICES = (*_LLAMACPP_WEIGHTS, *(w for w in _OPENVINO_WEIGHTS if w not in
 def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", device: str | None = None,
                pack: bool | None = None, backend: str = "transformers", weights: str = "as-is",
                threads: int | None = None, features: bool = False, sequences: int | None = None,
-               compiled: bool | str = False, min_width: int | None = None) -> TargetModel:
+               compiled: bool | str = False, min_width: int | None = None,
+               static_widths: tuple[int, ...] | None = None) -> TargetModel:
     """Load a model reference (built-in name, local directory, .gguf file or hub id) on a backend.
 
     ``backend="transformers"`` (default) returns a ``LoadedModel``. ``pack`` prepacks its linear layers' weights for
@@ -69,11 +70,15 @@ def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", d
 
     ``min_width`` (openvino): passes of fewer tokens are padded to it; 2 (no one-token passes) makes every position's
     logits bitwise the same at every pass width, so greedy speculation equals plain decoding by construction; default
-    2 for every weight format but fp32 (see ``verispec.backends.openvino.model``)."""
+    2 for every weight format but fp32 (see ``verispec.backends.openvino.model``). ``static_widths`` (openvino): a
+    one-sequence pass of up to that many tokens is padded to the next of them and run on a graph of static shapes
+    (default ``STATIC_WIDTHS`` there: 2, 4, 6; ``()`` runs every pass on the dynamic graph)."""
     if backend not in BACKENDS:
         raise InvalidRequest(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if min_width is not None and backend != "openvino":
         raise InvalidRequest("min_width applies to the openvino backend (its passes of one token are padded to two)")
+    if static_widths is not None and backend != "openvino":
+        raise InvalidRequest("static_widths applies to the openvino backend (its graphs of static shapes)")
     if not isinstance(ref, str) or not ref.strip():
         raise ModelNotFound("model reference is empty; pass a built-in name (e.g. smollm2-135m), a directory, "
                             "a .gguf file or a hub id")
@@ -97,7 +102,7 @@ def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", d
         if ov_weights not in (*_OPENVINO_WEIGHTS, "auto"):
             raise InvalidRequest(f"--weights {weights} is a llama.cpp format; the openvino backend takes "
                                  f"{', '.join(_OPENVINO_WEIGHTS)} or auto")
-        return load_openvino(ref, ov_weights, threads, min_width=min_width)
+        return load_openvino(ref, ov_weights, threads, min_width=min_width, static_widths=static_widths)
     if weights != "as-is":
         raise InvalidRequest("--weights applies to the llamacpp backend; on transformers choose --dtype")
     from .hf import load

@@ -101,6 +101,15 @@ def build_method(spec: str, target, load: Callable | None, default_k: int = 8, d
         if backend != "openvino":
             raise InvalidRequest(f"{spec!r}: min_width= pads the openvino backend's passes; add backend=openvino")
         min_width = int(_number("min_width", min_width))
+    static = raw_opts.pop("static", None)
+    if static is not None:
+        if backend != "openvino":
+            raise InvalidRequest(f"{spec!r}: static= names the openvino backend's static pass widths; add "
+                                 "backend=openvino")
+        try:
+            static = () if static == "none" else tuple(int(w) for w in static.split("+"))
+        except ValueError:
+            raise InvalidRequest(f"{spec!r}: static= takes widths joined by + (static=2+4+6) or none") from None
     if compiled is not None:
         if compiled not in ("0", "1", "auto", "on", "off"):
             raise InvalidRequest(f"{spec!r}: compile= takes 0 / off, 1 / on or auto, got {compiled!r}")
@@ -139,7 +148,8 @@ def build_method(spec: str, target, load: Callable | None, default_k: int = 8, d
         target = load(target.name, backend=backend, weights=weights, features=True)
     elif backend or weights or dtype or compiled is not None:
         target = load(target.name, backend=backend, weights=weights, features=hidden, dtype=dtype, compiled=compiled,
-                      **({"min_width": min_width} if min_width is not None else {}))
+                      **({"min_width": min_width} if min_width is not None else {}),
+                      **({"static_widths": static} if static is not None else {}))
     policy = raw_opts.pop("policy", default_policy)
     if policy not in K_POLICIES:
         raise InvalidRequest(f"{spec!r}: policy must be one of {', '.join(K_POLICIES)}, got {policy!r}")

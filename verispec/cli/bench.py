@@ -118,17 +118,18 @@ def _setup(args):
 
     def load(ref: str, pack: bool | None = None, backend: str | None = None, weights: str | None = None,
              features: bool = False, dtype: str | None = None, compiled: str | None = None,
-             min_width: int | None = None):
+             min_width: int | None = None, static_widths: tuple[int, ...] | None = None):
         backend = backend or getattr(args, "backend", "transformers")
         weights = (weights or getattr(args, "weights", "as-is")) if backend in ("llamacpp", "openvino") else "as-is"
         features = features and backend == "llamacpp"  # transformers always gives hidden states
         dtype = (dtype or args.dtype) if backend == "transformers" else "float32"
         if compiled is None:  # the run's --compile, for verispec's own passes on the transformers backend
             compiled = getattr(args, "compile", "off") if backend == "transformers" and pack is not False else "off"
-        key = (ref, pack, backend, weights, features, dtype, compiled, min_width)
+        key = (ref, pack, backend, weights, features, dtype, compiled, min_width, static_widths)
         if key not in loaded:
             loaded[key] = load_model(ref, dtype=dtype, pack=pack, backend=backend, weights=weights,
-                                     threads=args.threads, features=features, compiled=compiled, min_width=min_width)
+                                     threads=args.threads, features=features, compiled=compiled, min_width=min_width,
+                                     static_widths=static_widths)
         return loaded[key]
 
     return load(args.target), load

@@ -12,6 +12,7 @@ node seeing its ancestors only (``verispec.tree``); hidden states (EAGLE heads) 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from pathlib import Path
 
@@ -22,13 +23,15 @@ from ...errors import InvalidRequest
 from ...tree import tree_inputs
 from ..base import BorrowedEmbeddings, TargetPass
 from .export import VERISPEC_XML, export_dir, import_openvino, inference_precision
-from .paged import BlockPool, PagedKV, paged_model, pass_inputs
+from .paged import BlockPool, PagedKV, paged_model, pass_inputs, static_shapes
 
 log = logging.getLogger(__name__)
 MASKED = np.float32(np.finfo(np.float32).min)  # the additive mask's value for a position not attended to
 
 KV_PRECISIONS = ("f32", "f16", "bf16", "u8")
-ATTENTION = ("paged", "masked")  # paged attention (default; chains), or the stateful graph's 4-D mask everywhere
+ATTENTION = ("paged", "masked")
+# one-sequence passes of up to 6 tokens (plain steps, chains of up to 5 drafts) run on graphs of static shapes
+STATIC_WIDTHS = (1, 2, 4, 6)  # paged attention (default; chains), or the stateful graph's 4-D mask everywhere
 
 
 class OpenVINOKV:
@@ -119,7 +122,8 @@ class OpenVINOModel(BorrowedEmbeddings):
 
     def __init__(self, folder: Path, tokenizer, config, name: str, weights: str, threads: int,
                  kv_precision: str = "f32", eos_token_ids=frozenset(), embedding_model_loader=None,
-                 attention: str = "paged", min_width: int | None = None) -> None:
+                 attention: str = "paged", min_width: int | None = None,
+                 static_widths: tuple[int, ...] | None = None) -> None:
         if attention not in ATTENTION:
             raise InvalidRequest(f"unknown OpenVINO attention {attention!r}; choose one of {', '.join(ATTENTION)}")
         self.ov = import_openvino()
@@ -132,20 +136,22 @@ class OpenVINOModel(BorrowedEmbeddings):
                             "PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1}
         self._masked = None
         self.pool: BlockPool | None = None
-        self._paged_requests = {}  # hidden-state layers (none: ()) -> an infer request on the pool's blocks
+        # (hidden-state layers (none: ()), static width or None) -> an infer request on the pool's blocks
+        self._paged_requests = {}
+        self._paged_graphs = {}  # hidden-state layers -> the paged graph (dynamic shapes), read once
         if attention == "paged" and self._properties["INFERENCE_PRECISION_HINT"] == "bf16" and kv_precision != "bf16":
             log.info("paged attention computing in bf16 takes a bf16 KV cache only; %s runs the stateful graph", name)
             attention = "masked"
         if attention == "paged":
             try:
-                compiled = self._core.compile_model(paged_model(self._core, folder / VERISPEC_XML), "CPU",
-                                                    self._properties)
+                self._paged_graphs[()] = paged_model(self._core, folder / VERISPEC_XML)
+                compiled = self._core.compile_model(self._paged_graphs[()], "CPU", self._properties)
             except Exception as exc:  # an architecture the transformation does not know: the stateful graph runs
                 log.warning("paged attention is not available for %s (%s); running the stateful graph", name, exc)
                 attention = "masked"
             else:
                 self.pool = BlockPool(self.ov, compiled)
-                self._paged_requests[()] = self.pool.attach(compiled.create_infer_request())
+                self._paged_requests[(), None] = self.pool.attach(compiled.create_infer_request())
         self.attention = attention
         if min_width is None:
             min_width = 1 if weights == "fp32" or self.pool is None else 2
@@ -158,7 +164,10 @@ class OpenVINOModel(BorrowedEmbeddings):
         # the width of the pass that computed them: greedy speculation is token-identical to plain decoding by
         # construction. fp32's one-token rows differ by ~7e-5 and no argmax was seen to flip: it pads only if asked.
         self.min_width = min_width if self.pool is not None else 1
-        compiled = self._paged_requests[()].get_compiled_model() if self.pool else self.masked
+        self.static_widths = self._static_widths(static_widths)
+        for width in self.static_widths:  # compiled now (~1.3 s each here), not in a user's first request
+            self._paged_request((), width)
+        compiled = self._paged_requests[(), None].get_compiled_model() if self.pool else self.masked
         self.inference_precision = compiled.get_property("INFERENCE_PRECISION_HINT").to_string()
         self._lock = threading.Lock()
         self.width_invariant = self.pool is not None and self._probe_widths()
@@ -170,6 +179,34 @@ class OpenVINOModel(BorrowedEmbeddings):
             log.warning("%s has sliding-window layers, whose window the OpenVINO export does not apply: contexts are "
                         "limited to the window (%d tokens) here; --backend transformers or llamacpp runs longer ones",
                         name, self.context_length)
+
+    def _static_widths(self, widths) -> tuple[int, ...]:
+        """The pass widths a one-sequence pass is padded up to and run at by a graph of static shapes (none with
+        the stateful graph; default ``STATIC_WIDTHS`` at or above ``min_width``)."""
+        if self.pool is None:
+            return ()
+        if widths is None:
+            widths = tuple(w for w in STATIC_WIDTHS if w >= self.min_width)
+            # the CPU plugin keeps each compiled graph's own copy of the weights in its layout (default model: ~1.05x
+            # the weights file in fp32, ~1.5-2.4x in int8/int4): as many as a quarter of the free memory holds
+            each = 2 * (self.folder / VERISPEC_XML).with_suffix(".bin").stat().st_size
+            fits = available_memory() // 4 // each
+            if fits < len(widths):
+                log.info("static pass widths %s left out: each graph holds ~%d MB of weights (a quarter of the free "
+                         "memory fits %d)", widths[fits:], each >> 20, fits)
+                widths = widths[:fits]
+        widths = tuple(sorted(set(widths)))
+        if any(isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= 64 for w in widths):
+            raise InvalidRequest(f"static widths are whole numbers of tokens from 1 to 64, got {widths!r}")
+        if widths and widths[0] < self.min_width:
+            raise InvalidRequest(f"static width {widths[0]} is below min_width {self.min_width}: a pass that narrow "
+                                 "never runs; drop it or lower min_width")
+        return widths
+
+    def _bucket(self, n: int) -> int | None:
+        """The static width a one-sequence pass of ``n`` tokens runs at, or None (the dynamic graph)."""
+        n = max(n, self.min_width)
+        return next((w for w in self.static_widths if w >= n), None)
 
     def _probe_widths(self) -> bool:
         """Whether an 8-token pass gives each position the very logits that one-token steps (padded to
@@ -217,7 +254,9 @@ class OpenVINOModel(BorrowedEmbeddings):
         return (f"OpenVINO {get_version().split('-')[0]} ({self.weights} weights, {self.inference_precision} "
                 f"inference, {self.kv_precision} KV cache, {self.attention} attention"
                 f"{', passes of 2+ tokens' if self.min_width > 1 else ''}"
-                f"{', width-invariant' if self.width_invariant else ''}, {self.threads} threads)")
+                f"{', width-invariant' if self.width_invariant else ''}"
+                f"{', static widths ' + '/'.join(map(str, self.static_widths)) if self.static_widths else ''}, "
+                f"{self.threads} threads)")
 
     @property
     def cost_key(self) -> object:
@@ -231,7 +270,7 @@ class OpenVINOModel(BorrowedEmbeddings):
 
         return {**measurements.machine(), "backend": self.backend, "model": self.folder.name, "weights": self.weights,
                 "threads": self.threads, "kv": self.kv_precision, "attention": self.attention,
-                "min_width": self.min_width,
+                "min_width": self.min_width, "static_widths": list(self.static_widths),
                 "openvino": get_version()}
 
     def new_kv(self, trees: bool = False) -> "OpenVINOKV | PagedKV":
@@ -248,6 +287,8 @@ class OpenVINOModel(BorrowedEmbeddings):
         """The tokens a batched pass computes: no padding either way (the paged graph takes ragged rows in one pass;
         the stateful graph runs rows one after another, one infer request each); a row of one token is padded to
         ``min_width``."""
+        if len(widths) == 1 and self._bucket(widths[0]) is not None:
+            return self._bucket(widths[0])
         return sum(max(w, self.min_width) for w in widths)
 
     def forward(self, kv: "OpenVINOKV | PagedKV", tokens, *, parents=None, last_only: bool = False,
@@ -295,20 +336,28 @@ class OpenVINOModel(BorrowedEmbeddings):
             return self._paged(items, False, feature_layers)
         return [self.forward(kv, tokens, feature_layers=feature_layers) for kv, tokens in items]
 
-    def _paged_request(self, layers: tuple[int, ...]):
-        """The paged graph's infer request for the hidden states of ``layers`` (none: the graph chains run), each
-        compiled on first use."""
-        if layers not in self._paged_requests:
-            compiled = self._core.compile_model(paged_model(self._core, self.folder / VERISPEC_XML, layers),
-                                                "CPU", self._properties)
-            self._paged_requests[layers] = self.pool.attach(compiled.create_infer_request())
-        return self._paged_requests[layers]
+    def _paged_request(self, layers: tuple[int, ...], width: int | None = None):
+        """The paged graph's infer request for the hidden states of ``layers`` (none: the graph chains run), of
+        static shapes for one sequence of ``width`` tokens or dynamic (None), each compiled on first use."""
+        if (layers, width) not in self._paged_requests:
+            if layers not in self._paged_graphs:
+                self._paged_graphs[layers] = paged_model(self._core, self.folder / VERISPEC_XML, layers)
+            # a clone shares the graph's constants: the CPU plugin then keeps ~130 MB per static width rather than
+            # ~220 (int4, the default model)
+            graph = self._paged_graphs[layers] if width is None else static_shapes(self._paged_graphs[layers].clone(),
+                                                                                    width)
+            compiled = self._core.compile_model(graph, "CPU", self._properties)
+            self._paged_requests[layers, width] = self.pool.attach(compiled.create_infer_request())
+        return self._paged_requests[layers, width]
 
     def _paged(self, items, last_only: bool, feature_layers) -> list[TargetPass]:
-        """One pass of the paged graph over every item's new tokens (one sequence each)."""
+        """One pass of the paged graph over every item's new tokens (one sequence each): a single sequence whose
+        tokens fit a static width runs padded to it on that width's static graph."""
         with self._lock:
-            inputs, rows, offsets, picks = pass_inputs(items, last_only, self.min_width)
-            out = self._paged_request(tuple(feature_layers)).infer(inputs, share_inputs=True, share_outputs=True)
+            width = self._bucket(len(items[0][1])) if len(items) == 1 else None
+            inputs, rows, offsets, picks = pass_inputs(items, last_only, width or self.min_width, width is not None)
+            request = self._paged_request(tuple(feature_layers), width)
+            out = request.infer(inputs, share_inputs=True, share_outputs=True)
             for kv, tokens in items:
                 kv.length += len(tokens)  # a padding token stays past the length: written over by the next pass
             logits = out["logits"]  # the infer request's own memory: each item copies only the rows it asked for
@@ -330,6 +379,21 @@ def _rows(n: int, last_only: bool) -> np.ndarray:
 
 
 _CAUSAL: dict[int, np.ndarray] = {}
+
+
+def available_memory() -> int:
+    """Bytes of memory free for new allocations (Linux: MemAvailable; elsewhere the free physical pages)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 40  # unknown: no limit from here
 
 
 def _causal(n: int) -> np.ndarray:
@@ -385,13 +449,15 @@ def default_kv(weights: str) -> str:
 
 
 def load(ref: str, weights: str = "fp32", threads: int | None = None, kv_precision: str | None = None,
-         attention: str = "paged", min_width: int | None = None) -> OpenVINOModel:
+         attention: str = "paged", min_width: int | None = None,
+         static_widths: tuple[int, ...] | None = None) -> OpenVINOModel:
     """A model reference exported once to OpenVINO (see ``verispec.load_model``); ``weights="auto"`` times fp32
     and bf16 (where the CPU has it) once and runs the faster for speculation. ``kv_precision`` defaults to
     ``default_kv(weights)``; ``attention="masked"`` runs the stateful graph for every pass (paged attention, the
     default, runs chains and batches; token trees run the stateful graph either way); ``min_width`` 2 pads one-token
     passes so that greedy speculation is bitwise identical to plain decoding (default: on for every format but
-    fp32; see ``OpenVINOModel``)."""
+    fp32; see ``OpenVINOModel``); ``static_widths`` are the widths one-sequence passes are padded up to and run on
+    graphs of static shapes (default ``STATIC_WIDTHS``; ``()``: the dynamic graph runs every pass)."""
     from transformers import AutoConfig, AutoTokenizer
 
     from ..hf import _eos_ids
@@ -424,6 +490,6 @@ def load(ref: str, weights: str = "fp32", threads: int | None = None, kv_precisi
         return load_transformers(ref, pack=False).model
 
     model = OpenVINOModel(folder, tokenizer, config, ref, weights, threads, kv_precision, _eos_ids(holder, tokenizer),
-                          embedding_model, attention, min_width)
+                          embedding_model, attention, min_width, static_widths)
     model.weight_timings_ms = timings
     return model

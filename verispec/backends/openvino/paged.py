@@ -25,10 +25,15 @@ import numpy as np
 BLOCK_INPUTS = ("key_cache.", "value_cache.")
 
 
-def paged_model(core, xml_path, layers: tuple[int, ...] = ()):
+def paged_model(core, xml_path, layers: tuple[int, ...] = (), width: int | None = None):
     """The exported ``verispec_model.xml`` with paged attention, computing logits only at ``logit_rows``, and
     the hidden states of ``layers`` only (``hidden_states`` [tokens, 1, len(layers), hidden], in that order; none
     without layers: stacking all 31 of the default model's cost ~3 ms of a 17 ms one-token bf16 step).
+
+    With ``width`` the graph's shapes are static: one sequence, ``width`` tokens, logits at every one of them. The
+    CPU plugin re-plans a dynamic graph's kernels whenever a pass's shapes differ from the last pass's (~4-5 ms on 2
+    cores, a third of an int4 pass); a static graph never does, and its passes are cheaper even at one width
+    (docs/openvino.md).
 
     The transformation flattens the batch into one dimension of tokens ([tokens, 1, hidden]), so the export's row
     gather (on the sequence axis) is rebuilt on the token axis in front of the lm_head."""
@@ -62,7 +67,18 @@ def paged_model(core, xml_path, layers: tuple[int, ...] = ()):
             picked_layers = ops.concat([stacked.input_value(i % count) for i in layers], stacked.get_attributes()["axis"])
             result.input(0).replace_source_output(picked_layers.output(0))
     model.validate_nodes_and_infer_types()
+    return model if width is None else static_shapes(model, width)
+
+
+def static_shapes(model, width: int):
+    """``model`` (a paged graph) reshaped for one sequence of ``width`` tokens, logits at each."""
+    one = {"past_lens": [1], "subsequence_begins": [2], "block_indices_begins": [2]}
+    model.reshape({name: one.get(name, [width]) for name in STATIC_INPUTS})
     return model
+
+
+# the inputs a static graph fixes: per token (input_ids, position_ids, logit_rows) or per sequence (one)
+STATIC_INPUTS = ("input_ids", "position_ids", "logit_rows", "past_lens", "subsequence_begins", "block_indices_begins")
 
 
 class BlockPool:
@@ -153,13 +169,14 @@ class PagedKV:
             pass
 
 
-def pass_inputs(items, last_only: bool, min_width: int = 1) -> tuple[dict, list[np.ndarray], list[int], list[slice]]:
+def pass_inputs(items, last_only: bool, min_width: int = 1, every_row: bool = False
+                ) -> tuple[dict, list[np.ndarray], list[int], list[slice]]:
     """The paged graph's inputs for one pass over ``items`` ([(PagedKV, tokens)]), each item's rows of the logits
     output, each item's offset in the pass's tokens and which of its rows it asked for. A padded item's logits are
-    computed at all its fed rows: a pass's shapes then depend on its width alone, and OpenVINO re-plans its kernels
-    (~4 ms on 2 cores) only when a shape changes. An item of fewer than ``min_width`` tokens is padded with
-    copies of its last token (written past the cache's length, so never read: see ``OpenVINOModel.min_width``);
-    reserves the blocks every item needs."""
+    computed at all its fed rows (every item's with ``every_row``: a static graph's shapes): a pass's shapes then
+    depend on its width alone, and OpenVINO re-plans its kernels (~4 ms on 2 cores) only when a shape changes. An
+    item of fewer than ``min_width`` tokens is padded with copies of its last token (written past the cache's
+    length, so never read: see ``OpenVINOModel.min_width``); reserves the blocks every item needs."""
     ids, positions, past, begins, blocks, block_begins, rows, offsets, picks = [], [], [], [0], [], [0], [], [], []
     longest = 0
     for kv, tokens in items:
@@ -175,7 +192,7 @@ def pass_inputs(items, last_only: bool, min_width: int = 1) -> tuple[dict, list[
         used = -(-(kv.length + len(fed)) // kv.pool.size)
         blocks.extend(kv.blocks[:used])
         block_begins.append(block_begins[-1] + used)
-        if len(fed) > n:  # padded: logits at every fed row, so the pass's shapes depend on its width alone
+        if len(fed) > n or every_row:  # padded: logits at every fed row, so the pass's shapes depend on its width alone
             rows.append(np.arange(done, done + len(fed), dtype=np.int64))
             picks.append(slice(n - 1, n) if last_only else slice(0, n))
         else:
