@@ -4,9 +4,10 @@
     python scripts/openvino_paths.py engines --weights bf16          # paged attention against the stateful graph
     python scripts/openvino_paths.py widths --weights int4           # padding passes to 2, 6 or 8 tokens
     python scripts/openvino_paths.py shapes --weights int4           # what a change of pass width costs
+    python scripts/openvino_paths.py static --weights int4           # graphs of static shapes against the dynamic one
 
-``engines`` and ``widths`` decode Spec-Bench first turns (128 tokens, end of sequence ignored) plainly and with the
-n-gram drafter and print tokens/s and how many answers equal the first configuration's plain decoding. ``shapes``
+``engines``, ``widths`` and ``static`` decode Spec-Bench first turns (128 tokens, end of sequence ignored) plainly and with the
+n-gram drafter (``static``: suffix drafts too, each request drafting from its own text; fixed k = 5) and print tokens/s and how many answers equal the first configuration's plain decoding. ``shapes``
 times passes after 300 cached tokens at one width throughout, then alternating and random widths.
 """
 
@@ -26,11 +27,13 @@ def prompts(n: int, stride: int) -> list[str]:
     return [r["turns"][0] for r in rows[::stride][:n]]
 
 
-def race(configs: dict, texts: list[str], tokens: int) -> None:
+def race(configs: dict, texts: list[str], tokens: int, policy: str = "cost") -> None:
     decoders = {}
     for name, (model, drafter, k) in configs.items():
         model.eos_token_ids = frozenset()
-        decoders[name] = SpeculativeDecoder(model, make_drafter(drafter, model) if drafter else None, k=k)
+        options = {"scope": "request"} if drafter == "suffix" else {}
+        decoders[name] = SpeculativeDecoder(model, make_drafter(drafter, model, **options) if drafter else None, k=k,
+                                            k_policy=policy)
         decoders[name].generate(texts[0], max_new_tokens=16)  # warm-up
     totals = {name: [0, 0.0, []] for name in decoders}
     for text in texts:
@@ -70,14 +73,14 @@ def shapes(model, rounds: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=("engines", "widths", "shapes"))
+    ap.add_argument("what", choices=("engines", "widths", "shapes", "static"))
     ap.add_argument("--weights", default="int4")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompts", type=int, default=12)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     args = ap.parse_args()
     if args.what == "shapes":
-        shapes(load("smollm2-135m", args.weights, args.threads), rounds=2)
+        shapes(load("smollm2-135m", args.weights, args.threads, static_widths=()), rounds=2)
         return
     texts = prompts(args.prompts, 40)
     configs = {}
@@ -86,9 +89,16 @@ def main() -> None:
             model = load("smollm2-135m", args.weights, args.threads, attention=attention)
             configs[f"{attention} plain"] = (model, None, 8)
             configs[f"{attention} ngram"] = (model, "ngram", 8)
+    elif args.what == "static":
+        for label, widths in (("dynamic", ()), ("static", None)):
+            model = load("smollm2-135m", args.weights, args.threads, static_widths=widths)
+            for drafter in (None, "suffix", "ngram"):
+                configs[f"{label} {drafter or 'plain'}"] = (model, drafter, 5)
+        race(configs, texts, args.max_new_tokens, policy="fixed")
+        return
     else:
         for width in (2, 6, 8):
-            model = load("smollm2-135m", args.weights, args.threads, min_width=width)
+            model = load("smollm2-135m", args.weights, args.threads, min_width=width, static_widths=())
             configs[f"min_width {width} plain"] = (model, None, 8)
             configs[f"min_width {width} ngram"] = (model, "ngram", width - 1 if width > 2 else 8)
     race(configs, texts, args.max_new_tokens)

@@ -80,3 +80,16 @@ def test_branches_merge_several_earlier_continuations_into_one_tree():
     assert shared.tokens == [8, 6, 7, 9] and shared.parents == [-1, 0, 1, 0]  # the common first token is one node
     with pytest.raises(InvalidRequest, match="branches"):
         NgramDrafter(branches=0)
+
+
+def test_follow_matches_past_the_context_without_indexing_the_tail():
+    """``follow`` (the engine's padding filler): the longest suffix n-gram of context + tail, looked up in the
+    context's index; the tail is never indexed, so the next call on the grown context indexes it normally."""
+    d = NgramDrafter(min_n=1, max_n=3)
+    ctx = [5, 1, 2, 9, 7, 2, 8, 4]
+    assert d.follow(ctx, [], 2) == []  # 4 never occurred before
+    assert d.follow(ctx, [1, 2], 3) == [9, 7, 2]  # (1, 2) after the tail: what followed it at 1..2
+    assert d.follow(ctx, [7], 2) == [2, 8]  # a 1-gram
+    assert d.follow(ctx, [3], 2) == []
+    grown = [*ctx, 1, 2]
+    assert d.match(grown, 3) == NgramDrafter(min_n=1, max_n=3).match(grown, 3) == (2, [9, 7, 2])

@@ -306,6 +306,32 @@ def test_a_padded_pass_computes_logits_at_every_fed_row_so_its_shapes_depend_on_
     assert list(inputs["logit_rows"]) == [0, 1] and list(rows[0][picks[0]]) == [1]
 
 
+def test_padding_slots_carry_guesses_and_greedy_output_stays_plain(tiny_dir):
+    """A pass padded to a static width fills the padding with prompt-lookup guesses (counted apart from the
+    drafter's tokens); greedy output equals plain decoding with or without them, and a drafter that never
+    matches still gets tokens accepted through them."""
+    target = load_model(str(tiny_dir), backend="openvino", threads=1, min_width=2)
+    target.eos_token_ids = frozenset()
+    prompt = [1, 5, 9, 5, 9, 5, 9, 12, 5, 9, 3, 4, 3, 4]
+    plain = SpeculativeDecoder(target).generate(prompt, max_new_tokens=40)
+    assert plain.stats.filled == 0  # plain decoding stays plain
+    runs = {}
+    for fill in (True, False):
+        for drafter in ("ngram", "suffix"):
+            decoder = SpeculativeDecoder(target, make_drafter(drafter, target=target), k=4, k_policy="fixed",
+                                         fill_padding=fill)
+            out = decoder.generate(prompt, max_new_tokens=40)
+            assert out.token_ids == plain.token_ids
+            runs[fill, drafter] = out.stats
+    for drafter in ("ngram", "suffix"):
+        assert runs[True, drafter].filled > 0 and 0 <= runs[True, drafter].filled_accepted <= runs[True, drafter].filled
+        assert runs[False, drafter].filled == 0
+    never = SpeculativeDecoder(target, make_drafter("ngram", target=target, min_n=8, max_n=8), k=4)
+    out = never.generate(prompt, max_new_tokens=40)
+    assert out.token_ids == plain.token_ids and out.stats.drafted == 0
+    assert out.stats.filled_accepted > 0 and out.stats.verify_steps < 40
+
+
 def test_one_sequence_passes_run_padded_on_graphs_of_static_shapes_with_the_dynamic_graphs_logits(tiny_dir):
     """A one-sequence pass of up to 6 tokens runs padded to the next static width (2, 4, 6) on a graph of static
     shapes, which OpenVINO never re-plans; longer and batched passes run the dynamic graph. Each position gets the

@@ -299,7 +299,7 @@ class BatchEngine:
                 ctrl.share_passes(lambda w, o=others: self.target.pass_width([*o, w]), committed - seq.committed)
             else:
                 ctrl.share_passes(None)
-            plans.append(seq.decoder.plan(seq.state, seq.request.k))
+            plans.append(seq.decoder.plan(seq.state, seq.request.k, alone=len(rows) == 1))
         self._cap_drafts(rows, plans)
         layers = sorted({layer for seq in rows for layer in seq.decoder.feature_layers})
         widths = [len(plan.tokens) for plan in plans]

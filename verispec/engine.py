@@ -23,6 +23,7 @@ import torch
 from .backends.base import KVCache, TargetModel, TargetPass, host_threads, torch_threads
 from .controller import COST, Controller, save_cost_curve, shared_cost_curve
 from .drafters.base import EMPTY_DRAFT, Draft, Drafter
+from .drafters.ngram import NgramDrafter
 from .errors import InvalidRequest, check_whole
 from .features import FeatureBuffer
 from .prefix import reusable_prefix
@@ -73,6 +74,7 @@ class SequenceState:
     features: FeatureBuffer = field(default_factory=FeatureBuffer)  # target hidden states of cached_tokens
     finish_reason: str = ""
     seed: int = 0  # the request's: with one-hot drafts, position i's token is drawn with the uniform of (seed, i)
+    filler: "NgramDrafter | None" = None  # the prompt lookup that fills padded passes (``SpeculativeDecoder._fill``)
 
     @property
     def generated(self) -> list[int]:
@@ -104,6 +106,7 @@ class StepPlan:
     draft: Draft
     uncached: list[int]  # committed tokens not in the cache yet: the pending token, after a tree step its path too
     planned_at: float  # perf_counter() when planning ended (the pass and verification are timed from here)
+    proposed: int = -1  # the drafter's tokens at the head of the draft (-1: all); the rest fill the pass's padding
 
     @property
     def tokens(self) -> list[int]:
@@ -141,7 +144,9 @@ class SpeculativeDecoder:
     verify, 0 included, from the step costs and acceptance it measures (``verispec.controller``);
     ``k_policy="fixed"`` verifies every draft token the drafter offers, up to k. ``acceptance="typical"``
     switches to LOSSY Medusa-style typical acceptance (off by default and marked lossy in every result). ``reuse_prefix`` keeps the target's KV cache between calls and reuses
-    the longest shared prompt prefix.
+    the longest shared prompt prefix. ``fill_padding``: where the target pads a chain's pass anyway (OpenVINO's
+    static widths), the padding slots carry more draft tokens from a prompt lookup of the context (n = 1..3) instead
+    of copies that nobody reads: free guesses, verified like any one-hot draft, so lossless at any temperature.
     """
 
     def __init__(
@@ -154,6 +159,7 @@ class SpeculativeDecoder:
         typical_delta: float = 0.3,
         reuse_prefix: bool = True,
         k_policy: str = COST,
+        fill_padding: bool = True,
     ) -> None:
         _check_k(k)
         if acceptance not in ACCEPTANCE_MODES:
@@ -174,6 +180,7 @@ class SpeculativeDecoder:
         if self.feature_layers and not target.supports_features:
             raise InvalidRequest(f"the {self.drafter_name} drafter reads the target's hidden states, which the "
                                  f"{target.backend} backend does not provide; use --backend transformers")
+        self.fill_padding = fill_padding
         self._trees = bool(drafter is not None and drafter.tree_depth)  # its caches are asked for tree passes
         if self._trees and not target.supports_trees:
             raise InvalidRequest(f"the {getattr(drafter, 'name', 'drafter')} drafter's token trees need a backend that "
@@ -394,9 +401,10 @@ class SpeculativeDecoder:
                                   feature_layers=self.feature_layers)
         return self.settle(state, plan, out)
 
-    def plan(self, state: SequenceState, k: int) -> "StepPlan":
+    def plan(self, state: SequenceState, k: int, alone: bool = True) -> "StepPlan":
         """The first half of a step: choose the budget, propose, choose how much of the draft to verify. The target
-        pass over ``plan.tokens`` comes next (alone, or in a batch with other sequences' plans)."""
+        pass over ``plan.tokens`` comes next (alone, or in a batch with other sequences' plans: ``alone=False``,
+        whose padding is the batch's, so none is filled)."""
         t0 = time.perf_counter()
         uncached = state.tokens[len(state.cached_tokens):]  # the pending token (after a tree step, the accepted path)
         draft: Draft = EMPTY_DRAFT
@@ -409,7 +417,10 @@ class SpeculativeDecoder:
                     decision = self.controller.verify_length(len(draft), draft.confidence, draft.probs is None,
                                                              len(uncached))
                     draft = draft.truncated(decision.n)
-        plan = StepPlan(draft, uncached, time.perf_counter())
+        proposed = len(draft)
+        if alone and self.fill_padding and self.drafter is not None and draft.parents is None and draft.probs is None:
+            draft = self._fill(state, draft, len(uncached))
+        plan = StepPlan(draft, uncached, time.perf_counter(), proposed)
         self._record_plan(state, plan, t0)
         return plan
 
@@ -419,6 +430,7 @@ class SpeculativeDecoder:
         draft depth, accepted draft tokens). A pass shared with other sequences (``verispec.batching``) gives its
         time in ``shared_pass_seconds``; the batch records its cost, not this sequence."""
         draft, uncached = plan.draft, plan.uncached
+        proposed = len(draft) if plan.proposed < 0 else min(plan.proposed, len(draft))
         past = len(state.cached_tokens)
         p = probabilities(out.logits[len(uncached) - 1 :], state.sampling)  # [k+1, vocab]: after pending, each draft
         if draft.parents is not None:
@@ -438,12 +450,18 @@ class SpeculativeDecoder:
             # tokens fed again after a tree step are already recorded
             rows = out.hidden[kept_rows]
             state.features.append(rows[len(state.features) - past :])
+        if proposed < len(draft):  # filled padding: counted apart, so the drafter's own figures stay its own
+            state.stats.filled += len(draft) - proposed
+            state.stats.filled_accepted += max(0, n - proposed)
+            n_own, draft = min(n, proposed), draft.truncated(proposed)
+        else:
+            n_own = n
         if self.drafter is not None and len(draft):
-            self.drafter.observe(n)
+            self.drafter.observe(n_own)
             if hasattr(self.drafter, "observe_logits"):  # optional: drafters that learn from the pass (lookahead)
                 self.drafter.observe_logits(out.logits[len(uncached) - 1 :])
-        self._record_settle(state, plan, n, shared_pass_seconds)
-        return [*accepted, next_token], draft.depth, n
+        self._record_settle(state, plan, n_own, shared_pass_seconds, draft)
+        return [*accepted, next_token], draft.depth, n_own
 
     # ----------------------------------------------------------------- the step's parts
     def _draft_budget(self, state: SequenceState, k: int, uncached: int) -> int:
@@ -456,6 +474,26 @@ class SpeculativeDecoder:
             k = self.controller.draft_budget(k, uncached, self.drafter.tree_depth).n
         state.stats.step_budget.append(k)
         return k
+
+    def _fill(self, state: SequenceState, draft: Draft, uncached: int) -> Draft:
+        """``draft`` extended into the slots the target pads the pass with anyway (``pass_width``), by what followed
+        the latest earlier occurrence of the context-and-draft's last 3, 2 or 1 tokens; as it was where none are."""
+        fed = uncached + len(draft)
+        free = self.target.pass_width([fed]) - fed
+        if free <= 0:
+            return draft
+        remaining = state.max_new_tokens - len(state.generated) - 1 - len(draft)
+        room = (self.target.context_length or 1 << 30) - len(state.tokens) - len(draft)
+        free = min(free, remaining, room)
+        if free <= 0:
+            return draft
+        if state.filler is None:
+            state.filler = NgramDrafter(min_n=1, max_n=3)
+        extra = state.filler.follow(state.tokens, draft.tokens, free)
+        if not extra:
+            return draft
+        confidence = None if draft.confidence is None else [*draft.confidence, *[0.0] * len(extra)]
+        return Draft([*draft.tokens, *extra], None, None, confidence)
 
     def _propose(self, state: SequenceState, k: int) -> Draft:
         if self.feature_layers:
@@ -503,13 +541,14 @@ class SpeculativeDecoder:
         state.stats.draft_seconds += plan.planned_at - t0
 
     def _record_settle(self, state: SequenceState, plan: "StepPlan", accepted: int,
-                       shared_pass_seconds: float | None) -> None:
-        """What the controller learns from a settled step (the pass's cost, the verdict), and its statistics."""
+                       shared_pass_seconds: float | None, draft: Draft) -> None:
+        """What the controller learns from a settled step (the pass's cost, the verdict on the drafter's own
+        ``draft``), and its statistics."""
         seconds = time.perf_counter() - plan.planned_at
         if shared_pass_seconds is None:
             self.controller.observe_step(len(plan.tokens), seconds)
         if self.drafter is not None:
-            self.controller.observe_verdict(plan.draft.depth, accepted, plan.draft.confidence)
+            self.controller.observe_verdict(draft.depth, accepted, draft.confidence)
         state.stats.verify_seconds += seconds if shared_pass_seconds is None else shared_pass_seconds
 
     def _commit(self, state: SequenceState, new_tokens: list[int]) -> str:

@@ -36,6 +36,8 @@ class GenerationStats:
     step_tokens: list[int] = field(default_factory=list)  # tokens committed by each verify step
     step_seconds: list[float] = field(default_factory=list)  # wall time of each step (draft + verify)
     step_budget: list[int] = field(default_factory=list)  # draft tokens the controller asked for, per step
+    filled: int = 0  # guesses verified in slots the target padded the pass with anyway (not the drafter's; free)
+    filled_accepted: int = 0  # of those, accepted
     probes: int = 0
     predicted_tokens: float = 0.0
     predicted_seconds: float = 0.0

@@ -66,6 +66,19 @@ class NgramDrafter(DrafterBase):
                 return n, tokens[starts[-1] : starts[-1] + k]
         return 0, []
 
+    def follow(self, context: Sequence[int], tail: Sequence[int], k: int) -> list[int]:
+        """Up to k tokens that followed the most recent earlier occurrence in ``context`` (indexed, as ``match``
+        does) of the longest suffix n-gram of ``context + tail``; [] for none. ``tail`` (tokens past the context,
+        e.g. a draft) is matched but not indexed, so the index stays the context's as it grows."""
+        self._sync(context)
+        tokens = self._tokens
+        probe = [*tokens[max(0, len(tokens) - self.max_n):], *tail]
+        for n in range(min(self.max_n, len(probe)), self.min_n - 1, -1):
+            starts = self._index[n].get(tuple(probe[len(probe) - n :]))
+            if starts:
+                return tokens[starts[-1] : starts[-1] + k]
+        return []
+
     def continuations(self, context: Sequence[int], k: int) -> list[list[int]]:
         """Up to ``branches`` distinct continuations: what followed the most recent occurrences of the longest
         matching suffix n-gram first, then of shorter ones."""
