@@ -153,6 +153,37 @@ def test_tree_and_eagle_drafters_equal_plain_decoding(ov_target):
         assert out.token_ids == plain.token_ids, drafter.name
 
 
+def test_the_eagle_heads_openvino_graph_steps_like_the_torch_head(ov_target):
+    """On the openvino backend the EAGLE head's chain steps run as an OpenVINO graph (``engine`` auto): in fp32 its
+    g, logits (context-vocabulary rows included) and cached keys and values equal the torch head's, step after step;
+    the int8 default drafts from rounded weights, still verified losslessly."""
+    from verispec.eagle.head import HeadCache
+    from verispec.eagle.openvino import HeadSteps
+
+    torch.manual_seed(1)
+    embedding = ov_target.embedding_model
+    head = EagleHead(head_config_for(embedding, ov_target.name, [1, 2], ov_target.vocab_size)).attach(embedding).eval()
+    assert EagleDrafter(ov_target, head).engine == "openvino"
+    assert EagleDrafter(ov_target, head, engine="torch").steps is head
+    with pytest.raises(InvalidRequest, match="eagle engine"):
+        EagleDrafter(ov_target, head, engine="gpu")
+    steps = HeadSteps(head, embedding, 1, "fp32")
+    extra = embedding.get_output_embeddings().weight.detach()[:3]
+    caches = HeadCache(), HeadCache()
+    hidden = head.config.hidden_size
+    feeds = [(torch.tensor([3, 4, 5, 6]), torch.randn(4, hidden)), (torch.tensor([7]), torch.randn(1, hidden)),
+             (torch.tensor([8, 9]), torch.randn(2, hidden))]
+    with torch.inference_mode():
+        for tokens, features in feeds:
+            g_t, logits_t = head.step_logits(tokens, features, caches[0], extra)
+            g_o, logits_o = steps.step_logits(tokens, features, caches[1], extra)
+            assert logits_o.shape == logits_t.shape == (1, head.config.draft_vocab_size + 3)
+            torch.testing.assert_close(g_o, g_t, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(logits_o, logits_t, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(caches[1].k, caches[0].k, atol=1e-4, rtol=1e-4)
+    assert len(caches[1]) == 7
+
+
 def test_refuses_what_it_does_not_take(ov_target):
     with pytest.raises(InvalidRequest, match="--weights fp32"):
         load_model("smollm2-135m", backend="openvino", dtype="bfloat16")

@@ -42,11 +42,15 @@ from .registry import DrafterSpec, Option, register
 from .vocabulary import ContextVocabulary
 
 
+ENGINES = ("auto", "torch", "openvino", "openvino-fp32")
+
+
 class EagleDrafter(DrafterBase):
     name = "eagle"
 
     def __init__(self, target: TargetModel, head: EagleHead | str | Path | None = None, *, tree: bool = False,
-                 depth: int = 4, width: int = 4, context_vocab: bool = True, lookup: bool = False):
+                 depth: int = 4, width: int = 4, context_vocab: bool = True, lookup: bool = False,
+                 engine: str = "auto"):
         check_whole("eagle tree depth", depth)
         check_whole("eagle tree width", width)
         self.tree, self.depth, self.width = bool(tree), depth, width
@@ -69,6 +73,18 @@ class EagleDrafter(DrafterBase):
         self.context_vocab = context_vocab
         self.vocab = ContextVocabulary(self.head.d2t, target.embedding_model.get_output_embeddings().weight.detach(),
                                        target.vocab_size, self.head.lm_head_d.dtype)
+        if engine not in ENGINES:
+            raise InvalidRequest(f"eagle engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+        if engine == "auto":
+            engine = "openvino" if target.backend == "openvino" else "torch"
+        # what runs the head's chain steps: the torch head, or its graph on OpenVINO (``verispec.eagle.openvino``)
+        self.steps = self.head
+        if engine.startswith("openvino"):
+            from ..eagle.openvino import HeadSteps
+
+            self.steps = HeadSteps(self.head, target.embedding_model, getattr(target, "threads", None) or 1,
+                                   "fp32" if engine == "openvino-fp32" else "int8")
+        self.engine = engine
         self._cache = HeadCache()
         self._tokens: list[int] = []  # the cache holds the pairs of positions 0..len(cache)-1 of these tokens
         self.reset(SamplingParams(), None)
@@ -105,10 +121,12 @@ class EagleDrafter(DrafterBase):
                 self.reset(self.sampling, self.generator)
             self.vocab.grow(context)
         new_tokens = torch.tensor(context[keep + 1 : m + 1], device=device)
-        g = head.step(new_tokens, head.fuse_features(features[keep:m]), self._cache)[-1]  # [H]
+        g, logits = self.steps.step_logits(new_tokens, head.fuse_features(features[keep:m]), self._cache,
+                                           self.vocab.extra)
+        g, logits = g[-1], logits[-1]  # [H], [draft vocabulary]
         if self.tree:
             branch = self._lookup_branch(context, m, k)
-            draft = self._grow_tree(g, m, k - len(branch))
+            draft = self._grow_tree(g, logits, m, k - len(branch))
             if branch:
                 draft = _merge_chain(draft, branch)
             self._cache.truncate(m)
@@ -118,7 +136,6 @@ class EagleDrafter(DrafterBase):
         probs: list[torch.Tensor] = []
         confidence: list[float] = []
         for depth in range(k):
-            logits = head.logits(g, self.vocab.extra)  # [draft vocabulary]
             # the head's largest probability: a property of the distribution, not of the token drawn from it
             confidence.append(float(torch.softmax(logits.float(), dim=-1).max()))
             if self.sampling.greedy:
@@ -129,7 +146,9 @@ class EagleDrafter(DrafterBase):
                 probs.append(q)
             tokens.append(token)
             if depth + 1 < k:
-                g = head.step(torch.tensor([token], device=device), g[None], self._cache)[-1]
+                g, logits = self.steps.step_logits(torch.tensor([token], device=device), g[None], self._cache,
+                                                   self.vocab.extra)
+                g, logits = g[-1], logits[-1]
         self._cache.truncate(m)  # drop the drafted pairs: they were built from the head's own features
         self._tokens = list(context)
         return Draft(tokens, torch.stack(probs) if probs else None, confidence=confidence)
@@ -144,13 +163,13 @@ class EagleDrafter(DrafterBase):
         self._lookup_draft = (m, tokens) if tokens else None
         return tokens
 
-    def _grow_tree(self, g0: torch.Tensor, m: int, budget: int) -> Draft:
+    def _grow_tree(self, g0: torch.Tensor, logits0: torch.Tensor, m: int, budget: int) -> Draft:
         head, cache, width = self.head, self._cache, self.width
         device = g0.device
         d2t = self.vocab.ids
         # node: [token, parent node (-1 = pending), depth, cumulative log-prob, head cache index, g]
         nodes: list[list] = []
-        top = torch.log_softmax(head.logits(g0, self.vocab.extra).float(), dim=-1).topk(width)
+        top = torch.log_softmax(logits0.float(), dim=-1).topk(width)
         for value, index in zip(top.values.tolist(), top.indices.tolist()):
             nodes.append([d2t[index], -1, 1, value, None, None])
         frontier = list(range(len(nodes)))
@@ -219,7 +238,10 @@ register(DrafterSpec(
                     "(drafter 'eagle+lookup')"),
              Option("depth", int, 4, "depth of the eagle tree (default: 4)"),
              Option("width", int, 4, "children per expanded node and nodes expanded per depth in the eagle tree "
-                    "(default: 4)")),
+                    "(default: 4)"),
+             Option("engine", str, "auto", "what runs the eagle head's chain steps: auto (openvino on the openvino "
+                    "backend, torch elsewhere), torch, openvino (its graph with int8 weights, on the target's "
+                    "threads) or openvino-fp32", choices=ENGINES)),
     hidden_states=True,
     trees=lambda options: bool(options.get("tree")), tree_option="tree",
     reference_option="head",

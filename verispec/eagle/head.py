@@ -230,6 +230,13 @@ class EagleHead(nn.Module):
             mask = torch.ones(t, start + t, dtype=torch.bool, device=x.device).tril(diagonal=start)
         return self.finish(x, q, k_all, v_all, mask)[0]
 
+    def step_logits(self, tokens: torch.Tensor, features: torch.Tensor, cache: HeadCache,
+                    extra: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``step`` for a chain (the new pairs at the next positions), then the logits of its last row: (g [T, H],
+        logits [1, draft_vocab (+ E)]). ``verispec.eagle.openvino.HeadSteps`` runs the same on OpenVINO."""
+        g = self.step(tokens, features, cache)
+        return g, self.logits(g[-1:], extra)
+
     # ------------------------------------------------------------------ persistence
     def save(self, folder: str | Path) -> None:
         from safetensors.torch import save_file
