@@ -4,8 +4,9 @@ On the OpenVINO backend the target's passes use both cores through OpenVINO's ow
 the one thread left to torch: ~1.2 ms a draft token, most of it streaming the float32 draft lm_head (8,192 x 576),
 and the target's next pass ran ~1.5 ms slower after torch had run (measured on a Zen 5, docs/openvino.md). Here the
 head's step (``EagleHead.step`` then ``EagleHead.logits``) is converted once to an OpenVINO graph, its weights
-compressed to int8 (NNCF), and run on the target's threads: ~0.43 ms a one-token step at 300 cached positions. The
-drafts change a little (int8 weights); the output cannot: drafts are verified by the target like any others.
+compressed to int8 (NNCF), and run in the target's OpenVINO core on one thread: ~1 ms a one-token step at 300 cached
+positions, Python included (0.43 ms for the graph alone), and no slower target pass after it. The drafts change a
+little (int8 weights); the output cannot: drafts are verified by the target like any others.
 
 ``HeadSteps`` and the torch head share one method, ``step_logits``: the drafter calls whichever it was given.
 """
@@ -27,21 +28,25 @@ from .head import EagleHead, HeadCache
 log = logging.getLogger(__name__)
 
 
+ROWS = (1, 8)  # the fixed numbers of new pairs: a draft token; the pairs a verify pass accepted (up to 8)
+CACHE_STEP = 64
+
+
 class _Step(nn.Module):
     """What is converted: embeddings and features of T new pairs after P cached ones -> (g [T, H], keys and values
-    of the T pairs, out_norm(g) of the last row [1, H], its draft-vocabulary logits [1, V_d])."""
+    of the T pairs, out_norm(g) of row ``last`` [1, H], its draft-vocabulary logits [1, V_d])."""
 
     def __init__(self, head: EagleHead) -> None:
         super().__init__()
         self.head = head
         self.lm_head = nn.Parameter(head.lm_head_d.detach().clone(), requires_grad=False)
 
-    def forward(self, emb, feat, positions, past_k, past_v, visible):
+    def forward(self, emb, feat, positions, past_k, past_v, visible, last):
         h = self.head
         x = h.fc(torch.cat([h.embed_norm(emb), h.feature_norm(feat)], dim=-1))[None]
         q, k, v = h.qkv(x, positions)
         g = h.finish(x, q, torch.cat([past_k, k], 2), torch.cat([past_v, v], 2), visible[None, None])[0]
-        n = h.out_norm(g[-1:])
+        n = h.out_norm(g.index_select(0, last))
         return g, k, v, n, n @ self.lm_head.T
 
 
@@ -60,15 +65,16 @@ class HeadSteps:
         plain.eval()
         self.head, self.embed = head, head.embed
         self.kv_shape = (1, c.num_kv_heads, 0, c.head_dim)
+        self.hidden = c.hidden_size
         cached = 3
         example = (torch.zeros(2, c.hidden_size), torch.zeros(2, c.hidden_size), torch.tensor([cached, cached + 1]),
                    torch.zeros(1, c.num_kv_heads, cached, c.head_dim), torch.zeros(1, c.num_kv_heads, cached, c.head_dim),
-                   torch.ones(2, cached + 2, dtype=torch.bool))
+                   torch.ones(2, cached + 2, dtype=torch.bool), torch.tensor([1]))
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the tracer's deprecation and its notes on shapes it records
             model = ov.convert_model(_Step(plain).eval(), example_input=example)
         h, kv = c.hidden_size, [1, c.num_kv_heads, -1, c.head_dim]
-        model.reshape(dict(zip(model.inputs, ([-1, h], [-1, h], [-1], kv, kv, [-1, -1]))))
+        model.reshape(dict(zip(model.inputs, ([-1, h], [-1, h], [-1], kv, kv, [-1, -1], [1]))))
         if weights == "int8":
             try:
                 import nncf
@@ -85,10 +91,17 @@ class HeadSteps:
                         model = nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM)
                 finally:
                     quiet.setLevel(level)
-        compiled = (core or ov.Core()).compile_model(model, "CPU", {"INFERENCE_NUM_THREADS": threads, "NUM_STREAMS": 1,
-                                                           "INFERENCE_PRECISION_HINT": "f32",
-                                                           "PERFORMANCE_HINT": "LATENCY"})
-        self.request = compiled.create_infer_request()
+        core = core or ov.Core()
+        properties = {"INFERENCE_NUM_THREADS": threads, "NUM_STREAMS": 1, "INFERENCE_PRECISION_HINT": "f32",
+                      "PERFORMANCE_HINT": "LATENCY"}
+        # rows -> infer request: graphs of a fixed number of new pairs (padded up to it), the cached pairs padded to
+        # a multiple of CACHE_STEP, so a shape changes every CACHE_STEP positions instead of at every draft token
+        # (OpenVINO re-plans a graph's kernels on every change of shape); None: any shape (a request's first step)
+        self.requests = {None: core.compile_model(model, "CPU", properties).create_infer_request()}
+        for rows in ROWS:
+            fixed = model.clone()
+            fixed.reshape(dict(zip(fixed.inputs, ([rows, h], [rows, h], [rows], kv, kv, [rows, -1], [1]))))
+            self.requests[rows] = core.compile_model(fixed, "CPU", properties).create_infer_request()
         self.weights = weights
 
     def step_logits(self, tokens: torch.Tensor, features: torch.Tensor, cache: HeadCache,
@@ -96,14 +109,25 @@ class HeadSteps:
         """``EagleHead.step_logits`` for a chain: the new pairs sit at the next positions and see the cache and
         each other causally; logits of the last row only."""
         start, t = len(cache), int(tokens.shape[0])
-        emb = self.embed(tokens).detach().float().numpy()
-        visible = np.ones((t, start + t), dtype=bool)
-        if t > 1:
-            visible[:, start:] = np.tri(t, dtype=bool)
-        past_k = cache.k.numpy() if cache.k is not None else np.zeros(self.kv_shape, np.float32)
-        past_v = cache.v.numpy() if cache.v is not None else np.zeros(self.kv_shape, np.float32)
-        out = self.request.infer([emb, features.detach().float().numpy(), np.arange(start, start + t), past_k, past_v, visible])
+        rows = next((r for r in ROWS if r >= t), None)
+        width = t if rows is None else rows
+        room = start if rows is None else -(-start // CACHE_STEP) * CACHE_STEP
+        emb = np.zeros((width, self.hidden), np.float32)
+        emb[:t] = self.embed(tokens).detach().float().numpy()
+        feat = np.zeros((width, self.hidden), np.float32)
+        feat[:t] = features.detach().float().numpy()
+        visible = np.zeros((width, room + width), dtype=bool)
+        visible[:, :start] = True
+        visible[:, room:] = np.tri(width, dtype=bool)  # padding rows come last: no real row sees them
+        past_k = np.zeros((1, self.kv_shape[1], room, self.kv_shape[3]), np.float32)
+        past_v = np.zeros_like(past_k)
+        if start:
+            past_k[:, :, :start] = cache.k.numpy()
+            past_v[:, :, :start] = cache.v.numpy()
+        out = self.requests[rows].infer([emb, feat, np.arange(start, start + width), past_k, past_v, visible,
+                                         np.array([t - 1])], share_inputs=True)
         g, k, v, n, logits = (torch.from_numpy(np.array(o)) for o in out.to_tuple())
+        g, k, v = g[:t], k[:, :, :t], v[:, :, :t]
         cache.append(k, v)
         if extra is not None and extra.shape[0]:
             logits = torch.cat([logits, n.to(extra.dtype) @ extra.T], dim=-1)

@@ -221,6 +221,11 @@ class OpenVINOModel(BorrowedEmbeddings):
         return torch.equal(wide, steps)
 
     @property
+    def ov_core(self):
+        """The ``openvino.Core`` this model's graphs are compiled in (a drafter's graphs join it)."""
+        return self._core
+
+    @property
     def masked(self):
         """The stateful graph with the 4-D mask (token trees; every pass where paged attention is off), compiled on
         first use."""
