@@ -242,8 +242,8 @@ register(DrafterSpec(
              Option("width", int, 4, "children per expanded node and nodes expanded per depth in the eagle tree "
                     "(default: 4)"),
              Option("engine", str, "auto", "what runs the eagle head's chain steps: auto (openvino on the openvino "
-                    "backend, torch elsewhere), torch, openvino (its graph with int8 weights, on the target's "
-                    "threads) or openvino-fp32", choices=ENGINES)),
+                    "backend, torch elsewhere), torch, openvino (an OpenVINO graph of the head with int8 weights, "
+                    "one thread) or openvino-fp32", choices=ENGINES)),
     hidden_states=True,
     trees=lambda options: bool(options.get("tree")), tree_option="tree",
     reference_option="head",
