@@ -184,6 +184,22 @@ def test_the_eagle_heads_openvino_graph_steps_like_the_torch_head(ov_target):
     assert len(caches[1]) == 7
 
 
+def test_the_eagle_heads_openvino_graph_drafts_for_a_transformers_target_in_bfloat16(tiny_target):
+    """``engine=openvino`` elsewhere too: a bfloat16 head drafting for the transformers target through the graph
+    (float32 inside, the head's dtype outside) gives plain decoding's tokens."""
+    torch.manual_seed(2)
+    embedding = tiny_target.embedding_model
+    head = EagleHead(head_config_for(embedding, tiny_target.name, [1, 2], tiny_target.vocab_size)).to(torch.bfloat16)
+    head = head.attach(embedding).eval()
+    drafter = EagleDrafter(tiny_target, head, engine="openvino")
+    assert drafter.engine == "openvino" and drafter.steps is not head
+    prompt = [1, 5, 9, 5, 9, 5, 9, 12, 5, 9]
+    plain = SpeculativeDecoder(tiny_target).generate(prompt, max_new_tokens=30)
+    out = SpeculativeDecoder(tiny_target, drafter, k=4, k_policy="fixed").generate(prompt, max_new_tokens=30)
+    assert out.token_ids == plain.token_ids and out.stats.drafted > 0
+    assert drafter._cache.k.dtype == torch.bfloat16
+
+
 def test_refuses_what_it_does_not_take(ov_target):
     with pytest.raises(InvalidRequest, match="--weights fp32"):
         load_model("smollm2-135m", backend="openvino", dtype="bfloat16")

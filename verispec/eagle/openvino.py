@@ -51,9 +51,10 @@ class _Step(nn.Module):
 
 
 class HeadSteps:
-    """``head``'s draft steps as a compiled OpenVINO graph (dynamic in the new pairs and the cached ones), run with
-    ``threads`` threads; ``weights`` int8 (default) or fp32. Trees take the torch head (their steps need every
-    row's logits)."""
+    """``head``'s draft steps as compiled OpenVINO graphs (1 or 8 new pairs, padded up, or any number for a
+    request's first step), run with ``threads`` threads; ``weights`` int8 (default) or fp32. Tensors in and out keep
+    the head's dtype (the graphs compute in float32). Trees take the torch head (their steps need every row's
+    logits)."""
 
     def __init__(self, head: EagleHead, embedding_model, threads: int, weights: str = "int8", core=None) -> None:
         ov = import_openvino()
@@ -63,7 +64,7 @@ class HeadSteps:
         plain.train()  # attach() packs a head in eval mode
         plain.attach(embedding_model)
         plain.eval()
-        self.head, self.embed = head, head.embed
+        self.head, self.embed, self.dtype = head, head.embed, head.fuse.weight.dtype
         self.kv_shape = (1, c.num_kv_heads, 0, c.head_dim)
         self.hidden = c.hidden_size
         cached = 3
@@ -122,12 +123,12 @@ class HeadSteps:
         past_k = np.zeros((1, self.kv_shape[1], room, self.kv_shape[3]), np.float32)
         past_v = np.zeros_like(past_k)
         if start:
-            past_k[:, :, :start] = cache.k.numpy()
-            past_v[:, :, :start] = cache.v.numpy()
+            past_k[:, :, :start] = cache.k.float().numpy()
+            past_v[:, :, :start] = cache.v.float().numpy()
         out = self.requests[rows].infer([emb, feat, np.arange(start, start + width), past_k, past_v, visible,
                                          np.array([t - 1])], share_inputs=True)
         g, k, v, n, logits = (torch.from_numpy(np.array(o)) for o in out.to_tuple())
-        g, k, v = g[:t], k[:, :, :t], v[:, :, :t]
+        g, k, v = g[:t].to(self.dtype), k[:, :, :t].to(self.dtype), v[:, :, :t].to(self.dtype)
         cache.append(k, v)
         if extra is not None and extra.shape[0]:
             logits = torch.cat([logits, n.to(extra.dtype) @ extra.T], dim=-1)
