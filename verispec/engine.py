@@ -467,13 +467,18 @@ class SpeculativeDecoder:
     def _draft_budget(self, state: SequenceState, k: int, uncached: int) -> int:
         """Draft tokens to ask for: at most k, what the output and the context window still hold, and what the
         controller finds worth a wider pass (0 = a plain step)."""
-        remaining = state.max_new_tokens - len(state.generated)
-        room = (self.target.context_length or 1 << 30) - len(state.tokens)
-        k = max(0, min(k, remaining - 1, room))
+        k = max(0, min(k, self._draft_room(state)))
         if k > 0:
             k = self.controller.draft_budget(k, uncached, self.drafter.tree_depth).n
         state.stats.step_budget.append(k)
         return k
+
+    def _draft_room(self, state: SequenceState) -> int:
+        """Draft tokens the sequence can still take: the output's limit (the step commits one more) and the context
+        window's."""
+        remaining = state.max_new_tokens - len(state.generated)
+        room = (self.target.context_length or 1 << 30) - len(state.tokens)
+        return min(remaining - 1, room)
 
     def _fill(self, state: SequenceState, draft: Draft, uncached: int) -> Draft:
         """``draft`` extended into the slots the target pads the pass with anyway (``pass_width``), by what followed
@@ -482,9 +487,7 @@ class SpeculativeDecoder:
         free = self.target.pass_width([fed]) - fed
         if free <= 0:
             return draft
-        remaining = state.max_new_tokens - len(state.generated) - 1 - len(draft)
-        room = (self.target.context_length or 1 << 30) - len(state.tokens) - len(draft)
-        free = min(free, remaining, room)
+        free = min(free, self._draft_room(state) - len(draft))
         if free <= 0:
             return draft
         if state.filler is None:

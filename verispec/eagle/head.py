@@ -173,7 +173,10 @@ class EagleHead(nn.Module):
 
     def inputs(self, tokens: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
         """Layer input for pairs (f_i, t_{i+1}): ``tokens`` [..., T] are the t_{i+1}, ``features`` [..., T, H]."""
-        emb = self.embed(tokens).to(self.fc.weight.dtype)
+        return self.pair_inputs(self.embed(tokens).to(self.fc.weight.dtype), features)
+
+    def pair_inputs(self, emb: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """``inputs`` from the tokens' embeddings ``emb`` [..., T, H] (the OpenVINO graph gets them as input)."""
         return self.fc(torch.cat([self.embed_norm(emb), self.feature_norm(features)], dim=-1))
 
     def _rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

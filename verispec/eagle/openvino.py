@@ -2,7 +2,7 @@
 
 On the OpenVINO backend the target's passes use both cores through OpenVINO's own threads, and the torch head ran on
 the one thread left to torch: ~1.2 ms a draft token, most of it streaming the float32 draft lm_head (8,192 x 576),
-and the target's next pass ran ~1.5 ms slower after torch had run (measured on a Zen 5, docs/openvino.md). Here the
+and the target's next pass ran ~1.5 ms slower after torch had run (measured on a Zen 5, 2026-11-26). Here the
 head's step (``EagleHead.step`` then ``EagleHead.logits``) is converted once to an OpenVINO graph, its weights
 compressed to int8 (NNCF), and run in the target's OpenVINO core on one thread: ~1 ms a one-token step at 300 cached
 positions, Python included (0.43 ms for the graph alone), and no slower target pass after it. The drafts change a
@@ -43,7 +43,7 @@ class _Step(nn.Module):
 
     def forward(self, emb, feat, positions, past_k, past_v, visible, last):
         h = self.head
-        x = h.fc(torch.cat([h.embed_norm(emb), h.feature_norm(feat)], dim=-1))[None]
+        x = h.pair_inputs(emb, feat)[None]
         q, k, v = h.qkv(x, positions)
         g = h.finish(x, q, torch.cat([past_k, k], 2), torch.cat([past_v, v], 2), visible[None, None])[0]
         n = h.out_norm(g.index_select(0, last))

@@ -29,9 +29,9 @@ log = logging.getLogger(__name__)
 MASKED = np.float32(np.finfo(np.float32).min)  # the additive mask's value for a position not attended to
 
 KV_PRECISIONS = ("f32", "f16", "bf16", "u8")
-ATTENTION = ("paged", "masked")
+ATTENTION = ("paged", "masked")  # paged attention (default; chains), or the stateful graph's 4-D mask everywhere
 # one-sequence passes of up to 6 tokens (plain steps, chains of up to 5 drafts) run on graphs of static shapes
-STATIC_WIDTHS = (1, 2, 4, 6)  # paged attention (default; chains), or the stateful graph's 4-D mask everywhere
+STATIC_WIDTHS = (1, 2, 4, 6)
 
 
 class OpenVINOKV:
@@ -289,12 +289,11 @@ class OpenVINOModel(BorrowedEmbeddings):
         return OpenVINOKVGroup(self, capacity)
 
     def pass_width(self, widths) -> int:
-        """The tokens a batched pass computes: no padding either way (the paged graph takes ragged rows in one pass;
-        the stateful graph runs rows one after another, one infer request each); a row of one token is padded to
-        ``min_width``."""
-        if len(widths) == 1 and self._bucket(widths[0]) is not None:
-            return self._bucket(widths[0])
-        return sum(max(w, self.min_width) for w in widths)
+        """The tokens a pass computes: a lone row padded to its static width where one fits; else no padding
+        either way (the paged graph takes ragged rows in one pass; the stateful graph runs rows one after another,
+        one infer request each) but a row of one token padded to ``min_width``."""
+        bucket = self._bucket(widths[0]) if len(widths) == 1 else None
+        return bucket if bucket is not None else sum(max(w, self.min_width) for w in widths)
 
     def forward(self, kv: "OpenVINOKV | PagedKV", tokens, *, parents=None, last_only: bool = False,
                 feature_layers=()) -> TargetPass:

@@ -25,15 +25,10 @@ import numpy as np
 BLOCK_INPUTS = ("key_cache.", "value_cache.")
 
 
-def paged_model(core, xml_path, layers: tuple[int, ...] = (), width: int | None = None):
+def paged_model(core, xml_path, layers: tuple[int, ...] = ()):
     """The exported ``verispec_model.xml`` with paged attention, computing logits only at ``logit_rows``, and
     the hidden states of ``layers`` only (``hidden_states`` [tokens, 1, len(layers), hidden], in that order; none
     without layers: stacking all 31 of the default model's cost ~3 ms of a 17 ms one-token bf16 step).
-
-    With ``width`` the graph's shapes are static: one sequence, ``width`` tokens, logits at every one of them. The
-    CPU plugin re-plans a dynamic graph's kernels whenever a pass's shapes differ from the last pass's (~4-5 ms on 2
-    cores, a third of an int4 pass); a static graph never does, and its passes are cheaper even at one width
-    (docs/openvino.md).
 
     The transformation flattens the batch into one dimension of tokens ([tokens, 1, hidden]), so the export's row
     gather (on the sequence axis) is rebuilt on the token axis in front of the lm_head."""
@@ -67,11 +62,14 @@ def paged_model(core, xml_path, layers: tuple[int, ...] = (), width: int | None 
             picked_layers = ops.concat([stacked.input_value(i % count) for i in layers], stacked.get_attributes()["axis"])
             result.input(0).replace_source_output(picked_layers.output(0))
     model.validate_nodes_and_infer_types()
-    return model if width is None else static_shapes(model, width)
+    return model
 
 
 def static_shapes(model, width: int):
-    """``model`` (a paged graph) reshaped for one sequence of ``width`` tokens, logits at each."""
+    """``model`` (a paged graph) reshaped for one sequence of ``width`` tokens, logits at each. The CPU plugin
+    re-plans a dynamic graph's kernels whenever a pass's shapes differ from the last pass's (~4-5 ms on 2 cores, a
+    third of an int4 pass); a static graph never does, and its passes are cheaper even at one width
+    (docs/openvino.md)."""
     one = {"past_lens": [1], "subsequence_begins": [2], "block_indices_begins": [2]}
     model.reshape({name: one.get(name, [width]) for name in STATIC_INPUTS})
     return model
