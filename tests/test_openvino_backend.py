@@ -153,6 +153,22 @@ def test_tree_and_eagle_drafters_equal_plain_decoding(ov_target):
         assert out.token_ids == plain.token_ids, drafter.name
 
 
+def test_a_decoder_whose_drafter_reads_hidden_states_has_their_static_graphs_compiled_before_its_first_request(
+        ov_target):
+    """The graphs that return a drafter's feature layers are compiled when the decoder is built (~1.3 s each on the
+    real model), not in the middle of the first requests that reach each width."""
+    torch.manual_seed(1)
+    embedding = ov_target.embedding_model
+    head = EagleHead(head_config_for(embedding, ov_target.name, [0, 2], ov_target.vocab_size)).attach(embedding).eval()
+    layers = tuple(head.config.feature_layers)
+    assert not any(key[0] == layers for key in ov_target._paged_requests)
+    decoder = SpeculativeDecoder(ov_target, EagleDrafter(ov_target, head), k=3)
+    compiled = set(ov_target._paged_requests)
+    assert {(layers, w) for w in (None, *ov_target.static_widths)} <= compiled and ov_target.static_widths
+    decoder.generate([1, 5, 9, 5, 9, 5, 9, 12, 5, 9], max_new_tokens=24)
+    assert set(ov_target._paged_requests) == compiled
+
+
 def test_the_eagle_heads_openvino_graph_steps_like_the_torch_head(ov_target):
     """On the openvino backend the EAGLE head's chain steps run as an OpenVINO graph (``engine`` auto): in fp32 its
     g, logits (context-vocabulary rows included) and cached keys and values equal the torch head's, step after step;

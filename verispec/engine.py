@@ -180,6 +180,8 @@ class SpeculativeDecoder:
         if self.feature_layers and not target.supports_features:
             raise InvalidRequest(f"the {self.drafter_name} drafter reads the target's hidden states, which the "
                                  f"{target.backend} backend does not provide; use --backend transformers")
+        if self.feature_layers and hasattr(target, "prepare"):  # optional: graphs compiled now, not mid-request
+            target.prepare(self.feature_layers)
         self.fill_padding = fill_padding
         self._trees = bool(drafter is not None and drafter.tree_depth)  # its caches are asked for tree passes
         if self._trees and not target.supports_trees:

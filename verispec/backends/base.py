@@ -158,3 +158,6 @@ class TargetModel(Protocol):
     def pass_width(self, widths: Sequence[int]) -> int:
         """The tokens a batched pass over rows of these widths computes (padding included): what its cost
         depends on."""
+
+    # Optional, looked up by the engine: ``prepare(feature_layers)`` readies the passes that return those layers'
+    # hidden states before the first request needs them (the OpenVINO backend compiles its static graphs for them).

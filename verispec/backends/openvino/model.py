@@ -340,6 +340,16 @@ class OpenVINOModel(BorrowedEmbeddings):
             return self._paged(items, False, feature_layers)
         return [self.forward(kv, tokens, feature_layers=feature_layers) for kv, tokens in items]
 
+    def prepare(self, feature_layers) -> None:
+        """Compile now the graphs that return the hidden states of ``feature_layers`` (the dynamic one and one per
+        static width, ~1.3 s each on the default model), which a drafter reading them (EAGLE) would otherwise wait
+        for in its first requests, once per pass width."""
+        if self.pool is None or not feature_layers:
+            return
+        with self._lock:
+            for width in (None, *self.static_widths):  # the dynamic graph: prefills and longer passes
+                self._paged_request(tuple(feature_layers), width)
+
     def _paged_request(self, layers: tuple[int, ...], width: int | None = None):
         """The paged graph's infer request for the hidden states of ``layers`` (none: the graph chains run), of
         static shapes for one sequence of ``width`` tokens or dynamic (None), each compiled on first use."""
