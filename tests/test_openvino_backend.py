@@ -153,10 +153,16 @@ def test_tree_and_eagle_drafters_equal_plain_decoding(ov_target):
         assert out.token_ids == plain.token_ids, drafter.name
 
 
-def test_a_decoder_whose_drafter_reads_hidden_states_has_their_static_graphs_compiled_before_its_first_request(
-        ov_target):
-    """The graphs that return a drafter's feature layers are compiled when the decoder is built (~1.3 s each on the
-    real model), not in the middle of the first requests that reach each width."""
+def test_a_decoder_has_the_graphs_its_passes_run_compiled_before_its_first_request(ov_target, tiny_dir):
+    """The load compiles plain decoding's static graph only; a decoder compiles those its passes of up to k + 1
+    tokens run, with the graphs returning its drafter's feature layers (~1.3 s each on the real model), when it is
+    built, not in the middle of the first requests that reach each width."""
+    fresh = load_model(str(tiny_dir), backend="openvino", threads=1, min_width=2)
+    assert fresh.static_widths == (2, 4, 6) and set(fresh._paged_requests) == {((), None), ((), 2)}
+    SpeculativeDecoder(fresh).generate([1, 5, 9], max_new_tokens=4)
+    assert set(fresh._paged_requests) == {((), None), ((), 2)}  # plain decoding: nothing more
+    SpeculativeDecoder(fresh, make_drafter("ngram", target=fresh), k=3)
+    assert set(fresh._paged_requests) == {((), None), ((), 2), ((), 4)}
     torch.manual_seed(1)
     embedding = ov_target.embedding_model
     head = EagleHead(head_config_for(embedding, ov_target.name, [0, 2], ov_target.vocab_size)).attach(embedding).eval()
@@ -164,7 +170,8 @@ def test_a_decoder_whose_drafter_reads_hidden_states_has_their_static_graphs_com
     assert not any(key[0] == layers for key in ov_target._paged_requests)
     decoder = SpeculativeDecoder(ov_target, EagleDrafter(ov_target, head), k=3)
     compiled = set(ov_target._paged_requests)
-    assert {(layers, w) for w in (None, *ov_target.static_widths)} <= compiled and ov_target.static_widths
+    assert ov_target.static_widths == (1, 2, 4, 6)
+    assert {(layers, w) for w in (None, 1, 2, 4)} <= compiled and (layers, 6) not in compiled
     decoder.generate([1, 5, 9, 5, 9, 5, 9, 12, 5, 9], max_new_tokens=24)
     assert set(ov_target._paged_requests) == compiled
 
@@ -403,6 +410,7 @@ def test_one_sequence_passes_run_padded_on_graphs_of_static_shapes_with_the_dyna
     dynamic = load_model(str(tiny_dir), backend="openvino", threads=1, min_width=2, static_widths=())
     assert static.static_widths == (2, 4, 6) and dynamic.static_widths == ()
     assert "static widths 2/4/6" in static.kernel and "static" not in dynamic.kernel
+    static.prepare()  # every static width compiled now (the load compiles the narrowest only)
     ran = []
     for key, request in list(static._paged_requests.items()):
         def counted(*a, _key=key, _infer=request.infer, **k):

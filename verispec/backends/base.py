@@ -159,5 +159,6 @@ class TargetModel(Protocol):
         """The tokens a batched pass over rows of these widths computes (padding included): what its cost
         depends on."""
 
-    # Optional, looked up by the engine: ``prepare(feature_layers)`` readies the passes that return those layers'
-    # hidden states before the first request needs them (the OpenVINO backend compiles its static graphs for them).
+    # Optional, looked up by the engine: ``prepare(feature_layers, width)`` readies the passes of up to ``width``
+    # tokens, returning those layers' hidden states, before a first request needs them (the OpenVINO backend
+    # compiles its graphs of static shapes then).

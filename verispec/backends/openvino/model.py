@@ -165,7 +165,7 @@ class OpenVINOModel(BorrowedEmbeddings):
         # construction. fp32's one-token rows differ by ~7e-5 and no argmax was seen to flip: it pads only if asked.
         self.min_width = min_width if self.pool is not None else 1
         self.static_widths = self._static_widths(static_widths)
-        for width in self.static_widths:  # compiled now (~1.3 s each here), not in a user's first request
+        for width in self.static_widths[:1]:  # plain decoding's; the others when a decoder prepares (or first used)
             self._paged_request((), width)
         compiled = self._paged_requests[(), None].get_compiled_model() if self.pool else self.masked
         self.inference_precision = compiled.get_property("INFERENCE_PRECISION_HINT").to_string()
@@ -211,12 +211,13 @@ class OpenVINOModel(BorrowedEmbeddings):
     def _probe_widths(self) -> bool:
         """Whether an 8-token pass gives each position the very logits that one-token steps (padded to
         ``min_width``) give it, on this CPU and build: checked at load (9 passes)."""
-        ids = [(7 * i + 3) % self.vocab_size for i in range(12)]
+        start = max(self.static_widths, default=3) + 1  # a prefill on the dynamic graph (no static one compiled)
+        ids = [(7 * i + 3) % self.vocab_size for i in range(start + 8)]
         kv = self.new_kv()
-        self.forward(kv, ids[:4], last_only=True)
-        wide = self.forward(kv, ids[4:]).logits
-        kv.truncate(4)
-        steps = torch.cat([self.forward(kv, [t]).logits for t in ids[4:]])
+        self.forward(kv, ids[:start], last_only=True)
+        wide = self.forward(kv, ids[start:]).logits
+        kv.truncate(start)
+        steps = torch.cat([self.forward(kv, [t]).logits for t in ids[start:]])
         kv.close()
         return torch.equal(wide, steps)
 
@@ -340,15 +341,19 @@ class OpenVINOModel(BorrowedEmbeddings):
             return self._paged(items, False, feature_layers)
         return [self.forward(kv, tokens, feature_layers=feature_layers) for kv, tokens in items]
 
-    def prepare(self, feature_layers) -> None:
-        """Compile now the graphs that return the hidden states of ``feature_layers`` (the dynamic one and one per
-        static width, ~1.3 s each on the default model), which a drafter reading them (EAGLE) would otherwise wait
-        for in its first requests, once per pass width."""
-        if self.pool is None or not feature_layers:
+    def prepare(self, feature_layers=(), width: int | None = None) -> None:
+        """Compile now the graphs a decoder's passes of up to ``width`` tokens (None: any) will run: the static widths
+        that cover them and, for a drafter that reads hidden states (EAGLE), the graphs returning ``feature_layers``
+        (the dynamic one too). Each costs ~1.3 s on the default model, which the first requests would otherwise wait
+        for mid-answer; the load compiles only the narrowest static width (plain decoding's)."""
+        if self.pool is None:
             return
+        limit = None if width is None else self._bucket(width) or width  # the widest static graph such passes run
+        widths = [w for w in self.static_widths if limit is None or w <= limit]
         with self._lock:
-            for width in (None, *self.static_widths):  # the dynamic graph: prefills and longer passes
-                self._paged_request(tuple(feature_layers), width)
+            for layers in {(), tuple(feature_layers)}:
+                for w in ([None] if layers else []) + widths:  # the dynamic graph: prefills and longer passes
+                    self._paged_request(layers, w)
 
     def _paged_request(self, layers: tuple[int, ...], width: int | None = None):
         """The paged graph's infer request for the hidden states of ``layers`` (none: the graph chains run), of
