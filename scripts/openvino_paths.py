@@ -116,6 +116,8 @@ def main() -> None:
     args = ap.parse_intermixed_args()
     if args.what == "shapes":
         models = [load("smollm2-135m", args.weights, args.threads, static_widths=w) for w in ((), None)]
+        for model in models:
+            model.prepare()  # every static width compiled before the timing
         for _ in range(2):  # interleaved: the dynamic graph, then the static widths, twice
             for model in models:
                 print(f"static widths: {'/'.join(map(str, model.static_widths)) or 'none'}")

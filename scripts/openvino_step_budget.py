@@ -147,6 +147,7 @@ def main() -> None:
             model._paged_request((), w)
     else:
         model = load("smollm2-135m", args.weights, args.threads, static_widths=static)
+        model.prepare()  # every static width compiled before the timing
     model.eos_token_ids = frozenset()
     print(model.kernel)
     if args.what == "widths":
