@@ -207,6 +207,47 @@ def test_the_eagle_heads_openvino_graph_steps_like_the_torch_head(ov_target):
     assert len(caches[1]) == 7
 
 
+def test_the_eagle_heads_openvino_graph_is_stored_once_and_read_back_until_the_head_changes(ov_target, tmp_path,
+                                                                                            monkeypatch):
+    """The converted head graph is stored under the cache, keyed by the head's weights (and format, code and
+    versions): a second build reads it back without converting and steps exactly alike; other weights, or a
+    broken file, are converted afresh."""
+    import openvino as ov
+
+    from verispec.eagle import openvino as head_graphs
+    from verispec.eagle.head import HeadCache
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    torch.manual_seed(2)
+    embedding = ov_target.embedding_model
+    head = EagleHead(head_config_for(embedding, ov_target.name, [1, 2], ov_target.vocab_size)).attach(embedding).eval()
+    first = head_graphs.HeadSteps(head, embedding, 1, "fp32")
+    stored = head_graphs.graph_dir(head, "fp32")
+    assert (stored / head_graphs.GRAPH_XML).exists() and stored.parent == tmp_path / "openvino" / "eagle-heads"
+    converted = []
+    real_convert = head_graphs._convert
+    monkeypatch.setattr(head_graphs, "_convert", lambda *a: converted.append(1) or real_convert(*a))
+    second = head_graphs.HeadSteps(head, embedding, 1, "fp32")
+    assert converted == []
+    tokens, features = torch.tensor([3, 4, 5]), torch.randn(3, head.config.hidden_size)
+    with torch.inference_mode():
+        outs = [steps.step_logits(tokens, features, HeadCache()) for steps in (first, second)]
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert head_graphs.graph_dir(head, "int8") != stored
+    kept = head.fuse.weight.detach().clone()
+    with torch.no_grad():
+        head.fuse.weight.add_(0.01)
+    assert head_graphs.graph_dir(head, "fp32") != stored
+    head_graphs.HeadSteps(head, embedding, 1, "fp32")
+    assert converted == [1]
+    (stored / head_graphs.GRAPH_XML).write_text("not a graph")
+    with torch.no_grad():
+        head.fuse.weight.copy_(kept)
+    assert head_graphs.graph_dir(head, "fp32") == stored
+    head_graphs.HeadSteps(head, embedding, 1, "fp32")
+    assert converted == [1, 1] and ov.Core().read_model(str(stored / head_graphs.GRAPH_XML))
+
+
 def test_the_eagle_heads_openvino_graph_drafts_for_a_transformers_target_in_bfloat16(tiny_target):
     """``engine=openvino`` elsewhere too: a bfloat16 head drafting for the transformers target through the graph
     (float32 inside, the head's dtype outside) gives plain decoding's tokens."""

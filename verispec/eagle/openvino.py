@@ -14,9 +14,16 @@ little (int8 weights); the output cannot: drafts are verified by the target like
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import importlib.util
 import io
+import json
 import logging
+import shutil
+import tempfile
 import warnings
+from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -50,6 +57,80 @@ class _Step(nn.Module):
         return g, k, v, n, n @ self.lm_head.T
 
 
+GRAPH_XML = "head_step.xml"
+
+
+def graph_dir(head: EagleHead, weights: str) -> Path:
+    """Where the converted graph of ``head`` in ``weights`` is stored: ``$VERISPEC_CACHE/openvino/eagle-heads``, keyed
+    by the head's weights and config, the format, this module's and ``verispec.eagle.head``'s source (what the graph
+    is traced from) and the OpenVINO and NNCF versions; so a changed head, code or version is converted afresh."""
+    import importlib.metadata
+
+    from ..backends.references import cache_dir
+    from . import head as head_module
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(head.state_dict().items()):
+        if name.startswith("embed."):  # borrowed from the target, not traced into the graph
+            continue
+        digest.update(name.encode())
+        digest.update(tensor.detach().float().contiguous().numpy().tobytes())
+    versions = {}
+    for package in ("openvino", "nncf"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    for part in (json.dumps(asdict(head.config), sort_keys=True, default=str), weights,
+                 json.dumps(versions, sort_keys=True),
+                 Path(__file__).read_text(), Path(head_module.__file__).read_text()):
+        digest.update(part.encode())
+    return cache_dir() / "openvino" / "eagle-heads" / digest.hexdigest()[:24]
+
+
+def _convert(plain: EagleHead, weights: str):
+    """The head's step traced and converted to OpenVINO (dynamic shapes), int8-compressed with ``weights`` int8
+    (~2.5 s for the shipped head on 2 cores, most of it the trace and NNCF's import)."""
+    ov = import_openvino()
+    c = plain.config
+    cached = 3
+    example = (torch.zeros(2, c.hidden_size), torch.zeros(2, c.hidden_size), torch.tensor([cached, cached + 1]),
+               torch.zeros(1, c.num_kv_heads, cached, c.head_dim), torch.zeros(1, c.num_kv_heads, cached, c.head_dim),
+               torch.ones(2, cached + 2, dtype=torch.bool), torch.tensor([1]))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tracer's deprecation and its notes on shapes it records
+        model = ov.convert_model(_Step(plain).eval(), example_input=example)
+    h, kv = c.hidden_size, [1, c.num_kv_heads, -1, c.head_dim]
+    model.reshape(dict(zip(model.inputs, ([-1, h], [-1, h], [-1], kv, kv, [-1, -1], [1]))))
+    if weights != "int8":
+        return model
+    import nncf
+
+    quiet = logging.getLogger("nncf")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # its per-layer bit-width table, printed at every load otherwise
+    try:  # and its progress bar (a second's work)
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            return nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM)
+    finally:
+        quiet.setLevel(level)
+
+
+def _store(ov, model, xml: Path) -> None:
+    """Write the graph to ``xml``'s folder whole (a temporary folder, then renamed); a failure to write is logged,
+    not raised: the graph in memory still runs."""
+    try:
+        xml.parent.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=xml.parent.parent, prefix=".tmp-"))
+        ov.save_model(model, str(tmp / xml.name), compress_to_fp16=False)  # the weights as they are
+        try:
+            tmp.rename(xml.parent)
+        except OSError:  # another process stored it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as exc:
+        log.warning("could not store the eagle head's OpenVINO graph in %s (%s)", xml.parent, exc)
+
+
 class HeadSteps:
     """``head``'s draft steps as compiled OpenVINO graphs (1 or 8 new pairs, padded up, or any number for a
     request's first step), run with ``threads`` threads; ``weights`` int8 (default) or fp32. Tensors in and out keep
@@ -59,40 +140,33 @@ class HeadSteps:
     def __init__(self, head: EagleHead, embedding_model, threads: int, weights: str = "int8", core=None) -> None:
         ov = import_openvino()
         c = head.config
-        plain = EagleHead(c)  # an unpacked copy: oneDNN's packed linears do not trace
-        plain.load_state_dict({k: v for k, v in head.state_dict().items() if not k.startswith("embed.")}, strict=False)
-        plain.train()  # attach() packs a head in eval mode
-        plain.attach(embedding_model)
-        plain.eval()
         self.head, self.embed, self.dtype = head, head.embed, head.fuse.weight.dtype
         self.kv_shape = (1, c.num_kv_heads, 0, c.head_dim)
         self.hidden = c.hidden_size
-        cached = 3
-        example = (torch.zeros(2, c.hidden_size), torch.zeros(2, c.hidden_size), torch.tensor([cached, cached + 1]),
-                   torch.zeros(1, c.num_kv_heads, cached, c.head_dim), torch.zeros(1, c.num_kv_heads, cached, c.head_dim),
-                   torch.ones(2, cached + 2, dtype=torch.bool), torch.tensor([1]))
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the tracer's deprecation and its notes on shapes it records
-            model = ov.convert_model(_Step(plain).eval(), example_input=example)
         h, kv = c.hidden_size, [1, c.num_kv_heads, -1, c.head_dim]
-        model.reshape(dict(zip(model.inputs, ([-1, h], [-1, h], [-1], kv, kv, [-1, -1], [1]))))
-        if weights == "int8":
-            try:
-                import nncf
-            except ImportError:
-                log.warning("nncf is not installed (pip install \"verispec[openvino]\"): the eagle head's graph keeps "
-                            "fp32 weights")
-                weights = "fp32"
-            else:
-                quiet = logging.getLogger("nncf")
-                level = quiet.level
-                quiet.setLevel(logging.ERROR)  # its per-layer bit-width table, printed at every load otherwise
-                try:  # and its progress bar (a second's work)
-                    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-                        model = nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM)
-                finally:
-                    quiet.setLevel(level)
+        if weights == "int8" and importlib.util.find_spec("nncf") is None:
+            log.warning("nncf is not installed (pip install \"verispec[openvino]\"): the eagle head's graph keeps "
+                        "fp32 weights")
+            weights = "fp32"
         core = core or ov.Core()
+        stored = graph_dir(head, weights) / GRAPH_XML
+        model = None
+        if stored.exists():
+            try:
+                model = core.read_model(str(stored))
+            except Exception as exc:  # noqa: BLE001 - a broken file: converted again below and stored afresh
+                log.warning("the eagle head's stored OpenVINO graph %s does not load (%s); converting it again", stored,
+                            exc)
+                shutil.rmtree(stored.parent, ignore_errors=True)
+        if model is None:
+            plain = EagleHead(c)  # an unpacked copy: oneDNN's packed linears do not trace
+            plain.load_state_dict({k: v for k, v in head.state_dict().items() if not k.startswith("embed.")},
+                                  strict=False)
+            plain.train()  # attach() packs a head in eval mode
+            plain.attach(embedding_model)
+            plain.eval()
+            model = _convert(plain, weights)
+            _store(ov, model, stored)
         properties = {"INFERENCE_NUM_THREADS": threads, "NUM_STREAMS": 1, "INFERENCE_PRECISION_HINT": "f32",
                       "PERFORMANCE_HINT": "LATENCY"}
         # rows -> infer request: graphs of a fixed number of new pairs (padded up to it), the cached pairs padded to
