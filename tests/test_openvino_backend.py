@@ -155,14 +155,17 @@ def test_tree_and_eagle_drafters_equal_plain_decoding(ov_target):
 
 def test_a_decoder_has_the_graphs_its_passes_run_compiled_before_its_first_request(ov_target, tiny_dir):
     """The load compiles plain decoding's static graph only; a decoder compiles those its passes of up to k + 1
-    tokens run, with the graphs returning its drafter's feature layers (~1.3 s each on the real model), when it is
-    built, not in the middle of the first requests that reach each width."""
+    tokens run, with the graphs returning its drafter's feature layers (or the stateful graph its token trees run
+    on; ~1.3 s each on the real model), when it is built, not in the middle of the first requests that need them."""
     fresh = load_model(str(tiny_dir), backend="openvino", threads=1, min_width=2)
     assert fresh.static_widths == (2, 4, 6) and set(fresh._paged_requests) == {((), None), ((), 2)}
     SpeculativeDecoder(fresh).generate([1, 5, 9], max_new_tokens=4)
     assert set(fresh._paged_requests) == {((), None), ((), 2)}  # plain decoding: nothing more
     SpeculativeDecoder(fresh, make_drafter("ngram", target=fresh), k=3)
     assert set(fresh._paged_requests) == {((), None), ((), 2), ((), 4)}
+    assert fresh._masked is None  # token trees' stateful graph: compiled for the first decoder that drafts trees
+    SpeculativeDecoder(fresh, make_drafter("ngram", target=fresh, branches=3), k=4)
+    assert fresh._masked is not None and set(fresh._paged_requests) == {((), None), ((), 2), ((), 4)}
     torch.manual_seed(1)
     embedding = ov_target.embedding_model
     head = EagleHead(head_config_for(embedding, ov_target.name, [0, 2], ov_target.vocab_size)).attach(embedding).eval()

@@ -159,6 +159,6 @@ class TargetModel(Protocol):
         """The tokens a batched pass over rows of these widths computes (padding included): what its cost
         depends on."""
 
-    # Optional, looked up by the engine: ``prepare(feature_layers, width)`` readies the passes of up to ``width``
-    # tokens, returning those layers' hidden states, before a first request needs them (the OpenVINO backend
-    # compiles its graphs of static shapes then).
+    # Optional, looked up by the engine: ``prepare(feature_layers, width, trees)`` readies the passes of up to
+    # ``width`` tokens, returning those layers' hidden states (token trees: with ``trees``), before a first request
+    # needs them (the OpenVINO backend compiles its graphs then).

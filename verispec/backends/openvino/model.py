@@ -341,12 +341,15 @@ class OpenVINOModel(BorrowedEmbeddings):
             return self._paged(items, False, feature_layers)
         return [self.forward(kv, tokens, feature_layers=feature_layers) for kv, tokens in items]
 
-    def prepare(self, feature_layers=(), width: int | None = None) -> None:
+    def prepare(self, feature_layers=(), width: int | None = None, trees: bool = False) -> None:
         """Compile now the graphs a decoder's passes of up to ``width`` tokens (None: any) will run: the static widths
         that cover them and, for a drafter that reads hidden states (EAGLE), the graphs returning ``feature_layers``
-        (the dynamic one too). Each costs ~1.3 s on the default model, which the first requests would otherwise wait
-        for mid-answer; the load compiles only the narrowest static width (plain decoding's)."""
-        if self.pool is None:
+        (the dynamic one too); with ``trees``, the stateful graph its tree caches run on. Each costs ~1.3 s on the
+        default model, which the first requests would otherwise wait for mid-answer; the load compiles only the
+        narrowest static width (plain decoding's)."""
+        if trees or self.pool is None:
+            with self._lock:
+                self.masked  # noqa: B018 - compiled on first use
             return
         limit = None if width is None else self._bucket(width) or width  # the widest static graph such passes run
         widths = [w for w in self.static_widths if limit is None or w <= limit]
