@@ -494,3 +494,20 @@ def test_paged_passes_return_the_hidden_states_of_the_layers_asked_for_in_their_
         for j, layer in enumerate(layers):
             torch.testing.assert_close(got.hidden[:, j], want[layer][0], atol=1e-4, rtol=1e-4)
     assert {((2, 0), None), ((1,), None), ((-1, 1), None), ((), None)} <= set(ov_target._paged_requests)
+
+
+def test_verispec_models_lists_the_openvino_exports_and_stored_head_graphs(tiny_dir, tmp_path, monkeypatch, capsys):
+    from verispec.cli import print_openvino_exports
+    from verispec.eagle.openvino import HeadSteps
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    print_openvino_exports()
+    assert capsys.readouterr().out.startswith(f"openvino exports: 0 in {tmp_path / 'openvino'}")
+    target = load_model(str(tiny_dir), backend="openvino", threads=1)
+    embedding = target.embedding_model
+    head = EagleHead(head_config_for(embedding, target.name, [1], target.vocab_size)).attach(embedding).eval()
+    HeadSteps(head, embedding, 1, "fp32")
+    print_openvino_exports()
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("openvino exports: 1 in") and lines[1].startswith(f"  {target.folder.name} · ")
+    assert lines[2].startswith("  eagle-heads: 1 stored head graph(s) · ")

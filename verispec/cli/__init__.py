@@ -185,7 +185,28 @@ def cmd_models(args) -> int:
         print(f"linear layers in {dtype}: {linear_kernel(getattr(torch, dtype), pack=pack)}{note}")
     print_measurements()
     print_compiled_steps()
+    print_openvino_exports()
     return 0
+
+
+def print_openvino_exports() -> None:
+    """The OpenVINO exports (``--backend openvino``) and stored EAGLE head graphs in the cache, with their sizes."""
+    from ..backends import cache_dir
+
+    root = cache_dir() / "openvino"
+    folders = sorted(p for p in root.glob("*") if p.is_dir() and not p.name.startswith(".")) if root.is_dir() else []
+    heads = root / "eagle-heads"
+    exports = [p for p in folders if p != heads]
+    print(f"openvino exports: {len(exports)} in {root} (delete a folder to export it again)")
+    for folder in exports:
+        print(f"  {folder.name} · {_size(folder) / 1e6:.0f} MB")
+    if heads.is_dir():
+        graphs = [p for p in heads.glob("*") if p.is_dir() and not p.name.startswith(".")]
+        print(f"  eagle-heads: {len(graphs)} stored head graph(s) · {sum(map(_size, graphs)) / 1e6:.0f} MB")
+
+
+def _size(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
 
 
 def print_compiled_steps() -> None:
