@@ -15,6 +15,21 @@ from tiny import loaded, make_model, noisy_copy  # noqa: E402
 torch.set_num_threads(int(os.environ.get("VERISPEC_TEST_THREADS", max(1, min(2, os.cpu_count() or 1)))))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _tiny_exports_removed():
+    """OpenVINO exports of the session's tiny models (a new key each session: the key covers the source folder) go
+    to the cache like any export; they are removed when the session ends, so test runs leave none behind."""
+    import shutil
+
+    from verispec.backends import cache_dir
+
+    root = cache_dir() / "openvino"
+    before = set(root.glob("tiny-*"))
+    yield
+    for folder in set(root.glob("tiny-*")) - before:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def tiny_target():
     return loaded(make_model(seed=0))
