@@ -250,6 +250,18 @@ def test_the_eagle_heads_openvino_graph_is_stored_once_and_read_back_until_the_h
     head_graphs.HeadSteps(head, embedding, 1, "fp32")
     assert converted == [1, 1] and ov.Core().read_model(str(stored / head_graphs.GRAPH_XML))
 
+    def full_disk(*args, **kwargs):
+        raise RuntimeError("No space left on device")
+
+    monkeypatch.setattr(ov, "save_model", full_disk)  # a graph that cannot be stored still drafts
+    with torch.no_grad():
+        head.fuse.weight.add_(0.02)
+    unstored = head_graphs.HeadSteps(head, embedding, 1, "fp32")
+    assert converted == [1, 1, 1] and not head_graphs.graph_dir(head, "fp32").exists()
+    assert not list(stored.parent.glob(".tmp-*"))
+    with torch.inference_mode():
+        assert unstored.step_logits(tokens, features, HeadCache())[1].shape == outs[0][1].shape
+
 
 def test_the_eagle_heads_openvino_graph_drafts_for_a_transformers_target_in_bfloat16(tiny_target):
     """``engine=openvino`` elsewhere too: a bfloat16 head drafting for the transformers target through the graph

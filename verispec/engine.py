@@ -182,12 +182,12 @@ class SpeculativeDecoder:
                                  f"{target.backend} backend does not provide; use --backend transformers")
         self.fill_padding = fill_padding
         self._trees = bool(drafter is not None and drafter.tree_depth)  # its caches are asked for tree passes
-        if hasattr(target, "prepare"):  # optional: the graphs its passes run, compiled now
-            target.prepare(self.feature_layers, k + 1 if drafter is not None else 1, self._trees)
         if self._trees and not target.supports_trees:
             raise InvalidRequest(f"the {getattr(drafter, 'name', 'drafter')} drafter's token trees need a backend that "
                                  f"verifies trees (transformers or openvino; the {target.backend} backend verifies "
                                  "chains only): drop its tree option, pick a chain drafter, or change --backend")
+        if hasattr(target, "prepare"):  # optional: the graphs its passes run, compiled now
+            target.prepare(self.feature_layers, k + 1 if drafter is not None else 1, self._trees)
 
     @property
     def drafter_name(self) -> str:
