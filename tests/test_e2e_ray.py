@@ -177,7 +177,11 @@ def test_a_client_leaving_stops_its_generation(ray_server):
         if (total(scraped, "verispec_client_disconnects_total") > before
                 and total(scraped, "verispec_running_requests") == 0):
             break
-        assert time.monotonic() < deadline, "the generation kept running after its client left"
+        assert time.monotonic() < deadline, (
+            "the generation kept running after its client left: disconnects "
+            f"{before} -> {total(scraped, 'verispec_client_disconnects_total')}, running "
+            f"{total(scraped, 'verispec_running_requests')}, generated "
+            f"{total(scraped, 'verispec_generated_tokens_total')}")
         time.sleep(0.5)
 
 

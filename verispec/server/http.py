@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import AsyncIterator, Callable
 
+import anyio
+
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 
@@ -32,7 +34,12 @@ def validation_message(exc: ValidationError) -> tuple[str, str | None]:
 
 
 class GuardedStream(StreamingResponse):
-    """A streaming response that runs ``on_finish`` however it ends, even if the body never started."""
+    """A streaming response that closes its body and runs ``on_finish`` however it ends, even if the body never
+    started.
+
+    Closing the body matters when the response is cancelled while it waits to send a chunk (Ray Serve cancels a
+    replica's request when its client leaves): the body generator is then left paused, not closed, and its
+    generation would go on, unseen, until the garbage collector found it (once a CI run's whole minute)."""
 
     def __init__(self, body: AsyncIterator[str], on_finish: Callable[[], None]) -> None:
         super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -42,7 +49,13 @@ class GuardedStream(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._on_finish()
+            try:
+                aclose = getattr(self.body_iterator, "aclose", None)
+                if aclose is not None:
+                    with anyio.CancelScope(shield=True):  # the request may be cancelled: closing must still run
+                        await aclose()
+            finally:
+                self._on_finish()
 
 
 class CountRequests:

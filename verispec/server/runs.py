@@ -79,12 +79,18 @@ class BatchedRun:
         loop = asyncio.get_running_loop()
         queue, index = self.queue, self.index
 
+        def later(callback, *args) -> None:
+            try:
+                loop.call_soon_threadsafe(callback, *args)
+            except RuntimeError:  # the event loop has closed (the server is stopping): nobody waits for this run
+                pass
+
         def put(item) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, (index, item))
+            later(queue.put_nowait, (index, item))
 
         def done(seq) -> None:
             put(DONE)
-            loop.call_soon_threadsafe(self._release)
+            later(self._release)
 
         self.seq = self.worker.submit(decoder, request, on_delta=put, on_done=done)
 
