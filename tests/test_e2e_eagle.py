@@ -29,8 +29,11 @@ PROMPTS = [
 @pytest.fixture(scope="module")
 def decoders(default_model):
     tree = EagleDrafter(default_model, tree=True, lookup=True, width=6, depth=5)
+    copies = EagleDrafter(default_model, suffix=True)
+    copies.isolate()  # drafts from this test's text only
     return (SpeculativeDecoder(default_model), SpeculativeDecoder(default_model, EagleDrafter(default_model), k=6, k_policy="fixed"),
-            SpeculativeDecoder(default_model, tree, k=24, k_policy="fixed"))
+            SpeculativeDecoder(default_model, tree, k=24, k_policy="fixed"),
+            SpeculativeDecoder(default_model, copies, k=6, k_policy="fixed"))
 
 
 def test_shipped_head_is_small_and_names_its_target():
@@ -42,9 +45,9 @@ def test_shipped_head_is_small_and_names_its_target():
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_eagle_greedy_equals_plain_greedy_in_float32(decoders, prompt):
-    plain, chain, tree = decoders
+    plain, chain, tree, copies = decoders
     base = plain.generate(prompt, max_new_tokens=64)
-    for decoder, name in ((chain, "eagle"), (tree, "eagle+lookup")):
+    for decoder, name in ((chain, "eagle"), (tree, "eagle+lookup"), (copies, "eagle+suffix")):
         fast = decoder.generate(prompt, max_new_tokens=64)
         assert fast.token_ids == base.token_ids and fast.text == base.text
         assert fast.stats.drafter == name and fast.stats.drafted > 0

@@ -120,6 +120,49 @@ def test_eagle_greedy_equals_plain_greedy(small_target, trained_head_dir, k):
             assert got.token_ids == expected, (k, prompt)
 
 
+def counting_sources(drafter: EagleDrafter) -> dict[str, int]:
+    """Count the proposals an ``eagle+suffix`` drafter took from the suffix store and from its head."""
+    counts = {"suffix": 0, "head": 0}
+    suffix_propose, head_step = drafter._suffix.propose, drafter.steps.step_logits
+
+    def from_store(context, k):
+        draft = suffix_propose(context, k)
+        counts["suffix"] += bool(len(draft))
+        return draft
+
+    def from_head(*args, **kwargs):
+        counts["head"] += 1
+        return head_step(*args, **kwargs)
+
+    drafter._suffix.propose, drafter.steps = from_store, type("Steps", (), {"step_logits": staticmethod(from_head)})
+    return counts
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_eagle_with_suffix_drafts_greedy_equals_plain_greedy(small_target, trained_head_dir, k):
+    drafter = EagleDrafter(small_target, trained_head_dir[0], suffix=True)
+    drafter.isolate()  # this test's text only, not the process's
+    assert drafter.name == "eagle+suffix"
+    counts = counting_sources(drafter)
+    for prompt in PROMPTS:
+        expected = SpeculativeDecoder(small_target).generate(prompt, max_new_tokens=40).token_ids
+        got = SpeculativeDecoder(small_target, drafter, k=k, k_policy="fixed").generate(prompt, max_new_tokens=40)
+        assert got.token_ids == expected, (k, prompt)
+    assert counts["suffix"] > 0 and counts["head"] > 0, counts  # both sources drafted
+
+
+def test_eagle_with_suffix_drafts_when_sampling_matches_exact_joint_distribution(small_target, trained_head_dir):
+    """Deterministic store drafts (q one-hot) and sampled head drafts (q the head's) in one sequence."""
+    drafter = EagleDrafter(small_target, trained_head_dir[0], suffix=True)
+    drafter.isolate()
+    counts = counting_sources(drafter)
+    decoder = SpeculativeDecoder(small_target, drafter, k=3, k_policy="fixed")
+    assert joint_p_value(decoder, EAGLE_SAMPLING["t0.3"]) > ALPHA
+    assert counts["suffix"] > 0 and counts["head"] > 0, counts
+    with pytest.raises(ValueError, match="lookup"):
+        EagleDrafter(small_target, trained_head_dir[0], suffix=True, tree=True)
+
+
 def test_trained_head_drafts_tokens_the_target_accepts(small_target, trained_head_dir):
     head_dir, report = trained_head_dir
     decoder = SpeculativeDecoder(small_target, EagleDrafter(small_target, head_dir), k=4, k_policy="fixed")

@@ -15,6 +15,12 @@ With ``lookup=True`` (tree mode only) a prompt-lookup branch joins the tree: the
 of the context's suffix, merged into the head's tree where they share a prefix. The drafter is then named
 ``eagle+lookup`` in stats and benchmarks.
 
+With ``suffix=True`` (chain mode only) a step whose context's suffix has a continuation in the suffix store
+(``verispec.drafters.suffix``: this request's text and, scope ``process``, earlier requests') drafts that
+continuation and skips the head; the head drafts where the store has nothing, catching up on the skipped pairs in
+its next read. Copies of the prompt (translation, summarization, code edits) are where the head is weakest and a
+store's drafts are long and free. The drafter is then named ``eagle+suffix``.
+
 With ``tree=True`` it proposes a tree instead (EAGLE-2's dynamic tree): each round expands the ``width`` most
 likely frontier nodes (by the head's cumulative log-probability) by their ``width`` best children, for ``depth``
 rounds, and returns the k most likely nodes; the engine verifies all of them in one pass. The nodes are chosen
@@ -38,6 +44,7 @@ from ..backends.base import TargetModel
 from ..sampling import SamplingParams, probabilities, sample
 from .base import EMPTY_DRAFT, Draft, DrafterBase
 from .ngram import NgramDrafter
+from .suffix import SuffixDrafter
 from .registry import DrafterSpec, Option, register
 from .vocabulary import ContextVocabulary
 
@@ -50,7 +57,7 @@ class EagleDrafter(DrafterBase):
 
     def __init__(self, target: TargetModel, head: EagleHead | str | Path | None = None, *, tree: bool = False,
                  depth: int = 4, width: int = 4, context_vocab: bool = True, lookup: bool = False,
-                 engine: str = "auto"):
+                 engine: str = "auto", suffix: bool = False):
         check_whole("eagle tree depth", depth)
         check_whole("eagle tree width", width)
         self.tree, self.depth, self.width = bool(tree), depth, width
@@ -63,9 +70,13 @@ class EagleDrafter(DrafterBase):
                                  "backend does not return; use --backend transformers or llamacpp")
         if lookup and not tree:
             raise InvalidRequest("the eagle drafter's lookup branch needs tree mode (tree=True / --eagle-tree)")
+        if suffix and tree:
+            raise InvalidRequest("the eagle drafter's suffix drafts are for chains; a tree takes a prompt-lookup "
+                                 "branch instead (lookup=True / --eagle-lookup)")
         # in a tree the extra nodes ride on a pass that is wide anyway, so the lookup branch always proposes
         self._lookup = NgramDrafter() if lookup else None
-        self.name = "eagle+lookup" if lookup else "eagle"
+        self._suffix = SuffixDrafter() if suffix else None
+        self.name = "eagle+lookup" if lookup else "eagle+suffix" if suffix else "eagle"
         if not isinstance(head, EagleHead):
             head = EagleHead.load(resolve_head(target.name, head), dtype=target.dtype)
         self.head = head.to(target.device).attach(target.embedding_model)
@@ -98,7 +109,18 @@ class EagleDrafter(DrafterBase):
         self._lookup_draft: tuple[int, list[int]] | None = None  # (pending position, tokens) of the last branch
         if self._lookup is not None:
             self._lookup.reset(sampling, generator)
+        if getattr(self, "_suffix", None) is not None:
+            self._suffix.reset(sampling, generator)
         # the KV cache is kept: the next propose() keeps the pairs still valid for the new context
+
+    def isolate(self) -> None:
+        """With suffix drafts: draft from this drafter's own earlier text only (``SuffixDrafter.isolate``)."""
+        if self._suffix is not None:
+            self._suffix.isolate()
+
+    def join_siblings(self, group: dict | None) -> None:
+        if self._suffix is not None:
+            self._suffix.join_siblings(group)
 
     @property
     def tree_depth(self) -> int | None:
@@ -113,6 +135,10 @@ class EagleDrafter(DrafterBase):
         m = len(context) - 1  # position of the pending token; features cover positions 0..m-1
         if m < 1 or features.shape[0] < m:
             return EMPTY_DRAFT
+        if self._suffix is not None:
+            copied = self._suffix.propose(context, k)
+            if len(copied):
+                return copied  # the head catches up on this step's pairs in its next read
         # pair i needs t_{i+1}: a cached pair stays valid while tokens 0..i+1 are unchanged
         keep = max(0, min(len(self._cache), common_prefix_length(self._tokens, context) - 1, m - 1))
         self._cache.truncate(keep)
@@ -238,6 +264,8 @@ register(DrafterSpec(
                     "instead of a chain, verified losslessly at any temperature"),
              Option("lookup", bool, False, "with --eagle-tree, add a prompt-lookup (n-gram) branch to each tree "
                     "(drafter 'eagle+lookup')"),
+             Option("suffix", bool, False, "with --drafter eagle (chains), draft the suffix store's continuation where "
+                    "it has one and the head elsewhere (drafter 'eagle+suffix')"),
              Option("depth", int, 4, "depth of the eagle tree (default: 4)"),
              Option("width", int, 4, "children per expanded node and nodes expanded per depth in the eagle tree "
                     "(default: 4)"),
