@@ -213,3 +213,9 @@ def test_lossy_mode_is_reported(tiny_target):
     assert "LOSSY" in g.stats.summary()
     strict = SpeculativeDecoder(tiny_target, NgramDrafter()).generate(PROMPTS[0], max_new_tokens=5)
     assert not strict.stats.lossy
+
+
+def test_a_pass_called_outside_the_engine_builds_no_autograd_graph(tiny_target):
+    kv = tiny_target.new_kv()
+    out = tiny_target.forward(kv, [3, 4, 5], feature_layers=(1,))
+    assert not out.logits.requires_grad and not out.hidden.requires_grad

@@ -138,6 +138,7 @@ class LoadedModel:
         """Rows a batched pass computes: every row is padded to the widest."""
         return len(widths) * max(widths, default=0)
 
+    @torch.no_grad()  # the target is never trained through: a pass called outside the engine builds no graph
     def forward_batch(self, items, *, feature_layers=(), last_only: bool = False) -> list[TargetPass]:
         """One forward over several sequences of one ``BatchKV`` (``verispec.backends.base.TargetModel``). With
         ``last_only`` each sequence gets the logits of its last token only, and the lm_head runs on those columns
@@ -180,6 +181,7 @@ class LoadedModel:
             kv.length += n
         return passes
 
+    @torch.no_grad()
     def forward(self, kv: TorchKV | FixedKV, tokens, *, parents=None, last_only: bool = False,
                 feature_layers=()) -> TargetPass:
         """One forward over ``tokens`` after the cached positions (see ``verispec.backends.base.TargetModel``); hidden
