@@ -112,7 +112,7 @@ class EagleDrafter(DrafterBase):
         self._lookup_draft: tuple[int, list[int]] | None = None  # (pending position, tokens) of the last branch
         if self._lookup is not None:
             self._lookup.reset(sampling, generator)
-        if getattr(self, "_suffix", None) is not None:
+        if self._suffix is not None:
             self._suffix.reset(sampling, generator)
         # the KV cache is kept: the next propose() keeps the pairs still valid for the new context
 

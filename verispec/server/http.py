@@ -39,7 +39,7 @@ class GuardedStream(StreamingResponse):
 
     Closing the body matters when the response is cancelled while it waits to send a chunk (Ray Serve cancels a
     replica's request when its client leaves): the body generator is then left paused, not closed, and its
-    generation would go on, unseen, until the garbage collector found it (once a CI run's whole minute)."""
+    generation would go on, unseen, until the garbage collector found it (a CI run once waited a minute for it)."""
 
     def __init__(self, body: AsyncIterator[str], on_finish: Callable[[], None]) -> None:
         super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
