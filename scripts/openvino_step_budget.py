@@ -6,6 +6,7 @@
     python scripts/openvino_step_budget.py steps --weights int4        # a suffix run: drafted / accepted per step
     python scripts/openvino_step_budget.py hybrid --weights int4       # suffix drafts, the EAGLE head where they have none
     python scripts/openvino_step_budget.py configs 5/2,4,6 7/2,4,6,8   # suffix drafts: k / static widths, one model each
+    python scripts/openvino_step_budget.py profile --prompts 12        # suffix drafts under cProfile: Python around infer
 
 ``steps``, ``hybrid`` and ``configs`` decode Spec-Bench first turns (128 tokens, end of sequence ignored, fixed k). ``hybrid``
 races suffix drafts, the EAGLE chain, and a drafter that asks the suffix store first and the EAGLE head (up to 1 or 2
@@ -96,6 +97,42 @@ def decode(model, drafters: dict, texts: list[str], k: int, tokens: int) -> dict
     return runs
 
 
+def profile(model, texts: list[str], k: int, tokens: int) -> None:
+    """Suffix drafts at fixed k under cProfile: time inside OpenVINO's ``infer`` against the rest, a pass, and the
+    functions that take the most of the rest."""
+    import cProfile
+    import pstats
+
+    import openvino as ov
+
+    decoder = SpeculativeDecoder(model, SuffixDrafter(scope="request"), k=k, k_policy="fixed")
+    decoder.generate(texts[0], max_new_tokens=16)  # warm-up
+    inside = {"calls": 0, "seconds": 0.0}
+    infer = ov.InferRequest.infer
+
+    def timed(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return infer(self, *args, **kwargs)
+        finally:
+            inside["seconds"] += time.perf_counter() - t0
+            inside["calls"] += 1
+
+    ov.InferRequest.infer = timed
+    profiler = cProfile.Profile()
+    t0 = time.perf_counter()
+    profiler.enable()
+    for text in texts:
+        decoder.generate(text, max_new_tokens=tokens)
+    profiler.disable()
+    wall = time.perf_counter() - t0
+    ov.InferRequest.infer = infer
+    n = inside["calls"]
+    print(f"{n} passes: {inside['seconds'] * 1e3 / n:.2f} ms inside infer, {(wall - inside['seconds']) * 1e3 / n:.2f} ms "
+          "outside it (cProfile's own overhead included)")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(15)
+
+
 def configs(args) -> None:
     """Suffix drafts at each fixed k on a model loaded with its own static widths, interleaved per prompt."""
     texts = prompts(args.prompts, args.stride)
@@ -125,7 +162,7 @@ def configs(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=("widths", "nodes", "steps", "hybrid", "configs"))
+    ap.add_argument("what", choices=("widths", "nodes", "steps", "hybrid", "configs", "profile"))
     ap.add_argument("configs", nargs="*", metavar="K/WIDTHS", help="configs: fixed k and static widths, e.g. 5/2,4,6")
     ap.add_argument("--weights", default="int4")
     ap.add_argument("--threads", type=int, default=2)
@@ -155,6 +192,8 @@ def main() -> None:
     if args.what == "nodes":
         return nodes(model, args.rounds)
     texts = prompts(args.prompts, args.stride)
+    if args.what == "profile":
+        return profile(model, texts, args.k, args.tokens)
     if args.what == "steps":
         (name, results), = decode(model, {"suffix": SuffixDrafter(scope="request")}, texts, args.k,
                                   args.tokens).items()
