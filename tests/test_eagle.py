@@ -315,6 +315,51 @@ def test_dataset_is_resumable_and_refuses_other_settings(small_target, tmp_path)
         build_dataset(small_target, prompts, tmp_path, layers=(0,), max_new_tokens=5, shard_size=2, progress=False)
 
 
+def test_sampled_answers_follow_the_target_and_extend_greedy_data(small_target, tmp_path):
+    prompts = [[5, 9, 3], [4, 4, 4, 4], [7, 8]]
+    build_dataset(small_target, prompts, tmp_path, layers=(), max_new_tokens=5, batch_size=2, shard_size=2,
+                  progress=False, features=False)
+    first = (tmp_path / "shard-00000.safetensors").stat().st_mtime_ns
+    # a second answer to each prompt, sampled: the greedy answers on disk stay, only the new ones are asked
+    temps = [0.0] * 3 + [1.0] * 3
+    build_dataset(small_target, prompts * 2, tmp_path, layers=(), max_new_tokens=5, batch_size=2, shard_size=2,
+                  progress=False, features=False, temperatures=temps, seed=4)
+    assert (tmp_path / "shard-00000.safetensors").stat().st_mtime_ns == first
+    seqs = list(load_sequences(tmp_path))
+    assert len(seqs) == 6 and load_meta(tmp_path)["answer_temperatures"] == [0.0, 1.0]
+    greedy = {tuple(p): SpeculativeDecoder(small_target).generate(p, max_new_tokens=5).token_ids for p in prompts}
+    answers = [(tuple(s.tokens[: s.answer_start].tolist()), s.tokens[s.answer_start:].tolist()) for s in seqs]
+    assert sorted(p for p, _ in answers) == sorted(tuple(p) for p in prompts * 2)
+    assert sum(a == greedy[p] for p, a in answers) >= 3  # each prompt's greedy answer is there
+    # seeded: the same call elsewhere writes the same sampled answers
+    build_dataset(small_target, prompts * 2, tmp_path / "again", layers=(), max_new_tokens=5, batch_size=2,
+                  shard_size=2, progress=False, features=False, temperatures=temps, seed=4)
+    assert [s.tokens.tolist() for s in load_sequences(tmp_path / "again")] == [s.tokens.tolist() for s in seqs]
+    # sampled from the target's whole distribution at the temperature (no top-k / top-p): a goodness-of-fit test
+    prompt, n, temperature = [5, 9, 3], 3000, 0.7
+    build_dataset(small_target, [prompt] * n, tmp_path / "dist", layers=(), max_new_tokens=1, batch_size=n,
+                  shard_size=n, progress=False, features=False, temperatures=[temperature] * n)
+    drawn = torch.tensor([int(s.tokens[-1]) for s in load_sequences(tmp_path / "dist")])
+    with torch.no_grad():
+        logits = small_target.model(torch.tensor([prompt])).logits[0, -1].float()
+    expected = torch.softmax(logits / temperature, -1) * n
+    observed = torch.bincount(drawn, minlength=expected.numel()).double()
+    assert chi_square(observed, expected)[2] > ALPHA
+    assert chi_square(observed, torch.softmax(logits, -1) * n)[2] < ALPHA  # the test can tell temperatures apart
+
+
+def test_validation_split_holds_out_every_answer_to_a_prompt():
+    rng = random.Random(5)
+    prompts = [[rng.randrange(50) for _ in range(6)] for _ in range(40)]
+    data = [Sequence(torch.tensor(p + [rng.randrange(50), 1]), 6, None) for p in prompts * 2]
+    train, val = validation_split(data, 5)
+    held = {tuple(s.tokens[:6].tolist()) for s in val}
+    assert len(held) == 5 and len(val) == 10 and len(train) == 70
+    assert not held & {tuple(s.tokens[:6].tolist()) for s in train}
+    # with one answer per prompt the same prompts are held out (a head validated on greedy data stays comparable)
+    assert {tuple(s.tokens[:6].tolist()) for s in validation_split(data[:40], 5)[1]} == held
+
+
 def test_validation_split_is_stable_as_data_grows():
     rng = random.Random(3)
     data = [Sequence(torch.tensor([rng.randrange(50) for _ in range(rng.randrange(2, 8))] + [1, 2]), 2 + i % 3,

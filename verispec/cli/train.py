@@ -18,7 +18,8 @@ def add_train_parser(sub) -> None:
     t = sub.add_parser(
         "train-eagle", help="train an EAGLE draft head for a target on its own answers",
         description="Train an EAGLE-style draft head for TARGET. 1) The target answers --samples prompts from "
-                    "--prompts (greedy, self-distillation) and the answers are stored in --data (resumable) with its "
+                    "--prompts (greedy, self-distillation; --answers-per-prompt adds sampled answers) and the "
+                    "answers are stored in --data (resumable) with its "
                     "hidden states, or as tokens only with --features online (the target then runs over each "
                     "training batch). 2) The head trains on --device (cpu, cuda) with a progress bar, periodic "
                     "validation of top-1 agreement and acceptance (beta) per draft depth, and a checkpoint at each "
@@ -118,6 +119,12 @@ def _add_data_arguments(t, *, eagle: bool) -> None:
     d.add_argument("--gen-dtype", default="bfloat16", choices=list(DTYPES),
                    help="dtype of the target while answering (default: bfloat16, about 2x faster here)")
     d.add_argument("--gen-batch-size", type=int, default=32, help="answers generated together (default: 32)")
+    d.add_argument("--answers-per-prompt", type=int, default=1, metavar="N",
+                   help="answers per prompt: the first greedy, the others sampled at --answer-temperature (default: "
+                        "1). More answers from the same prompts: the second set is answered after the first, so a "
+                        "run with N=2 over data answered with N=1 adds only the sampled answers")
+    d.add_argument("--answer-temperature", type=float, default=0.7, metavar="T",
+                   help="temperature of the sampled answers (default: 0.7; no top-k or top-p)")
     if eagle:
         d.add_argument("--layers", metavar="I,J,K",
                        help="target hidden_states indices cached for the head's feature; the final normed state is "
@@ -151,7 +158,11 @@ def _self_distillation(args, kind: str) -> tuple[Path, list[list[int]]]:
     from ..backends import cache_dir, load_model
 
     _check_whole_numbers(("--samples", args.samples, 2), ("--max-new-tokens", args.max_new_tokens, 1),
-                         ("--gen-batch-size", args.gen_batch_size, 1), ("--max-prompt-tokens", args.max_prompt_tokens, 2))
+                         ("--gen-batch-size", args.gen_batch_size, 1), ("--max-prompt-tokens", args.max_prompt_tokens, 2),
+                         ("--answers-per-prompt", args.answers_per_prompt, 1))
+    if args.answers_per_prompt > 1 and not args.answer_temperature > 0:
+        raise InvalidRequest(f"--answer-temperature must be > 0 for sampled answers, got {args.answer_temperature:g}; "
+                             "or use --answers-per-prompt 1 (greedy answers only)")
     texts = read_prompts(args.prompts)
     _refuse_eval_prompts(texts)
     device = getattr(args, "device", "cpu")
@@ -169,13 +180,18 @@ def _self_distillation(args, kind: str) -> tuple[Path, list[list[int]]]:
                     **({"features": False} if online else {}))
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     data_dir = Path(args.data) if args.data else cache_dir() / f"{kind}-data" / f"{Path(args.target).name}-{key}"
-    print(f"verispec: step 1/3: {len(train_ids)} answers by {args.target} ({args.gen_dtype}) -> {data_dir}",
-          file=sys.stderr)
+    n = args.answers_per_prompt
+    asked = train_ids * n  # every prompt's greedy answer first, then each round of sampled ones
+    temperatures = [0.0] * len(train_ids) + [args.answer_temperature] * (len(asked) - len(train_ids))
+    sampled = f", {len(asked) - len(train_ids)} sampled at temperature {args.answer_temperature:g}" if n > 1 else ""
+    print(f"verispec: step 1/3: {len(asked)} answers by {args.target} ({args.gen_dtype}; {len(train_ids)} greedy"
+          f"{sampled}) -> {data_dir}", file=sys.stderr)
     gen_minutes = getattr(args, "gen_minutes", None)
-    build_dataset(gen_target, train_ids, data_dir, layers=tuple(layers), max_new_tokens=args.max_new_tokens,
+    build_dataset(gen_target, asked, data_dir, layers=tuple(layers), max_new_tokens=args.max_new_tokens,
                   batch_size=args.gen_batch_size, shard_size=max(128, args.gen_batch_size),
                   source=f"{Path(args.prompts).name} (seed {args.seed})",
-                  features=not online, max_seconds=None if gen_minutes is None else 60 * gen_minutes)
+                  features=not online, max_seconds=None if gen_minutes is None else 60 * gen_minutes,
+                  temperatures=temperatures, seed=args.seed)
     del gen_target
     return data_dir, check_ids
 

@@ -9,7 +9,9 @@ On disk (``DIR``): ``meta.json`` and shards ``shard-NNNNN.safetensors``, each ho
 tokens in all: ``tokens`` [N] int32, ``offsets`` [S+1] int64 (sequence i is tokens[offsets[i]:offsets[i+1]]),
 ``answer_start`` [S] int64 (index inside the sequence where the answer begins), ``features`` [N, L, H] bfloat16
 (the hidden states named by ``meta.json``'s ``layers``, then the final normed state). Shards are written one at
-a time, so an interrupted run resumes where it stopped, and a run with more prompts adds only the new ones.
+a time, so an interrupted run resumes where it stopped, and a run with more prompts adds only the new ones. A prompt
+may be answered more than once (``--answers-per-prompt``): its first answer is greedy, the others are sampled, and
+``meta.json``'s ``answer_temperatures`` lists the temperatures of the answers on disk (0 for greedy).
 
 Token-only data (``features=False``; ``meta.json`` says ``"features": false``) holds the answers without their
 hidden states: the trainer then runs the target over each batch itself (teacher forcing, see
@@ -19,6 +21,7 @@ token for the default model's four feature layers, and it is the form that pays 
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import time
@@ -111,9 +114,11 @@ def target_features(target: LoadedModel, batch: list[list[int]], layers: tuple[i
     return [stacked[row, : len(seq)].to(torch.bfloat16).cpu().clone() for row, seq in enumerate(batch)]
 
 
-def generate_answers(target: LoadedModel, batch: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """The target's greedy answers to a batch of encoded prompts (left-padded ``generate``); an answer ends with
-    its EOS token when the target produced one."""
+def generate_answers(target: LoadedModel, batch: list[list[int]], max_new_tokens: int,
+                     temperature: float = 0.0) -> list[list[int]]:
+    """The target's answers to a batch of encoded prompts (left-padded ``generate``): greedy, or sampled from its
+    full distribution at ``temperature`` > 0 (no top-k or top-p; seed torch's generator first for a repeatable
+    draw). An answer ends with its EOS token when the target produced one."""
     device = target.device
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
     width = max(len(s) for s in batch)
@@ -122,11 +127,16 @@ def generate_answers(target: LoadedModel, batch: list[list[int]], max_new_tokens
     for row, seq in enumerate(batch):
         ids[row, width - len(seq):] = torch.tensor(seq)
         mask[row, width - len(seq):] = 1
-    eos = sorted(target.eos_token_ids)
-    # a model without EOS tokens answers to the length cap (never stop on the generation config's EOS)
-    stop = dict(eos_token_id=eos) if eos else dict(min_new_tokens=max_new_tokens)
-    out = target.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                                pad_token_id=pad, **stop)
+    # a model without EOS tokens answers to the length cap: the generation config's EOS neither stops an answer nor
+    # is suppressed (min_new_tokens would take it out of the distribution the answers are drawn from)
+    config = copy.deepcopy(target.model.generation_config)
+    config.update(max_new_tokens=max_new_tokens, min_new_tokens=None, pad_token_id=pad,
+                  eos_token_id=sorted(target.eos_token_ids) or None)
+    if temperature > 0:
+        config.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0, min_p=None)
+    else:
+        config.update(do_sample=False, temperature=None, top_k=None, top_p=None, min_p=None)
+    out = target.model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
     answers = []
     for row in out[:, width:].tolist():
         answer = []
@@ -146,10 +156,13 @@ def _batches(items: list, size: int) -> Iterator[list]:
 def build_dataset(target: LoadedModel, prompts: list[list[int]], out_dir: str | Path, *, layers: tuple[int, ...],
                   max_new_tokens: int = 192, batch_size: int = 16, shard_size: int = 128,
                   progress: bool = True, source: str = "", features: bool = True,
-                  max_seconds: float | None = None) -> Path:
+                  max_seconds: float | None = None, temperatures: list[float] | None = None,
+                  seed: int = 0) -> Path:
     """Let the target answer ``prompts`` (encoded) and cache its hidden states under ``out_dir`` (only the tokens
     with ``features=False``). Resumes: shards already on disk are kept. ``max_seconds``: stop starting new shards
-    after that long (the data so far is complete and usable; a later call answers the rest)."""
+    after that long (the data so far is complete and usable; a later call answers the rest). ``temperatures``: one
+    per prompt, 0 for a greedy answer (the default for all), > 0 for an answer sampled at that temperature; sampling
+    is seeded per shard from ``seed``."""
     from tqdm import tqdm
 
     out = Path(out_dir)
@@ -157,10 +170,12 @@ def build_dataset(target: LoadedModel, prompts: list[list[int]], out_dir: str | 
     meta = {"target": target.name, "layers": list(layers) if features else [],
             "hidden_size": int(target.model.config.hidden_size), "vocab_size": target.vocab_size,
             "max_new_tokens": max_new_tokens, "sequences": len(prompts), "shard_size": shard_size, "source": source,
-            "dtype": str(target.dtype).removeprefix("torch."), "features": features}
+            "dtype": str(target.dtype).removeprefix("torch."), "features": features,
+            "answer_temperatures": sorted({float(t) for t in temperatures or [0.0]})}
     meta_path = out / META
     if meta_path.exists():
         old = json.loads(meta_path.read_text())
+        meta["answer_temperatures"] = sorted(set(meta["answer_temperatures"]) | set(old.get("answer_temperatures", [0.0])))
         if old.get("features", True) != features:
             raise InvalidRequest(f"{out} holds {'features' if old.get('features', True) else 'tokens only'}, but "
                                  f"this run asks for {'features' if features else 'tokens only'}; use another "
@@ -180,6 +195,7 @@ def build_dataset(target: LoadedModel, prompts: list[list[int]], out_dir: str | 
         for index, shard in enumerate(shards):
             path = out / f"shard-{index:05d}.safetensors"
             # a shard written by a run with fewer prompts gets the rest; its features are read only then
+            first = index * shard_size
             todo = _unanswered(shard, _shard_prompts(path) if path.exists() else [])
             bar.update(len(shard) - len(todo))
             if not todo:
@@ -189,11 +205,14 @@ def build_dataset(target: LoadedModel, prompts: list[list[int]], out_dir: str | 
                           "answers); a later run answers the rest")
                 break
             sequences: list[Sequence] = list(_read_shard(path)) if path.exists() else []
-            # length-sorted batches waste less compute on padding
-            order = sorted(range(len(todo)), key=lambda i: len(todo[i]))
-            for chunk in _batches(order, batch_size):
-                batch = [todo[i] for i in chunk]
-                answers = generate_answers(target, batch, max_new_tokens)
+            temps = [0.0 if temperatures is None else float(temperatures[first + i]) for i in todo]
+            torch.manual_seed(seed * 1_000_003 + index)
+            # batches of one temperature, length-sorted (less compute wasted on padding)
+            order = sorted(range(len(todo)), key=lambda i: (temps[i], len(shard[todo[i]])))
+            chunks = [c for t in sorted(set(temps)) for c in _batches([i for i in order if temps[i] == t], batch_size)]
+            for chunk in chunks:
+                batch = [shard[todo[i]] for i in chunk]
+                answers = generate_answers(target, batch, max_new_tokens, temps[chunk[0]])
                 full = [p + a for p, a in zip(batch, answers)]
                 feats = target_features(target, full, layers) if features else [None] * len(full)
                 for prompt, seq, f in zip(batch, full, feats):
@@ -206,16 +225,16 @@ def build_dataset(target: LoadedModel, prompts: list[list[int]], out_dir: str | 
     return out
 
 
-def _unanswered(prompts: list[list[int]], answered: list[tuple[int, ...]]) -> list[list[int]]:
-    """The prompts not in ``answered`` yet (a multiset difference: a prompt may occur twice)."""
+def _unanswered(prompts: list[list[int]], answered: list[tuple[int, ...]]) -> list[int]:
+    """Indices of the prompts not in ``answered`` yet (a multiset difference: a prompt may occur twice)."""
     have = Counter(answered)
     todo = []
-    for prompt in prompts:
+    for i, prompt in enumerate(prompts):
         key = tuple(prompt)
         if have[key]:
             have[key] -= 1
         else:
-            todo.append(prompt)
+            todo.append(i)
     return todo
 
 

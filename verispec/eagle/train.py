@@ -99,16 +99,19 @@ def cosine_lr(step: int, total: int, warmup: int, peak: float) -> float:
 
 
 def validation_split(sequences: list[Sequence], count: int, seed: int = 0) -> tuple[list[Sequence], list[Sequence]]:
-    """(train, validation): the ``count`` sequences whose prompts hash lowest (seeded) are held out.
+    """(train, validation): every answer to the ``count`` prompts that hash lowest (seeded) is held out (``count``
+    sequences when each prompt has one answer).
 
     The split depends on the prompts, not on their order or number, and it is stable as data grows: a sequence
     held out from a larger set was held out from every smaller set that contains it. So a head continued on more
-    data (``init_head``) is never validated on answers its first round trained on."""
+    data (``init_head``) is never validated on answers its first round trained on, and a prompt answered twice
+    (greedy and sampled) is never trained on through one answer while validated on the other."""
     def key(s: Sequence) -> bytes:
         return hashlib.sha256(f"{seed}:".encode() + s.tokens[: s.answer_start].numpy().astype("<i8").tobytes()).digest()
 
-    ranked = sorted(range(len(sequences)), key=lambda i: (key(sequences[i]), i))
-    held = set(ranked[:count])
+    keys = [key(s) for s in sequences]
+    chosen = set(sorted(set(keys))[:count])
+    held = {i for i, k in enumerate(keys) if k in chosen}
     return ([s for i, s in enumerate(sequences) if i not in held], [s for i, s in enumerate(sequences) if i in held])
 
 
@@ -466,7 +469,8 @@ def _save_training_record(out_dir, meta, config, report, coverage) -> None:
 def training_record(meta: dict, config, report: TrainReport, coverage: float) -> dict:
     """What a trained head's config.json records of its training: data, settings (a dataclass), validation."""
     return {
-        "data": {k: meta.get(k) for k in ("source", "sequences", "max_new_tokens", "dtype")},
+        "data": {k: meta.get(k) for k in ("source", "sequences", "max_new_tokens", "dtype")}
+        | ({"answer_temperatures": meta["answer_temperatures"]} if "answer_temperatures" in meta else {}),
         "config": asdict(config),
         "steps": report.steps,
         "seconds": round(report.seconds, 1),
