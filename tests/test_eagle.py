@@ -348,6 +348,20 @@ def test_sampled_answers_follow_the_target_and_extend_greedy_data(small_target, 
     assert chi_square(observed, torch.softmax(logits, -1) * n)[2] < ALPHA  # the test can tell temperatures apart
 
 
+def test_a_continued_run_that_trains_no_step_leaves_the_head_it_started_from(small_target, trained_head_dir, tmp_path):
+    from verispec.eagle.train import train_head
+
+    data = trained_head_dir[0].parent / "data"
+    config = TrainConfig(epochs=1, batch_tokens=2048, val_sequences=16, bf16_autocast=False,
+                         init_head=str(trained_head_dir[0]))
+    report = train_head(small_target, data, tmp_path / "out", config, progress=False, log=lambda m: None,
+                        should_stop=lambda step: True)
+    assert report.steps == 0 and not report.finished
+    start, kept = EagleHead.load(trained_head_dir[0]), EagleHead.load(tmp_path / "out")
+    assert torch.equal(start.fc.weight, kept.fc.weight) and torch.equal(start.d2t, kept.d2t)
+    assert report.best["step"] == 0 and report.best == report.val_history[0]
+
+
 def test_validation_split_holds_out_every_answer_to_a_prompt():
     rng = random.Random(5)
     prompts = [[rng.randrange(50) for _ in range(6)] for _ in range(40)]
@@ -440,7 +454,10 @@ def test_train_eagle_command_end_to_end(tiny_dir, tmp_path, capsys):
     assert record["validation_history"][0]["step"] == 0  # the continued head is validated before it trains
     first, second = EagleHead.load(out), EagleHead.load(more)
     assert torch.equal(first.d2t, second.d2t)  # the draft vocabulary is kept
-    assert not torch.equal(first.fc.weight, second.fc.weight)  # and the weights trained further
+    # the head written is the best validated one, the starting head included: never worse than where it started
+    history = record["validation_history"]
+    assert record["best_validation"]["est_tokens_per_step"] == max(m["est_tokens_per_step"] for m in history)
+    assert len(history) >= 2 and torch.equal(first.fc.weight, second.fc.weight) == (record["best_validation"]["step"] == 0)
     assert main(["train-eagle", "--target", str(tiny_dir), "--prompts", str(prompts), "--out", str(more),
                  "--init-head", str(tmp_path / "nowhere")]) != 0
     assert "nowhere" in capsys.readouterr().err

@@ -286,7 +286,8 @@ def _finish(args, target, data_dir, check_ids, report, started: float, drafter: 
         summary["held_out_check"] = check
         _record(args.out, "held_out_check", check)
     summary["total_seconds"] = round(time.perf_counter() - started, 1)
-    _record(args.out, "total_seconds", summary["total_seconds"])
+    if (Path(args.out) / "config.json").exists():  # a run stopped before its first validation wrote no head yet
+        _record(args.out, "total_seconds", summary["total_seconds"])
     print(json.dumps(summary))
     return 0
 

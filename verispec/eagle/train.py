@@ -277,9 +277,6 @@ def train_head(target: LoadedModel, data_dir: str | Path, out_dir: str | Path, c
         seconds_before = state["seconds"]
         report = TrainReport(**state["report"])
         log(f"resuming at step {step} of {total} ({seconds_before:.0f} s trained so far)")
-    schedule = Schedule(config.lr, total, config.warmup_steps, config.max_minutes, seconds_before)
-    elapsed = schedule.seconds
-
     def checkpoint() -> None:
         report.steps, report.seconds = step, elapsed()
         save_checkpoint(out_dir, {"settings": settings, "step": step, "total": total, "best_score": best_score,
@@ -292,6 +289,12 @@ def train_head(target: LoadedModel, data_dir: str | Path, out_dir: str | Path, c
         metrics.update(step=0, epoch=0, seconds=0.0)
         report.val_history.append(metrics)
         log(_format_metrics(metrics))
+        # the head continued from is the one to beat: a run that makes it no better leaves it as it was
+        best_score, report.best = metrics["est_tokens_per_step"], metrics
+        _save(head, out_dir, meta, config, report, coverage)
+    # the clock starts after that first validation, so --max-minutes is all training
+    schedule = Schedule(config.lr, total, config.warmup_steps, config.max_minutes, seconds_before)
+    elapsed = schedule.seconds
     bar = tqdm(total=total, initial=step, desc="training EAGLE head", unit="step", disable=not progress)
     stopped = False
     with StopSignals() as signals:
