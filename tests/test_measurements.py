@@ -50,6 +50,42 @@ def test_a_seeded_curve_follows_the_live_measurements_and_drops_a_stale_seed():
     assert curve.measured() == pytest.approx({1: curve.measured()[1], 2: 0.060})  # width 5's stored value is gone
 
 
+def test_a_seed_that_makes_wide_passes_dear_gives_way_to_this_process_measurements():
+    """A stored curve measured under load (wide passes 3.6x a step) must not keep the controller at its narrowest
+    draft for good: the widths it never times again cannot read dearer than this process's own line."""
+    from verispec.controller import Controller
+
+    poisoned = {1: 0.028, 2: 0.029, 3: 0.101, 4: 0.133, 5: 0.127, 6: 0.129, 9: 0.141}
+    curve = CostCurve()
+    curve.seed(poisoned)
+    assert curve(9) > 0.12  # before any live pass the stored curve is all there is
+    controller = Controller(curve)
+    for i in range(50):
+        controller.history.observe(1, int(i % 10 < 7))  # a drafter whose first draft token is accepted 70% of the time
+    controller.start_request()
+    assert controller.verify_length(8, None, True).n <= 1  # the seed says a wide pass does not pay
+    for _ in range(3):  # the steps it takes (plain and one-token drafts) agree with the seed at widths 1 and 2
+        curve.observe(1, 0.025)
+        curve.observe(2, 0.027)
+    assert curve(9) == pytest.approx(0.025 + 8 * 0.002, rel=0.2)  # now the live line: wide passes are cheap
+    assert controller.verify_length(8, None, True).n >= 3
+    # only what this process measured or confirmed is stored for the next one
+    assert curve.stored().keys() == {1, 2}
+    for _ in range(3):
+        curve.observe(9, 0.031)  # a live wide pass finds the seed stale: the stored widths are dropped
+    assert not curve.seeded and curve.measured().keys() == {1, 2, 9}
+    # a seed that agrees with the live passes keeps its widths and its shape
+    curve = CostCurve()
+    curve.seed({1: 0.010, 2: 0.012, 5: 0.020})
+    for _ in range(3):
+        curve.observe(1, 0.010)
+        curve.observe(2, 0.012)
+    assert curve(5) == pytest.approx(0.018, rel=0.15) and curve.stored().keys() == {1, 2}  # optimistic until timed
+    for _ in range(3):
+        curve.observe(5, 0.020)  # timed: confirmed, stored, and on the line again
+    assert curve(5) == pytest.approx(0.020, rel=0.05) and curve.stored().keys() == {1, 2, 5}
+
+
 def test_a_new_process_starts_from_the_stored_curve_and_another_cpu_does_not(store, tiny_dir, monkeypatch):
     first = load_model(str(tiny_dir))
     curve = shared_cost_curve(first)

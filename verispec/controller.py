@@ -81,7 +81,14 @@ class CostCurve:
     A curve may start from one an earlier process measured on the same machine (``seed``): those widths count as
     ``SEED_WEIGHT`` observations, so this process's own measurements soon outweigh them, and once ``STALE_AFTER``
     live measurements at a seeded width disagree with it by more than ``STALE_FACTOR`` (another load on the
-    machine, a changed setting the key does not see), every seeded width is dropped and measured again."""
+    machine, a changed setting the key does not see), every seeded width is dropped and measured again.
+
+    A seeded width this process has not confirmed can never make a pass look dearer than this process's own
+    measurements say: once it has timed width 1 and a wider one, a pass costs the lower of the seeded line and the
+    line through its own widths. Otherwise a stored curve that once measured wide passes under load (3.6x a step at
+    width 3, where they cost 1.2x) kept the controller at its narrowest draft, which never timed a wide pass again
+    to find the seed stale, in this process and in every later one that read the curve back. Only confirmed and
+    live widths are stored again (``stored``)."""
 
     SEED_WEIGHT = 2.0
     STALE_AFTER = 3
@@ -92,6 +99,7 @@ class CostCurve:
         self.prior_slope = prior_slope
         self._means: dict[int, RunningMean] = {}
         self._line: tuple[float, float, float, float] | None = None
+        self._live_line: tuple[float, float, float, float] | None = None
         self._seeded: dict[int, float] = {}  # width -> the stored value it started from
         self._live: dict[int, list[float]] = {}  # this process's first measurements at seeded widths
         self.changed = False  # measured since it was last stored
@@ -99,7 +107,7 @@ class CostCurve:
         self.saved_at = 0.0
 
     def observe(self, width: int, seconds: float) -> None:
-        self._line = None
+        self._line = self._live_line = None
         self.changed = True
         if width in self._seeded and self._check_seed(width, seconds):
             return
@@ -115,7 +123,7 @@ class CostCurve:
             if int(width) >= 1 and float(seconds) > 0:
                 self._means[int(width)] = RunningMean(float(seconds), self.SEED_WEIGHT, self.smoothing)
                 self._seeded[int(width)] = float(seconds)
-        self._line = None
+        self._line = self._live_line = None
 
     @property
     def seeded(self) -> bool:
@@ -150,13 +158,29 @@ class CostCurve:
     def measured(self) -> dict[int, float]:
         return {w: m.value for w, m in sorted(self._means.items())}
 
+    def stored(self) -> dict[int, float]:
+        """What is worth storing for the next process: the widths this process measured or confirmed (a seeded
+        width never timed here is left out rather than passed on unchecked)."""
+        return {w: m.value for w, m in sorted(self._means.items()) if w not in self._seeded or w in self._live}
+
     def __bool__(self) -> bool:
         return bool(self._means)
 
     def __call__(self, width: int) -> float:
         if self._line is None:
-            self._line = self._fit()
-        base, anchor_width, anchor_seconds, slope = self._line
+            self._line = self._fit(self._means)
+        cost = self._read(self._line, width)
+        if self._seeded:
+            if self._live_line is None:
+                live = {w: m for w, m in self._means.items() if w not in self._seeded}
+                self._live_line = self._fit(live) if 1 in live and len(live) >= 2 else ()
+            if self._live_line:
+                cost = min(cost, self._read(self._live_line, width))
+        return cost
+
+    @staticmethod
+    def _read(line: tuple[float, float, float, float], width: int) -> float:
+        base, anchor_width, anchor_seconds, slope = line
         if width <= 1:
             return base
         return max(base, anchor_seconds + slope * (width - anchor_width))
@@ -167,13 +191,13 @@ class CostCurve:
         mean = self._means.get(width)
         return mean.value if mean is not None and mean.count >= min_count else self(width)
 
-    def _fit(self) -> tuple[float, float, float, float]:
-        """(one-token time, a point of the line for wider passes, its slope); refitted only after an observation,
-        since the engine reads the curve many times per step."""
-        if not self._means:
+    def _fit(self, means: dict[int, RunningMean]) -> tuple[float, float, float, float]:
+        """(one-token time, a point of the line for wider passes, its slope) of ``means``; refitted only after an
+        observation, since the engine reads the curve many times per step."""
+        if not means:
             raise ValueError("no step has been timed yet")
-        one = self._means.get(1)
-        wide = [(w, m.value, min(m.count, 20.0)) for w, m in self._means.items() if w > 1]
+        one = means.get(1)
+        wide = [(w, m.value, min(m.count, 20.0)) for w, m in means.items() if w > 1]
         if one is None:  # only wide passes timed so far: scale the narrowest one down along the prior
             w0, t0, _ = min(wide)
             base = t0 / (1 + self.prior_slope * (w0 - 1))
@@ -238,7 +262,7 @@ def save_cost_curve(curve: CostCurve, force: bool = False) -> None:
     if not force and now - curve.saved_at < SAVE_INTERVAL_S:
         return
     curve.saved_at, curve.changed = now, False
-    measurements.save(COST_RECORD, curve.key, {str(w): s for w, s in curve.measured().items()})
+    measurements.save(COST_RECORD, curve.key, {str(w): s for w, s in curve.stored().items()})
 
 
 class Acceptance:
