@@ -441,15 +441,23 @@ def test_train_eagle_command_end_to_end(tiny_dir, tmp_path, capsys):
     assert result["stats"]["drafter"] == "eagle" and result["stats"]["new_tokens"] >= 1
 
     # more data (the cached answers are kept, new ones added), then continue training that head
+    # (and a second, sampled answer to each prompt: the 46 greedy answers are kept, 46 sampled ones added)
     more = tmp_path / "head-more"
     code = main(["train-eagle", "--target", str(tiny_dir), "--prompts", str(prompts), "--out", str(more),
                  "--data", str(tmp_path / "data"), "--samples", "46", "--max-new-tokens", "8", "--epochs", "1",
-                 "--val-every", "5", "--check-prompts", "0", "--layers", "1,2", "--init-head", str(out)])
+                 "--val-every", "5", "--check-prompts", "0", "--layers", "1,2", "--init-head", str(out),
+                 "--answers-per-prompt", "2", "--answer-temperature", "0.9"])
     assert code == 0
     capsys.readouterr()
     record = json.loads((more / "config.json").read_text())["training"]
     assert record["continued_from"]["head"] == str(out) and record["continued_from"]["training"]["data"]["sequences"] == 40
-    assert record["data"]["sequences"] == 46 and len(list(load_sequences(tmp_path / "data"))) == 46
+    assert record["data"]["sequences"] == 92 and len(list(load_sequences(tmp_path / "data"))) == 92
+    assert record["data"]["answer_temperatures"] == [0.0, 0.9]
+    prompts_on_disk = [tuple(s.tokens[: s.answer_start].tolist()) for s in load_sequences(tmp_path / "data")]
+    assert all(prompts_on_disk.count(p) == 2 for p in prompts_on_disk)
+    assert main(["train-eagle", "--target", str(tiny_dir), "--prompts", str(prompts), "--out", str(more),
+                 "--answers-per-prompt", "2", "--answer-temperature", "0"]) != 0
+    assert "--answer-temperature must be > 0" in capsys.readouterr().err
     assert record["config"]["init_head"] == str(out)
     assert record["validation_history"][0]["step"] == 0  # the continued head is validated before it trains
     first, second = EagleHead.load(out), EagleHead.load(more)
