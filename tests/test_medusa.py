@@ -215,9 +215,26 @@ def test_train_medusa_command_end_to_end(tiny_dir, tmp_path, capsys):
     capsys.readouterr()
     first, second = MedusaHeads.load(out), MedusaHeads.load(more)
     assert torch.equal(first.d2t, second.d2t) and second.num_heads == 2
-    assert not torch.equal(first.heads[0][0].linear.weight, second.heads[0][0].linear.weight)
+    # the heads written are the best validated ones, the starting heads included (validated at step 0)
+    record = json.loads((more / "config.json").read_text())["training"]
+    history = record["validation_history"]
+    assert history[0]["step"] == 0 and len(history) >= 2
+    assert record["best_validation"]["est_tokens_per_step"] == max(m["est_tokens_per_step"] for m in history)
+    assert torch.equal(first.heads[0][0].linear.weight, second.heads[0][0].linear.weight) == \
+        (record["best_validation"]["step"] == 0)
     assert main(["train-medusa", "--prompts", str(prompts), "--out", str(more), "--heads", "0"]) == 2
     assert "--heads must be >= 1" in capsys.readouterr().err
+
+
+def test_a_continued_run_that_trains_no_step_leaves_the_heads_it_started_from(small_target, trained_heads, tmp_path):
+    data = trained_heads[0].parent / "data"
+    config = MedusaTrainConfig(epochs=1, batch_tokens=2048, val_sequences=16, bf16_autocast=False,
+                               init_heads=str(trained_heads[0]))
+    report = train_medusa(small_target, data, tmp_path / "out", config, progress=False, log=lambda m: None,
+                          should_stop=lambda step: True)
+    assert report.steps == 0 and not report.finished and report.best["step"] == 0
+    start, kept = MedusaHeads.load(trained_heads[0]), MedusaHeads.load(tmp_path / "out")
+    assert torch.equal(start.heads[0][0].linear.weight, kept.heads[0][0].linear.weight)
 
 
 def test_batch_engine_runs_medusa_rows_with_plain_greedy_output(small_target, trained_heads):

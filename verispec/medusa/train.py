@@ -146,6 +146,15 @@ def train_medusa(target: LoadedModel, data_dir: str | Path, out_dir: str | Path,
         step, total, best_score, seconds_before = state["step"], state["total"], state["best_score"], state["seconds"]
         report = TrainReport(**state["report"])
         log(f"resuming at step {step} of {total} ({seconds_before:.0f} s trained so far)")
+    elif config.init_heads:  # where the continued heads start, on this run's validation answers: the ones to beat
+        metrics = validate(heads, val, config, full_head, **collate_kw)
+        metrics.update(step=0, epoch=0, seconds=0.0)
+        report.val_history.append(metrics)
+        log(format_metrics(metrics))
+        best_score, report.best = metrics["est_tokens_per_step"], metrics
+        heads.config.training = training_record(meta, config, report, coverage)
+        heads.save(out_dir)
+    # the clock starts after that first validation, so --max-minutes is all training
     schedule = Schedule(config.lr, total, config.warmup_steps, config.max_minutes, seconds_before)
 
     def checkpoint() -> None:
