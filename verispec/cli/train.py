@@ -44,7 +44,8 @@ def add_train_parser(sub) -> None:
     g.add_argument("--val-every", type=int, default=200,
                    help="steps between validations, each also writing a resumable checkpoint (default: 200)")
     g.add_argument("--val-sequences", type=int, default=64,
-                   help="held-out answers for validation, chosen by a hash of their prompts (default: 64)")
+                   help="held-out prompts for validation, chosen by a hash (every answer to each is held out; "
+                        "default: 64)")
     _add_run_arguments(g)
     g.add_argument("--check-prompts", type=int, default=8,
                    help="held-out prompts for the final check in the real engine (default: 8; 0 skips it)")
