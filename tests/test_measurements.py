@@ -86,6 +86,32 @@ def test_a_seed_that_makes_wide_passes_dear_gives_way_to_this_process_measuremen
     assert curve(5) == pytest.approx(0.020, rel=0.05) and curve.stored().keys() == {1, 2, 5}
 
 
+def test_a_calibration_timed_under_load_gives_way_too_and_is_stored_for_the_next_process():
+    """The engine's calibration enters as provisional: timed during a load spike (wide passes 3x dearer), it must
+    not lock the process into one-token drafts once its own steps say otherwise."""
+    curve = CostCurve()
+    curve.seed({1: 0.010}, stored=True)  # from an earlier process, never confirmed here
+    curve.seed({2: 0.030, 5: 0.045, 9: 0.060}, stored=False)  # this process's calibration, under load
+    assert curve.stored().keys() == {2, 5, 9}  # what it measured itself is passed on; the unconfirmed store is not
+    for _ in range(3):
+        curve.observe(1, 0.010)
+        curve.observe(2, 0.011)  # the load is gone: 3x below the calibrated value, so every provisional width goes
+    assert not curve.seeded and curve.measured().keys() == {1, 2} and curve(9) < 0.025
+
+
+def test_calibration_keeps_the_faster_time_of_each_width_as_provisional(monkeypatch):
+    from tiny import loaded, make_model
+    from verispec import NgramDrafter, SpeculativeDecoder
+
+    target = loaded(make_model(seed=11))  # a model of its own: no curve timed by another test in this process
+    decoder = SpeculativeDecoder(target, NgramDrafter(), k=4)
+    curve = decoder.controller.costs
+    seeded = {}
+    monkeypatch.setattr(curve, "seed", lambda measured, stored=True: seeded.update(measured=measured, stored=stored))
+    decoder.generate([5, 6, 7, 5, 6, 7, 5], max_new_tokens=4)
+    assert seeded["stored"] is False and set(seeded["measured"]) == {1, 2, 3, 5}
+
+
 def test_a_new_process_starts_from_the_stored_curve_and_another_cpu_does_not(store, tiny_dir, monkeypatch):
     first = load_model(str(tiny_dir))
     curve = shared_cost_curve(first)

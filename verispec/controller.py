@@ -88,7 +88,13 @@ class CostCurve:
     line through its own widths. Otherwise a stored curve that once measured wide passes under load (3.6x a step at
     width 3, where they cost 1.2x) kept the controller at its narrowest draft, which never timed a wide pass again
     to find the seed stale, in this process and in every later one that read the curve back. Only confirmed and
-    live widths are stored again (``stored``)."""
+    live widths are stored again (``stored``).
+
+    The engine's calibration (a few passes timed at the first request) enters the same way (``seed(...,
+    stored=False)``): a load on the machine during those few passes had locked a whole run into one-token drafts
+    (1.31x plain with 1.51 tokens a step, against 1.53x and 2.20 in the next run), since the wide widths it timed
+    were never timed again. Calibrated widths are stored for the next process; stored ones it never confirmed are
+    not."""
 
     SEED_WEIGHT = 2.0
     STALE_AFTER = 3
@@ -101,6 +107,7 @@ class CostCurve:
         self._line: tuple[float, float, float, float] | None = None
         self._live_line: tuple[float, float, float, float] | None = None
         self._seeded: dict[int, float] = {}  # width -> the stored value it started from
+        self._from_store: set[int] = set()  # seeded widths read from an earlier process (not this one's calibration)
         self._live: dict[int, list[float]] = {}  # this process's first measurements at seeded widths
         self.changed = False  # measured since it was last stored
         self.key: dict | None = None  # what it is stored under (shared_cost_curve); None: never stored
@@ -117,12 +124,17 @@ class CostCurve:
         else:
             mean.add(min(seconds, 3 * mean.value))  # one stall (a page fault, another process) is not the curve
 
-    def seed(self, measured: dict[int, float]) -> None:
-        """Start from ``measured`` (width -> seconds, an earlier process's curve); see the class docstring."""
+    def seed(self, measured: dict[int, float], stored: bool = True) -> None:
+        """Start from ``measured`` (width -> seconds): an earlier process's curve, or with ``stored=False`` this
+        process's calibration; either is provisional until live steps confirm it (see the class docstring)."""
         for width, seconds in measured.items():
             if int(width) >= 1 and float(seconds) > 0:
                 self._means[int(width)] = RunningMean(float(seconds), self.SEED_WEIGHT, self.smoothing)
                 self._seeded[int(width)] = float(seconds)
+                if stored:
+                    self._from_store.add(int(width))
+                else:
+                    self._from_store.discard(int(width))
         self._line = self._live_line = None
 
     @property
@@ -140,6 +152,7 @@ class CostCurve:
             return False
         ratio = sorted(live)[len(live) // 2] / self._seeded[width]
         del self._seeded[width], self._live[width]
+        self._from_store.discard(width)
         if 1 / self.STALE_FACTOR <= ratio <= self.STALE_FACTOR:
             self._means[width].add(min(seconds, 3 * self._means[width].value))
             return False
@@ -149,6 +162,7 @@ class CostCurve:
         for w in stale:
             self._means.pop(w, None)
         self._seeded.clear()
+        self._from_store.clear()
         for w, values in [(width, live), *self._live.items()]:
             for value in values:
                 self.observe(w, value)
@@ -161,7 +175,8 @@ class CostCurve:
     def stored(self) -> dict[int, float]:
         """What is worth storing for the next process: the widths this process measured or confirmed (a seeded
         width never timed here is left out rather than passed on unchecked)."""
-        return {w: m.value for w, m in sorted(self._means.items()) if w not in self._seeded or w in self._live}
+        return {w: m.value for w, m in sorted(self._means.items())
+                if w not in self._seeded or w not in self._from_store or w in self._live}
 
     def __bool__(self) -> bool:
         return bool(self._means)

@@ -377,7 +377,8 @@ class SpeculativeDecoder:
 
     def _calibrate(self, state: SequenceState, k: int) -> None:
         """Seed the target's cost curve (once per model and process): time an engine step at a few widths up
-        to k + 1 on this request's context, twice, then crop the cache back. The steps themselves refine it."""
+        to k + 1 on this request's context, twice, then crop the cache back. Each width's faster time enters the
+        curve as provisional (``CostCurve.seed(..., stored=False)``): the steps confirm or replace it."""
         curve = self.controller.costs
         widths = sorted({1, 2, 1 + max(1, k // 2), 1 + k})
         if self.controller.policy != COST or all(w in curve.measured() for w in widths):
@@ -385,13 +386,17 @@ class SpeculativeDecoder:
         start = time.perf_counter()
         past = len(state.cached_tokens)
         pending = state.tokens[past:]
+        timed: dict[int, float] = {}
         for i, w in enumerate([1, *widths, *widths]):  # the first pass warms up and is not kept
             feed = (pending * w)[: max(w, len(pending))]
             t0 = time.perf_counter()
             probabilities(self.target.forward(state.cache, feed).logits, state.sampling)
             state.cache.truncate(past)
-            if i:
-                curve.observe(len(feed), time.perf_counter() - t0)
+            if i:  # a pass is only ever slowed down by what else runs: the faster of the two times is the cost
+                timed[len(feed)] = min(timed.get(len(feed), float("inf")), time.perf_counter() - t0)
+        known = curve.measured()
+        curve.seed({w: t for w, t in timed.items() if w not in known}, stored=False)
+        curve.changed = True
         state.stats.calibration_seconds = time.perf_counter() - start
         save_cost_curve(curve, force=True)
 
