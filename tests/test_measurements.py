@@ -97,6 +97,15 @@ def test_a_calibration_timed_under_load_gives_way_too_and_is_stored_for_the_next
         curve.observe(1, 0.010)
         curve.observe(2, 0.011)  # the load is gone: 3x below the calibrated value, so every provisional width goes
     assert not curve.seeded and curve.measured().keys() == {1, 2} and curve(9) < 0.025
+    # a process that never runs a plain step still gets out: two widths of its own are enough
+    curve = CostCurve()
+    curve.seed({1: 0.010, 2: 0.030, 3: 0.033, 9: 0.060}, stored=False)
+    for _ in range(3):
+        curve.observe(2, 0.030)  # agrees with the calibration: confirmed
+    assert curve(9) > 0.05  # one width of its own draws no line yet
+    for _ in range(3):
+        curve.observe(3, 0.031)
+    assert curve(9) < 0.045 and curve.seeded  # widths 2 and 3 draw the line; widths 1 and 9 are still unconfirmed
 
 
 def test_calibration_keeps_the_faster_time_of_each_width_as_provisional(monkeypatch):

@@ -84,8 +84,8 @@ class CostCurve:
     machine, a changed setting the key does not see), every seeded width is dropped and measured again.
 
     A seeded width this process has not confirmed can never make a pass look dearer than this process's own
-    measurements say: once it has timed width 1 and a wider one, a pass costs the lower of the seeded line and the
-    line through its own widths. Otherwise a stored curve that once measured wide passes under load (3.6x a step at
+    measurements say: once it has timed two widths itself, a pass costs the lower of the seeded line and the line
+    through its own widths. Otherwise a stored curve that once measured wide passes under load (3.6x a step at
     width 3, where they cost 1.2x) kept the controller at its narrowest draft, which never timed a wide pass again
     to find the seed stale, in this process and in every later one that read the curve back. Only confirmed and
     live widths are stored again (``stored``).
@@ -188,7 +188,7 @@ class CostCurve:
         if self._seeded:
             if self._live_line is None:
                 live = {w: m for w, m in self._means.items() if w not in self._seeded}
-                self._live_line = self._fit(live) if 1 in live and len(live) >= 2 else ()
+                self._live_line = self._fit(live) if len(live) >= 2 else ()
             if self._live_line:
                 cost = min(cost, self._read(self._live_line, width))
         return cost
