@@ -206,7 +206,8 @@ def build_dataset(target: LoadedModel, prompts: list[list[int]], out_dir: str | 
                 break
             sequences: list[Sequence] = list(_read_shard(path)) if path.exists() else []
             temps = [0.0 if temperatures is None else float(temperatures[first + i]) for i in todo]
-            torch.manual_seed(seed * 1_000_003 + index)
+            if any(t > 0 for t in temps):  # only sampled answers draw from torch's generator
+                torch.manual_seed(seed * 1_000_003 + index)
             # batches of one temperature, length-sorted (less compute wasted on padding)
             order = sorted(range(len(todo)), key=lambda i: (temps[i], len(shard[todo[i]])))
             chunks = [c for t in sorted(set(temps)) for c in _batches([i for i in order if temps[i] == t], batch_size)]

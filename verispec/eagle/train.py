@@ -277,6 +277,7 @@ def train_head(target: LoadedModel, data_dir: str | Path, out_dir: str | Path, c
         seconds_before = state["seconds"]
         report = TrainReport(**state["report"])
         log(f"resuming at step {step} of {total} ({seconds_before:.0f} s trained so far)")
+
     def checkpoint() -> None:
         report.steps, report.seconds = step, elapsed()
         save_checkpoint(out_dir, {"settings": settings, "step": step, "total": total, "best_score": best_score,
