@@ -13,6 +13,7 @@ import torch
 from statistical_helpers import ALPHA, SAMPLES, exact_joint, joint_p_value, sampled_joint
 from tiny import loaded, make_model
 from verispec import EagleDrafter, IncompatibleDrafter, ModelNotFound, SamplingParams, SpeculativeDecoder
+from verispec.errors import InvalidRequest
 from verispec.audit import chi_square
 from verispec.drafters.base import Draft
 from verispec.eagle.data import Sequence, build_dataset, load_meta, load_sequences
@@ -112,7 +113,10 @@ def test_training_unroll_matches_what_the_drafter_computes(small_target):
 
 @pytest.mark.parametrize("k", [1, 2, 3, 5, 8])
 def test_eagle_greedy_equals_plain_greedy(small_target, trained_head_dir, k):
-    heads = [EagleDrafter(small_target, trained_head_dir[0]), EagleDrafter(small_target, random_head(small_target, 20))]
+    heads = [EagleDrafter(small_target, trained_head_dir[0], dtype="float32"),
+             EagleDrafter(small_target, trained_head_dir[0], dtype="bfloat16"),
+             EagleDrafter(small_target, random_head(small_target, 20))]
+    assert heads[1].head.fc.weight.dtype == torch.bfloat16 and heads[0].head.fc.weight.dtype == torch.float32
     for prompt in PROMPTS:
         expected = SpeculativeDecoder(small_target).generate(prompt, max_new_tokens=40).token_ids
         for drafter in heads:
@@ -193,13 +197,35 @@ EAGLE_SAMPLING = {
 }
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("case", EAGLE_SAMPLING)
-def test_eagle_sampling_matches_exact_joint_distribution(small_target, trained_head_dir, case):
-    """q is the head's distribution over a 28-token draft vocabulary (zero elsewhere); the committed tokens still
-    follow the target exactly."""
-    decoder = SpeculativeDecoder(small_target, EagleDrafter(small_target, trained_head_dir[0]), k=3, k_policy="fixed")
+def test_eagle_sampling_matches_exact_joint_distribution(small_target, trained_head_dir, case, dtype):
+    """q is the head's distribution over a 28-token draft vocabulary (zero elsewhere), computed in float32 or by a
+    bfloat16 head under the float32 target; the committed tokens still follow the target exactly."""
+    drafter = EagleDrafter(small_target, trained_head_dir[0], dtype=dtype)
+    decoder = SpeculativeDecoder(small_target, drafter, k=3, k_policy="fixed")
     assert joint_p_value(decoder, EAGLE_SAMPLING[case]) > ALPHA
-    assert decoder.drafter.head is not None
+    assert drafter.head.lm_head_d.dtype == getattr(torch, dtype)
+
+
+def test_head_dtype_auto_is_bfloat16_only_where_the_cpu_multiplies_it_natively(small_target, trained_head_dir,
+                                                                               monkeypatch):
+    from verispec.backends.hf import cpu
+    from verispec.drafters import precision
+
+    native = cpu.bfloat16_dot_products()
+    expected = torch.bfloat16 if native else torch.float32
+    assert EagleDrafter(small_target, trained_head_dir[0]).head.fc.weight.dtype == expected
+    monkeypatch.setattr(cpu, "bfloat16_dot_products", lambda: False)
+    assert precision.head_dtype("auto", small_target) == torch.float32
+    monkeypatch.setattr(cpu, "bfloat16_dot_products", lambda: True)
+    assert precision.head_dtype("auto", small_target) == torch.bfloat16
+    assert precision.head_dtype("float32", small_target) == torch.float32
+    bf16_target = loaded(make_model(seed=0, scale=0.1).to(torch.bfloat16), small_target.tokenizer)
+    bf16_target.dtype = torch.bfloat16
+    assert precision.head_dtype("auto", bf16_target) == torch.bfloat16  # the target's own dtype
+    with pytest.raises(InvalidRequest, match="head dtype must be one of auto, float32, bfloat16, got 'float16'"):
+        EagleDrafter(small_target, trained_head_dir[0], dtype="float16")
 
 
 def test_eagle_sampling_at_temperature_1_with_an_untrained_head(tiny_target):

@@ -71,6 +71,12 @@ def packed_linear_works(dtype: torch.dtype) -> bool:
     return y.shape == ref.shape and bool(torch.allclose(y.float(), ref.float(), rtol=1e-2, atol=1e-2))
 
 
+def bfloat16_dot_products() -> bool:
+    """Does this CPU multiply bfloat16 natively (AVX-512 BF16, AMX, Arm's BF16) and run oneDNN's packed bfloat16
+    linear? Elsewhere bfloat16 matmuls are emulated through float32 and save little or nothing."""
+    return bool(set(cpu_info()["flags"]) & {"avx512_bf16", "amx_bf16", "bf16"}) and packed_linear_works(torch.bfloat16)
+
+
 def linear_kernel(dtype: torch.dtype, pack: bool = True) -> str:
     """A short name for the kernel a linear layer of this dtype runs on this CPU (for reports)."""
     if pack and packed_linear_works(dtype):
