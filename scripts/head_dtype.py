@@ -27,7 +27,7 @@ def main() -> None:
     target.eos_token_ids = frozenset()
     info = cpu_info()
     print(f"CPU {info['model']}, bfloat16 dot products: {bfloat16_dot_products()}")
-    decoders = {dtype: SpeculativeDecoder(target, make_drafter(args.drafter, target, dtype=dtype), k=args.k,
+    decoders = {dtype: SpeculativeDecoder(target, make_drafter(args.drafter, target, precision=dtype), k=args.k,
                                           k_policy=args.policy) for dtype in ("float32", "bfloat16")}
     for _ in range(args.rounds):
         for dtype, decoder in decoders.items():

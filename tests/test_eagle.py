@@ -113,8 +113,8 @@ def test_training_unroll_matches_what_the_drafter_computes(small_target):
 
 @pytest.mark.parametrize("k", [1, 2, 3, 5, 8])
 def test_eagle_greedy_equals_plain_greedy(small_target, trained_head_dir, k):
-    heads = [EagleDrafter(small_target, trained_head_dir[0], dtype="float32"),
-             EagleDrafter(small_target, trained_head_dir[0], dtype="bfloat16"),
+    heads = [EagleDrafter(small_target, trained_head_dir[0], precision="float32"),
+             EagleDrafter(small_target, trained_head_dir[0], precision="bfloat16"),
              EagleDrafter(small_target, random_head(small_target, 20))]
     assert heads[1].head.fc.weight.dtype == torch.bfloat16 and heads[0].head.fc.weight.dtype == torch.float32
     for prompt in PROMPTS:
@@ -197,35 +197,35 @@ EAGLE_SAMPLING = {
 }
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
 @pytest.mark.parametrize("case", EAGLE_SAMPLING)
-def test_eagle_sampling_matches_exact_joint_distribution(small_target, trained_head_dir, case, dtype):
+def test_eagle_sampling_matches_exact_joint_distribution(small_target, trained_head_dir, case, precision):
     """q is the head's distribution over a 28-token draft vocabulary (zero elsewhere), computed in float32 or by a
     bfloat16 head under the float32 target; the committed tokens still follow the target exactly."""
-    drafter = EagleDrafter(small_target, trained_head_dir[0], dtype=dtype)
+    drafter = EagleDrafter(small_target, trained_head_dir[0], precision=precision)
     decoder = SpeculativeDecoder(small_target, drafter, k=3, k_policy="fixed")
     assert joint_p_value(decoder, EAGLE_SAMPLING[case]) > ALPHA
-    assert drafter.head.lm_head_d.dtype == getattr(torch, dtype)
+    assert drafter.head.lm_head_d.dtype == getattr(torch, precision)
 
 
-def test_head_dtype_auto_is_bfloat16_only_where_the_cpu_multiplies_it_natively(small_target, trained_head_dir,
+def test_head_precision_auto_is_bfloat16_only_where_the_cpu_multiplies_it_natively(small_target, trained_head_dir,
                                                                                monkeypatch):
     from verispec.backends.hf import cpu
-    from verispec.drafters import precision
+    from verispec.drafters import precision as head_precision
 
     native = cpu.bfloat16_dot_products()
     expected = torch.bfloat16 if native else torch.float32
     assert EagleDrafter(small_target, trained_head_dir[0]).head.fc.weight.dtype == expected
     monkeypatch.setattr(cpu, "bfloat16_dot_products", lambda: False)
-    assert precision.head_dtype("auto", small_target) == torch.float32
+    assert head_precision.head_dtype("auto", small_target) == torch.float32
     monkeypatch.setattr(cpu, "bfloat16_dot_products", lambda: True)
-    assert precision.head_dtype("auto", small_target) == torch.bfloat16
-    assert precision.head_dtype("float32", small_target) == torch.float32
+    assert head_precision.head_dtype("auto", small_target) == torch.bfloat16
+    assert head_precision.head_dtype("float32", small_target) == torch.float32
     bf16_target = loaded(make_model(seed=0, scale=0.1).to(torch.bfloat16), small_target.tokenizer)
     bf16_target.dtype = torch.bfloat16
-    assert precision.head_dtype("auto", bf16_target) == torch.bfloat16  # the target's own dtype
-    with pytest.raises(InvalidRequest, match="head dtype must be one of auto, float32, bfloat16, got 'float16'"):
-        EagleDrafter(small_target, trained_head_dir[0], dtype="float16")
+    assert head_precision.head_dtype("auto", bf16_target) == torch.bfloat16  # the target's own dtype
+    with pytest.raises(InvalidRequest, match="head precision must be one of auto, float32, bfloat16, got 'float16'"):
+        EagleDrafter(small_target, trained_head_dir[0], precision="float16")
 
 
 def test_eagle_sampling_at_temperature_1_with_an_untrained_head(tiny_target):
@@ -292,16 +292,16 @@ def test_head_is_packed_where_the_cpu_can_with_the_same_logits_and_saves_unchang
     if not packing_available(dtype):
         pytest.skip(f"this CPU cannot run oneDNN's packed {dtype} kernel (tests/test_packing.py covers the fallback)")
     model = make_model(seed=0, scale=0.1).to(dtype)
-    head = EagleHead.load(trained_head_dir[0], dtype=dtype).attach(model)
-    plain = EagleHead.load(trained_head_dir[0], dtype=dtype).train().attach(model).eval()  # not packed
+    head = EagleHead.load(trained_head_dir[0], precision=precision).attach(model)
+    plain = EagleHead.load(trained_head_dir[0], precision=precision).train().attach(model).eval()  # not packed
     assert isinstance(head.fc, PackedLinear) and not isinstance(plain.fc, PackedLinear)
     assert head._lm_head_packed is not None and plain._lm_head_packed is None
     # bfloat16: the packed op is bit-identical; float32: within the last bits of MKL's result
     same = torch.equal if dtype == torch.bfloat16 else lambda a, b: torch.allclose(a, b, rtol=1e-4, atol=1e-5)
-    g = torch.randn(5, 32, dtype=dtype)
+    g = torch.randn(5, 32, precision=precision)
     with torch.inference_mode():
         assert same(head.logits(g), plain.logits(g))
-        tokens, feats = torch.tensor([4, 5, 6]), torch.randn(3, 32, dtype=dtype)
+        tokens, feats = torch.tensor([4, 5, 6]), torch.randn(3, 32, precision=precision)
         assert same(head.step(tokens, feats, HeadCache()), plain.step(tokens, feats, HeadCache()))
     head.save(tmp_path / "again")
     saved = safetensors.torch.load_file(tmp_path / "again" / "model.safetensors")

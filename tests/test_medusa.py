@@ -77,8 +77,8 @@ def test_training_labels_line_up_with_what_the_drafter_reads(small_target, train
 
 @pytest.mark.parametrize("k", [1, 2, 3, 5])
 def test_medusa_greedy_equals_plain_greedy(small_target, trained_heads, k):
-    drafters = [MedusaDrafter(small_target, trained_heads[0], dtype="float32"),
-                MedusaDrafter(small_target, trained_heads[0], dtype="bfloat16"),
+    drafters = [MedusaDrafter(small_target, trained_heads[0], precision="float32"),
+                MedusaDrafter(small_target, trained_heads[0], precision="bfloat16"),
                 MedusaDrafter(small_target, random_heads(small_target, 20))]
     assert drafters[1].heads.lm_head_d.dtype == torch.bfloat16 and drafters[0].heads.lm_head_d.dtype == torch.float32
     for prompt in PROMPTS:
@@ -128,13 +128,13 @@ def test_tree_nodes_are_the_most_likely_paths(small_target, trained_heads):
 SAMPLING = {"t0.3": SamplingParams(temperature=0.3), "topk-topp": SamplingParams(temperature=0.3, top_k=8, top_p=0.9)}
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
 @pytest.mark.parametrize("case", SAMPLING)
-def test_medusa_sampling_matches_exact_joint_distribution(small_target, trained_heads, case, dtype):
+def test_medusa_sampling_matches_exact_joint_distribution(small_target, trained_heads, case, precision):
     """Drafts drawn from each head's q (28-token draft vocabulary, plus the context's tokens), float32 heads or
     bfloat16 ones under the float32 target; the committed tokens still follow the target exactly."""
-    drafter = MedusaDrafter(small_target, trained_heads[0], dtype=dtype)
-    assert drafter.heads.lm_head_d.dtype == getattr(torch, dtype)
+    drafter = MedusaDrafter(small_target, trained_heads[0], precision=precision)
+    assert drafter.heads.lm_head_d.dtype == getattr(torch, precision)
     decoder = SpeculativeDecoder(small_target, drafter, k=3, k_policy="fixed")
     assert joint_p_value(decoder, SAMPLING[case]) > ALPHA
     out = decoder.generate(PROMPT, max_new_tokens=20, seed=1, temperature=0.3)

@@ -61,7 +61,7 @@ class EagleDrafter(DrafterBase):
 
     def __init__(self, target: TargetModel, head: EagleHead | str | Path | None = None, *, tree: bool = False,
                  depth: int = 4, width: int = 4, context_vocab: bool = True, lookup: bool = False,
-                 engine: str = "auto", suffix: bool = False, dtype: str = "auto"):
+                 engine: str = "auto", suffix: bool = False, precision: str = "auto"):
         check_whole("eagle tree depth", depth)
         check_whole("eagle tree width", width)
         self.tree, self.depth, self.width = bool(tree), depth, width
@@ -85,15 +85,15 @@ class EagleDrafter(DrafterBase):
             raise InvalidRequest(f"eagle engine must be one of {', '.join(ENGINES)}, got {engine!r}")
         if engine == "auto":
             engine = "openvino" if target.backend == "openvino" else "torch"
-        if engine.startswith("openvino") and dtype not in ("auto", "float32"):
-            raise InvalidRequest(f"the eagle head's OpenVINO graph is converted from float32 weights; --eagle-dtype "
-                                 f"{dtype} is for --eagle-engine torch")
+        if engine.startswith("openvino") and precision not in ("auto", "float32"):
+            raise InvalidRequest(f"the eagle head's OpenVINO graph is converted from float32 weights; "
+                                 f"--eagle-precision {precision} is for --eagle-engine torch")
         # the torch head's precision (``verispec.drafters.precision``); an OpenVINO graph is converted from float32
-        resolved = head_dtype(dtype, target) if engine == "torch" else target.dtype
+        resolved = head_dtype(precision, target) if engine == "torch" else target.dtype
         if not isinstance(head, EagleHead):
             head = EagleHead.load(resolve_head(target.name, head), dtype=resolved)
-        elif dtype != "auto" and head.fc.weight.dtype != resolved:
-            head = head.to(resolved)  # in place: a caller's head given with an explicit dtype
+        elif precision != "auto" and head.fc.weight.dtype != resolved:
+            head = head.to(resolved)  # in place: a caller's head given with an explicit precision
         self.head = head.to(target.device).attach(target.embedding_model)
         self.feature_layers = tuple(head.config.feature_layers)
         self.context_vocab = context_vocab
@@ -283,7 +283,7 @@ register(DrafterSpec(
              Option("engine", str, "auto", "what runs the eagle head's chain steps: auto (openvino on the openvino "
                     "backend, torch elsewhere), torch, openvino (an OpenVINO graph of the head with int8 weights, "
                     "one thread) or openvino-fp32", choices=ENGINES),
-             Option("dtype", str, "auto", "precision of the torch eagle head: auto (bfloat16 on a CPU with native "
+             Option("precision", str, "auto", "dtype of the torch eagle head: auto (bfloat16 on a CPU with native "
                     "bfloat16 dot products under a float32 target, else the target's dtype), float32 or bfloat16; "
                     "drafts only, the output is the target's either way", choices=HEAD_DTYPES)),
     hidden_states=True,

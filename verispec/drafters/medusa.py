@@ -35,18 +35,18 @@ class MedusaDrafter(DrafterBase):
     name = "medusa"
 
     def __init__(self, target: TargetModel, heads: MedusaHeads | str | Path | None = None, *, tree: bool = False,
-                 width: int = 4, context_vocab: bool = True, dtype: str = "auto"):
+                 width: int = 4, context_vocab: bool = True, precision: str = "auto"):
         check_whole("medusa tree width", width)
         if not target.supports_features:
             hint = ("load it with features=True (the CLI does for --drafter medusa)" if target.backend == "llamacpp"
                     else "use --backend transformers or llamacpp")
             raise InvalidRequest(f"the medusa drafter reads the target's final hidden state, which this "
                                  f"{target.backend} target does not return; {hint}")
-        resolved = head_dtype(dtype, target)  # ``verispec.drafters.precision``
+        resolved = head_dtype(precision, target)  # ``verispec.drafters.precision``
         if not isinstance(heads, MedusaHeads):
             heads = MedusaHeads.load(resolve_heads(target.name, heads), dtype=resolved)
-        elif dtype != "auto" and heads.heads[0][0].linear.weight.dtype != resolved:
-            heads = heads.to(resolved)  # in place: a caller's heads given with an explicit dtype
+        elif precision != "auto" and heads.heads[0][0].linear.weight.dtype != resolved:
+            heads = heads.to(resolved)  # in place: a caller's heads given with an explicit precision
         self.heads = heads.to(target.device).attach(target.embedding_model)
         self.feature_layers = (heads.config.final_layer,)
         self.tree, self.width = bool(tree), width
@@ -123,7 +123,7 @@ register(DrafterSpec(
              Option("tree", bool, False, "with --drafter medusa, verify a tree of --k candidates built from each "
                     "head's top tokens instead of a chain (lossless at any temperature)"),
              Option("width", int, 4, "candidates per head in the medusa tree (default: 4)"),
-             Option("dtype", str, "auto", "precision of the medusa heads: auto (bfloat16 on a CPU with native bfloat16 "
+             Option("precision", str, "auto", "dtype of the medusa heads: auto (bfloat16 on a CPU with native bfloat16 "
                     "dot products under a float32 target, else the target's dtype), float32 or bfloat16; drafts "
                     "only, the output is the target's either way", choices=HEAD_DTYPES)),
     hidden_states=True,

@@ -21,7 +21,7 @@ HEAD_DTYPES = ("auto", "float32", "bfloat16")
 def head_dtype(choice: str, target: TargetModel) -> torch.dtype:
     """``choice`` (one of HEAD_DTYPES) resolved for a head that drafts for ``target`` in torch."""
     if choice not in HEAD_DTYPES:
-        raise InvalidRequest(f"head dtype must be one of {', '.join(HEAD_DTYPES)}, got {choice!r}")
+        raise InvalidRequest(f"head precision must be one of {', '.join(HEAD_DTYPES)}, got {choice!r}")
     if choice != "auto":
         return getattr(torch, choice)
     if target.dtype == torch.float32 and target.device.type == "cpu":
