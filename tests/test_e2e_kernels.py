@@ -31,7 +31,27 @@ def bf16_model():
 def test_bfloat16_loads_with_the_kernel_this_cpu_supports(bf16_model):
     assert bf16_model.model.dtype == torch.bfloat16
     assert (bf16_model.packed_layers > 0) == packing_available(torch.bfloat16)
-    assert bf16_model.linear_kernel == ("oneDNN-packed" if packing_available(torch.bfloat16) else "F.linear (oneDNN)")
+    packed = packing_available(torch.bfloat16)
+    assert bf16_model.width_invariant == packed
+    assert bf16_model.linear_kernel == ("oneDNN-packed; width-invariant attention" if packed else "F.linear (oneDNN)")
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "eagle"])
+def test_bfloat16_greedy_speculation_equals_bfloat16_plain_decoding(bf16_model, drafter):
+    """Width-invariant passes (verispec.backends.hf.invariant): every greedy answer token-identical in bfloat16,
+    where this CPU runs packed bfloat16 linears (elsewhere identity is not promised in bfloat16)."""
+    if not bf16_model.width_invariant:
+        pytest.skip("this CPU cannot run oneDNN's packed bfloat16 kernel: bfloat16 passes keep SDPA")
+    plain = SpeculativeDecoder(bf16_model, None)
+    spec = SpeculativeDecoder(bf16_model, NgramDrafter() if drafter == "ngram" else EagleDrafter(bf16_model), k=6,
+                              k_policy="fixed")
+    accepted = 0
+    for prompt in PROMPTS:
+        expected = plain.generate(prompt, max_new_tokens=64).token_ids
+        out = spec.generate(prompt, max_new_tokens=64)
+        assert out.token_ids == expected, prompt
+        accepted += out.stats.accepted
+    assert accepted > 0
 
 
 @pytest.mark.parametrize("drafter", ["none", "ngram", "model", "eagle", "eagle-tree"])

@@ -26,11 +26,13 @@ from .compiled import CompiledStep, FixedKV
 from .cpu import linear_kernel
 from .layers import decoder_layers, skipping_view
 from .masks import for_layers
+from .invariant import make_width_invariant
 from .packing import pack_linear_layers
 
 log = logging.getLogger(__name__)
 
 PACK_ENV = "VERISPEC_PACK"  # 0 turns off prepacked oneDNN weights (verispec.backends.hf.packing)
+INVARIANT_ENV = "VERISPEC_WIDTH_INVARIANT"  # 0 turns off width-invariant bfloat16 passes (verispec.backends.hf.invariant)
 
 
 @dataclass
@@ -46,6 +48,7 @@ class LoadedModel:
     pack_requested: bool = True  # packing was asked for (False: VERISPEC_PACK=0 or pack=False)
     step: CompiledStep | None = None  # compiled one-token step (``compile_step``), or None: every pass eager
     skipped_layers: tuple[int, ...] = ()  # decoder layers this model leaves out (a view made by ``without_layers``)
+    width_invariant: bool = False  # bfloat16 passes whose rows do not depend on the width (hf.invariant)
     backend = "transformers"
     supports_trees = True
     supports_features = True
@@ -216,7 +219,7 @@ class LoadedModel:
         """The kernel the linear layers run on ("oneDNN-packed", "F.linear (MKL)", ...), for reports."""
         compiled = "; one-token steps compiled (AOTInductor)" if self.step is not None else ""
         if self.packed_layers:
-            return "oneDNN-packed" + compiled
+            return "oneDNN-packed" + ("; width-invariant attention" if self.width_invariant else "") + compiled
         kernel = linear_kernel(self.dtype, pack=False)
         kernel = kernel if self.pack_requested or self.device.type != "cpu" else f"{kernel}, packing off"
         return kernel + compiled
@@ -266,14 +269,21 @@ def load(ref: str, dtype: str | torch.dtype = "float32", device: str | None = No
     if pack is None:
         pack = pack_from_environment()
     packed = pack_linear_layers(model) if pack else 0
+    invariant = invariant_from_environment() and make_width_invariant(model)
     loaded = LoadedModel(model=model, tokenizer=tokenizer, name=ref, dtype=torch_dtype, packed_layers=packed,
-                         pack_requested=pack)
+                         pack_requested=pack, width_invariant=invariant)
     if compiled == "on":
         loaded.compile_step()
     elif compiled == "auto" and compiles:
         loaded.compile_step(cached_only=True)
     log.info("%s in %s: linear layers run on %s", ref, dtype, loaded.linear_kernel)
     return loaded
+
+
+def invariant_from_environment() -> bool:
+    """Width-invariant bfloat16 passes (``verispec.backends.hf.invariant``) are on unless VERISPEC_WIDTH_INVARIANT is
+    0/false/no/off."""
+    return os.environ.get(INVARIANT_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def pack_from_environment() -> bool:

@@ -43,6 +43,9 @@ class PackedLinear(nn.Module):
         self.bias = bias
         with torch.no_grad():
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_BATCH_HINT)
+        # one row computed as two copies of it: oneDNN's one-row path can round a row otherwise than a product of
+        # several rows does (``verispec.backends.hf.invariant``); off unless a model asks for width-invariant passes
+        self.one_row_as_two = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the packed copy is a snapshot: a model moved to another dtype or device, or a caller that needs
@@ -51,6 +54,10 @@ class PackedLinear(nn.Module):
         if stale or x.dtype != self.weight.dtype or (torch.is_grad_enabled() and x.requires_grad):
             return nn.functional.linear(x, self.weight, self.bias)
         bias = None if self.bias is None else self.bias.detach()
+        if self.one_row_as_two and x.numel() == x.shape[-1]:
+            twice = torch.cat([x, x], dim=-2) if x.dim() >= 2 else torch.stack([x, x])
+            out = torch.ops.mkldnn._linear_pointwise(twice, self._packed, bias, "none", [], "")
+            return out[..., :1, :] if x.dim() >= 2 else out[0]
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
 
     def extra_repr(self) -> str:

@@ -1,0 +1,141 @@
+"""bfloat16 passes whose rows do not depend on the pass width: greedy speculation token-identical to plain decoding.
+
+A position's logits must come out bit for bit the same whether the position is computed in a one-token step or as
+one row of a wide verify pass; otherwise greedy speculation can flip an argmax that plain decoding would not. In
+float32 the rows differ by ~1e-6 (identity is measured, not promised); in bfloat16 by up to 0.5 in the logits
+(docs/kernels.md), which flips tokens. Two parts of the default model's pass depend on the width there
+(``scripts/width_invariance.py``, ``scripts/linear_width_identity.py``):
+
+* SDPA: its split of the keys and queries into blocks depends on how many rows the pass has;
+* the packed linears' one-row path: a row computed alone (M = 1) can differ from the same row in a product of two or
+  more rows (seen in ``down_proj``); any M >= 2 agreed.
+
+So, for plain causal passes (one sequence, no explicit mask):
+
+* attention runs as two matmuls and a softmax over a key length fixed by the row's position alone: rows attend over
+  the keys up to the next multiple of ``BUCKET`` (the keys past the row's position masked to -inf, padded with
+  zeros past the cache), grouped so that rows of one bucket share one product of at least 3 rows (the query heads
+  that share a KV head: a product never runs the one-row path);
+* a packed linear given one row computes two copies of it and keeps one (``PackedLinear.one_row_as_two``), which
+  costs nearly nothing in a pass bound by streaming the weights.
+
+Measured (AMD EPYC Zen 4, 300 and 250 cached tokens, widths 1-17): every row bitwise equal to a chain of one-token
+passes, against differences of 0.25-0.56 with SDPA. Passes with an explicit mask (token trees, batched rows) take
+transformers' SDPA as before: their rows are measured, not promised. Models with sliding-window layers keep SDPA
+(they need transformers' per-layer masks), and so does a CPU whose kernels fail the probe
+(``kernels_are_width_invariant``: other CPUs may pick other blockings).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .masks import sliding_window
+from .packing import PackedLinear
+
+WIDTH_INVARIANT_ATTENTION = "verispec_width_invariant"
+BUCKET = 256  # keys a row attends over: its position rounded up to a multiple of this
+
+
+def _groups(length: int, rows: int) -> list[tuple[int, int, int]]:
+    """(first row, end row, key length) for each run of rows of one bucket; row i sits at position length - rows + i."""
+    first = length - rows
+    out: list[tuple[int, int, int]] = []
+    for i in range(rows):
+        keys = ((first + i) // BUCKET + 1) * BUCKET
+        if out and out[-1][2] == keys:
+            out[-1] = (out[-1][0], i + 1, keys)
+        else:
+            out.append((i, i + 1, keys))
+    return out
+
+
+def width_invariant_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                              attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                              **kwargs) -> tuple[torch.Tensor, None]:
+    """Causal attention for one sequence whose rows do not depend on how many rows the pass has (module doc).
+    ``query`` [1, heads, rows, dim], ``key``/``value`` [1, kv_heads, cached + rows, dim]; returns [1, rows, heads,
+    dim] as transformers' attention functions do."""
+    batch, heads, rows, dim = query.shape
+    if attention_mask is not None or batch != 1 or dropout:
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, dropout=dropout,
+                                              scaling=scaling, **kwargs)
+    kv_heads, length = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    scale = scaling if scaling is not None else dim ** -0.5
+    out = query.new_empty(1, rows, heads, dim)
+    for start, end, keys in _groups(length, rows):
+        k, v = key[0], value[0]
+        if keys > length:
+            k = nn.functional.pad(k, (0, 0, 0, keys - length))
+            v = nn.functional.pad(v, (0, 0, 0, keys - length))
+        else:
+            k, v = k[:, :keys], v[:, :keys]
+        m = end - start
+        # the query heads sharing KV head j are heads j*groups .. j*groups + groups - 1 (transformers' repeat_kv)
+        q = query[0, :, start:end].reshape(kv_heads, groups * m, dim)
+        scores = torch.matmul(q, k.transpose(1, 2)).float() * scale  # [kv_heads, groups * m, keys]
+        positions = torch.arange(length - rows + start, length - rows + end, device=query.device).repeat(groups)
+        hidden = torch.arange(keys, device=query.device)[None, :] > positions[:, None]
+        probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1).to(v.dtype)
+        o = torch.matmul(probs, v)  # [kv_heads, groups * m, dim]
+        out[0, start:end] = o.reshape(kv_heads, groups, m, dim).permute(2, 0, 1, 3).reshape(m, heads, dim)
+    return out, None
+
+
+AttentionInterface.register(WIDTH_INVARIANT_ATTENTION, width_invariant_attention)
+
+
+@functools.cache
+def kernels_are_width_invariant() -> bool:
+    """Probe, once per process, that this CPU's kernels keep rows independent of the width as the scheme needs: a
+    packed bfloat16 linear (1,536 -> 576, one row computed as two) and the attention above (9 query heads on 3 KV
+    heads of 64, 300 cached keys), each width's rows against the rows computed alone, bitwise. Another CPU may pick
+    other kernels (AMX tiles, other blockings); where the probe fails bfloat16 passes keep SDPA."""
+    gen = torch.Generator().manual_seed(0)
+    try:
+        with torch.inference_mode():
+            linear = PackedLinear(torch.randn(576, 1536, generator=gen).to(torch.bfloat16))
+            linear.one_row_as_two = True
+            x = torch.randn(1, 17, 1536, generator=gen).to(torch.bfloat16)
+            full = linear(x)
+            if not all(torch.equal(linear(x[:, :w]), full[:, :w]) for w in (1, 2, 3, 5, 9)):
+                return False
+            q = torch.randn(1, 9, 9, 64, generator=gen).to(torch.bfloat16)
+            k, v = (torch.randn(1, 3, 309, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
+            alone = [width_invariant_attention(None, q[:, :, i : i + 1], k[:, :, : 301 + i], v[:, :, : 301 + i],
+                                               None)[0][0, 0] for i in range(9)]
+            for w in (2, 4, 9):
+                out = width_invariant_attention(None, q[:, :, :w], k[:, :, : 300 + w], v[:, :, : 300 + w], None)[0]
+                if not all(torch.equal(out[0, i], alone[i]) for i in range(w)):
+                    return False
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def supported(model: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether ``make_width_invariant`` applies: bfloat16 on CPU, packed linears, one kind of attention layer, and
+    kernels that pass ``kernels_are_width_invariant`` on this CPU."""
+    config = model.config
+    return (dtype == torch.bfloat16 and next(model.parameters()).device.type == "cpu"
+            and any(isinstance(m, PackedLinear) for m in model.modules())
+            and sliding_window(config) is None and not getattr(config, "attn_logit_softcapping", None)
+            and kernels_are_width_invariant())
+
+
+def make_width_invariant(model: nn.Module) -> bool:
+    """Switch a loaded bfloat16 CPU model to width-invariant passes (attention and one-row linears); returns whether
+    it applied (``supported``)."""
+    if not supported(model, next(model.parameters()).dtype):
+        return False
+    model.set_attn_implementation(WIDTH_INVARIANT_ATTENTION)
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            module.one_row_as_two = True
+    return True
