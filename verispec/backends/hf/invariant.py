@@ -55,6 +55,14 @@ def _groups(length: int, rows: int) -> list[tuple[int, int, int]]:
     return out
 
 
+@functools.lru_cache(maxsize=8)
+def _hidden(first: int, rows: int, groups: int, keys: int, device: torch.device) -> torch.Tensor:
+    """[groups * rows, keys] bool: True where a key lies past the row's position (rows at first .. first + rows - 1,
+    repeated per query head of a group). Every layer of a pass asks for the same one: built once."""
+    positions = torch.arange(first, first + rows, device=device).repeat(groups)
+    return torch.arange(keys, device=device)[None, :] > positions[:, None]
+
+
 def width_invariant_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                               attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                               **kwargs) -> tuple[torch.Tensor, None]:
@@ -80,8 +88,7 @@ def width_invariant_attention(module: nn.Module, query: torch.Tensor, key: torch
         # the query heads sharing KV head j are heads j*groups .. j*groups + groups - 1 (transformers' repeat_kv)
         q = query[0, :, start:end].reshape(kv_heads, groups * m, dim)
         scores = torch.matmul(q, k.transpose(1, 2)).float() * scale  # [kv_heads, groups * m, keys]
-        positions = torch.arange(length - rows + start, length - rows + end, device=query.device).repeat(groups)
-        hidden = torch.arange(keys, device=query.device)[None, :] > positions[:, None]
+        hidden = _hidden(length - rows + start, m, groups, keys, query.device)
         probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1).to(v.dtype)
         o = torch.matmul(probs, v)  # [kv_heads, groups * m, dim]
         out[0, start:end] = o.reshape(kv_heads, groups, m, dim).permute(2, 0, 1, 3).reshape(m, heads, dim)
