@@ -126,3 +126,19 @@ def test_a_packed_linear_given_one_row_computes_it_as_a_product_of_two():
     pair = torch.ops.mkldnn._linear_pointwise(torch.cat([x, x], dim=1), layer._packed, None, "none", [], "")
     assert torch.equal(layer(x), pair[:, :1]) and layer(x).shape == (1, 1, 40)
     assert torch.equal(layer(x[0, 0]), pair[0, 0])  # a 1-D row too
+
+
+@needs_bf16_packing
+@torch.inference_mode()
+def test_padded_batches_still_see_their_padding_mask():
+    """train-eagle answers prompts in padded batches through the same bfloat16 model: those passes must keep
+    transformers' padding mask (they take SDPA), or padded rows would attend to the padding."""
+    target = _bf16_target(seed=4)
+    assert target.width_invariant
+    prompts = [[5, 9, 3, 5, 9, 4, 7, 12, 30, 7], [12, 30, 7]]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left-padded
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    batch = target.model(input_ids=ids, attention_mask=mask).logits
+    target.model.set_attn_implementation("sdpa")  # transformers' own path for the same padded batch
+    assert torch.equal(batch, target.model(input_ids=ids, attention_mask=mask).logits)

@@ -33,6 +33,7 @@ import functools
 import torch
 from torch import nn
 from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .masks import sliding_window
@@ -95,7 +96,20 @@ def width_invariant_attention(module: nn.Module, query: torch.Tensor, key: torch
     return out, None
 
 
+def width_invariant_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+                         mask_function=causal_mask_function, attention_mask: torch.Tensor | None = None, **kwargs):
+    """transformers' mask for this attention: None for one unpadded sequence under the plain causal rule (the
+    attention masks itself, by position); otherwise SDPA's mask, which sends the pass to SDPA (padded batches such
+    as train-eagle's answer generation, packed sequences)."""
+    unpadded = attention_mask is None or bool(attention_mask.all())
+    if (batch_size == 1 and unpadded and mask_function is causal_mask_function and kv_offset == 0
+            and q_offset + q_length == kv_length):
+        return None
+    return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, **kwargs)
+
+
 AttentionInterface.register(WIDTH_INVARIANT_ATTENTION, width_invariant_attention)
+AttentionMaskInterface.register(WIDTH_INVARIANT_ATTENTION, width_invariant_mask)
 
 
 @functools.cache
