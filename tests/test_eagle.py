@@ -292,16 +292,16 @@ def test_head_is_packed_where_the_cpu_can_with_the_same_logits_and_saves_unchang
     if not packing_available(dtype):
         pytest.skip(f"this CPU cannot run oneDNN's packed {dtype} kernel (tests/test_packing.py covers the fallback)")
     model = make_model(seed=0, scale=0.1).to(dtype)
-    head = EagleHead.load(trained_head_dir[0], precision=precision).attach(model)
-    plain = EagleHead.load(trained_head_dir[0], precision=precision).train().attach(model).eval()  # not packed
+    head = EagleHead.load(trained_head_dir[0], dtype=dtype).attach(model)
+    plain = EagleHead.load(trained_head_dir[0], dtype=dtype).train().attach(model).eval()  # not packed
     assert isinstance(head.fc, PackedLinear) and not isinstance(plain.fc, PackedLinear)
     assert head._lm_head_packed is not None and plain._lm_head_packed is None
     # bfloat16: the packed op is bit-identical; float32: within the last bits of MKL's result
     same = torch.equal if dtype == torch.bfloat16 else lambda a, b: torch.allclose(a, b, rtol=1e-4, atol=1e-5)
-    g = torch.randn(5, 32, precision=precision)
+    g = torch.randn(5, 32, dtype=dtype)
     with torch.inference_mode():
         assert same(head.logits(g), plain.logits(g))
-        tokens, feats = torch.tensor([4, 5, 6]), torch.randn(3, 32, precision=precision)
+        tokens, feats = torch.tensor([4, 5, 6]), torch.randn(3, 32, dtype=dtype)
         assert same(head.step(tokens, feats, HeadCache()), plain.step(tokens, feats, HeadCache()))
     head.save(tmp_path / "again")
     saved = safetensors.torch.load_file(tmp_path / "again" / "model.safetensors")
