@@ -280,14 +280,19 @@ def load(ref: str, dtype: str | torch.dtype = "float32", device: str | None = No
     return loaded
 
 
+def _switched_on(variable: str) -> bool:
+    """An on-by-default switch: on unless the environment variable is 0/false/no/off."""
+    return os.environ.get(variable, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def invariant_from_environment() -> bool:
     """Width-invariant bfloat16 passes (``verispec.backends.hf.invariant``) are on unless VERISPEC_WIDTH_INVARIANT is
     0/false/no/off."""
-    return os.environ.get(INVARIANT_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return _switched_on(INVARIANT_ENV)
 
 
 def pack_from_environment() -> bool:
     """Packing is on unless VERISPEC_PACK is 0/false/no/off."""
-    return os.environ.get(PACK_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return _switched_on(PACK_ENV)
 
 
