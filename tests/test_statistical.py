@@ -90,6 +90,21 @@ def test_audit_passes_strict_and_fails_typical(tiny_target, tiny_noisy_draft):
     assert min(t.p_value for t in report.positions) < 1e-6
 
 
+def test_the_teacher_forcer_answers_a_repeated_continuation_from_its_memo(tiny_target):
+    from verispec.audit import TeacherForcer
+
+    sampling = SamplingParams(temperature=0.8)
+    forcer = TeacherForcer(tiny_target, PROMPT, sampling, memo_bytes=2 * 3 * tiny_target.vocab_size * 4)
+    first = forcer.distributions([5, 9, 3]).clone()
+    assert forcer.passes == 1
+    assert torch.equal(forcer.distributions([5, 9, 3]), first) and forcer.passes == 1  # no second pass
+    forcer.distributions([5, 9, 4])
+    forcer.distributions([7, 1, 2])  # a third entry: the memo holds two, the oldest goes
+    assert forcer.passes == 3 and len(forcer.memo) == 2 and (5, 9, 3) not in forcer.memo
+    assert torch.equal(forcer.distributions([5, 9, 3]), first) and forcer.passes == 4  # computed again, same values
+    assert torch.equal(TeacherForcer(tiny_target, PROMPT, sampling).distributions([5, 9, 3]), first)
+
+
 def test_chi_square_arithmetic():
     stat, dof, p, cells = chi_square(torch.tensor([10.0, 20.0, 30.0]), torch.tensor([20.0, 20.0, 20.0]))
     assert (stat, dof, cells) == (10.0, 2, 3) and p == pytest.approx(0.006737947, rel=1e-6)

@@ -13,6 +13,7 @@ The verdict applies Bonferroni over the M positions: pass when every p-value >= 
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
@@ -100,11 +101,16 @@ def chi_square(observed: torch.Tensor, expected: torch.Tensor, min_expected: flo
 
 
 class TeacherForcer:
-    """Exact target distributions after a fixed prompt, for any continuation (prompt prefilled once)."""
+    """Exact target distributions after a fixed prompt, for any continuation (prompt prefilled once). Samples often
+    repeat a continuation (low temperatures, formulaic prompts): the distributions of the most recent ones are kept
+    (up to ``memo_bytes``), so a repeat costs no pass."""
 
-    def __init__(self, target, prompt_ids: list[int], sampling: SamplingParams):
+    def __init__(self, target, prompt_ids: list[int], sampling: SamplingParams, memo_bytes: int = 64 << 20):
         self.target, self.prompt_ids, self.sampling = target, list(prompt_ids), sampling
         self.cache = target.new_kv()
+        self.memo: OrderedDict[tuple[int, ...], torch.Tensor] = OrderedDict()
+        self.memo_bytes, self.held = memo_bytes, 0
+        self.passes = 0  # target passes run (repeats answered from the memo are not)
         if len(prompt_ids) > 1:
             with torch.inference_mode():
                 target.forward(self.cache, prompt_ids[:-1], last_only=True)
@@ -112,10 +118,21 @@ class TeacherForcer:
     @torch.inference_mode()
     def distributions(self, continuation: Sequence[int]) -> torch.Tensor:
         """p(. | prompt, continuation[:j]) for j = 0..len-1, processed as the engine does ([len, vocab])."""
+        key = tuple(int(t) for t in continuation)
+        if (p := self.memo.get(key)) is not None:
+            self.memo.move_to_end(key)
+            return p
         feed = [self.prompt_ids[-1], *continuation[:-1]]
         logits = self.target.forward(self.cache, feed).logits
         self.cache.truncate(len(self.prompt_ids) - 1)
-        return probabilities(logits, self.sampling)
+        self.passes += 1
+        p = probabilities(logits, self.sampling)
+        self.memo[key] = p
+        self.held += p.numel() * p.element_size()
+        while self.held > self.memo_bytes and len(self.memo) > 1:
+            _, dropped = self.memo.popitem(last=False)
+            self.held -= dropped.numel() * dropped.element_size()
+        return p
 
 
 def run_audit(
