@@ -5,6 +5,7 @@ attention biases), so a feature that works on Llama alone fails here."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -114,8 +115,15 @@ def gguf_converter() -> Path:
                     member.name = rest
                     archive.extract(member, staging, filter="data")
         root.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(root, ignore_errors=True)
-        shutil.move(str(staging), root)
+        mine = root.with_name(f".{root.name}.{os.getpid()}")  # beside the cache (same file system), then renamed
+        shutil.rmtree(mine, ignore_errors=True)
+        shutil.move(str(staging), mine)
+        if root.exists() and not script.is_file():  # left half-written by an interrupted run
+            shutil.rmtree(root, ignore_errors=True)
+        try:
+            os.rename(mine, root)
+        except OSError:  # another pytest-xdist worker put it there first, and may be running it: keep theirs
+            shutil.rmtree(mine, ignore_errors=True)
     return script
 
 

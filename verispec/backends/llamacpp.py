@@ -70,7 +70,7 @@ def convert_weights(source: Path, fmt: str, folder: Path) -> Path:
         return target
     llama_cpp = import_llama_cpp()
     folder.mkdir(parents=True, exist_ok=True)
-    partial = target.with_suffix(".partial")
+    partial = target.with_suffix(f".{os.getpid()}.partial")  # processes converting at once never share one
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = WEIGHT_FORMATS[fmt]
     params.allow_requantize = True  # the source may be quantized already (the built-in file is Q4_1)
@@ -80,7 +80,7 @@ def convert_weights(source: Path, fmt: str, folder: Path) -> Path:
     if status != 0 or not partial.exists():
         partial.unlink(missing_ok=True)
         raise ModelNotFound(f"llama.cpp could not convert {source} to {fmt} (status {status})")
-    partial.rename(target)
+    os.replace(partial, target)  # another process's finished file holds the same conversion
     return target
 
 

