@@ -12,22 +12,44 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from tiny import loaded, make_model, noisy_copy  # noqa: E402
-torch.set_num_threads(int(os.environ.get("VERISPEC_TEST_THREADS", max(1, min(2, os.cpu_count() or 1)))))
+# two threads per test, or with pytest-xdist's workers the cores shared out among them (never more threads than cores)
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(int(os.environ.get("VERISPEC_TEST_THREADS",
+                                         max(1, min(2, (os.cpu_count() or 1) // max(1, _WORKERS))))))
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _tiny_exports_removed():
-    """OpenVINO exports of the session's tiny models (a new key each session: the key covers the source folder) go
-    to the cache like any export; they are removed when the session ends, so test runs leave none behind."""
-    import shutil
-
+def _tiny_exports():
     from verispec.backends import cache_dir
 
-    root = cache_dir() / "openvino"
-    before = set(root.glob("tiny-*"))
-    yield
-    for folder in set(root.glob("tiny-*")) - before:
-        shutil.rmtree(folder, ignore_errors=True)
+    return set((cache_dir() / "openvino").glob("tiny-*"))
+
+
+def pytest_sessionstart(session):
+    """OpenVINO exports of the session's tiny models (a new key each session: the key covers the source folder) go
+    to the cache like any export; they are removed when the run ends, so test runs leave none behind. With
+    pytest-xdist only the controlling process does this, after every worker is done (a worker's session ending
+    must not remove the exports another worker is still using)."""
+    if not hasattr(session.config, "workerinput"):
+        session.config.stash[_BEFORE] = _tiny_exports()
+
+
+def pytest_sessionfinish(session):
+    import shutil
+
+    if not hasattr(session.config, "workerinput") and _BEFORE in session.config.stash:
+        for folder in _tiny_exports() - session.config.stash[_BEFORE]:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+_BEFORE = pytest.StashKey[set]()
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker per core, at most four (each worker loads its own models: the real ones take 1-3 GB)
+    and one on a single core. On 2 cores two workers halve the suite's time: the tiny models' tests are mostly
+    Python, which one process runs on one core."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(4, cores))
 
 
 @pytest.fixture(scope="session")

@@ -69,7 +69,9 @@ def main() -> int:
                 out.append(last)
             burst = 3 if spec else 1
             for i in range(0, len(out), burst):
-                time.sleep(0.005)
+                # passes far apart next to the microseconds between one pass's tokens, so that a loaded machine
+                # (another test beside this one) cannot blur where one ends (5 ms did, once, under pytest-xdist)
+                time.sleep(0.05)
                 for tok in out[i:i + burst]:  # one chunk per token, a pass's tokens back to back
                     self.wfile.write(f"data: {json.dumps({'tokens': [tok], 'stop': False})}\n\n".encode())
                 self.wfile.flush()
