@@ -112,9 +112,16 @@ def test_replicas_answer_as_the_single_server_does(ray_server, single_server):
         assert r.json()["choices"][0]["message"]["content"] == s.json()["choices"][0]["message"]["content"], prompt
         stats = r.json()["verispec"]  # per-request stats come through Ray
         assert stats["new_tokens"] == r.json()["usage"]["completion_tokens"] > 0
-    # the requests were spread: both replicas generated
-    generated = [s.get("verispec_generated_tokens_total", 0) for s in replica_metrics(ray_server.url)]
-    assert len(generated) == 2 and all(g > 0 for g in generated), generated
+    # the requests are spread: both replicas generate. Ray's router may send a whole round to one replica while the
+    # other's queue length is not yet known to it (seen once with another test process loading the cores), so
+    # further rounds go out until both have generated, within a bound
+    deadline = time.monotonic() + 120
+    while True:
+        generated = [s.get("verispec_generated_tokens_total", 0) for s in replica_metrics(ray_server.url)]
+        if len(generated) == 2 and all(g > 0 for g in generated):
+            break
+        assert time.monotonic() < deadline, f"one replica generated nothing: {generated}"
+        in_parallel(lambda p: chat(ray_server.url, p, max_tokens=8), PROMPTS)
 
 
 def test_openai_client_streams_through_ray(ray_server):
