@@ -40,9 +40,9 @@ def test_one_round_of_the_search_prices_every_layer(default_model):
     result = calibrate(default_model, prompts=PROMPTS, new_tokens=24, max_rounds=1, progress=False)
     (choice,) = result.path
     assert len(choice.skip) == 1 and 0 < choice.skip[0] < 29 and result.layers == 30
-    # one layer of 30 costs about a thirtieth of a step (plus the fixed part), and skipping any layer loses agreement;
-    # the ratio is timed, so only a sane range is asserted (a CI run on a loaded 2-core machine measured 1.086)
-    assert 0.8 < choice.cost_ratio < 1.2 and 0.3 < choice.agreement < 1.0
+    # one layer of 30 costs at most a thirtieth of a step (the rest is the fixed part), and skipping any layer loses
+    # agreement; before that bound, a timed ratio on a loaded 2-core machine once came out at 1.086
+    assert 1 - 1 / 30 - 1e-9 <= choice.cost_ratio <= 1.0 and 0.3 < choice.agreement < 1.0
 
 
 def test_bench_method_spec(tmp_path, capsys):

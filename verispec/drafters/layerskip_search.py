@@ -177,8 +177,10 @@ def calibrate(target, *, prompts=PROMPTS, new_tokens: int = 48, max_rounds: int 
     full = time_passes(target, 128, (1, 5), repeats=7)
     half = target.without_layers(range(1, layers // 2 + 1))
     half_ms = time_passes(half, 128, (1,), repeats=7)[1]
-    per_layer = max(full[1] - half_ms, 0.0) / (layers // 2)
-    fixed = max(full[1] - per_layer * layers, 0.0)
+    # timings are noisy: a layer never costs more than an equal share of the whole step (else a view without it
+    # would be priced above the full model), nor less than nothing
+    per_layer = min(max(full[1] - half_ms, 0.0) / (layers // 2), full[1] / layers)
+    fixed = full[1] - per_layer * layers
     verify_cost = interpolate({0: 1.0, 4: full[5] / full[1]})
 
     def score(skip: tuple[int, ...], alpha: float) -> Choice:
