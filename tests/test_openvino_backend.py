@@ -107,7 +107,8 @@ def test_speculative_greedy_equals_plain_on_both_drafters(ov_target, tiny_dir):
     plain = SpeculativeDecoder(ov_target).generate(prompt, max_new_tokens=40)
     for drafter in (make_drafter("ngram", target=ov_target), make_drafter("model", target=ov_target,
                                                                           draft_model=draft)):
-        out = SpeculativeDecoder(ov_target, drafter, k=4).generate(prompt, max_new_tokens=40)
+        # fixed k: the controller, timing passes, may step aside on a loaded machine and leave nothing verified
+        out = SpeculativeDecoder(ov_target, drafter, k=4, k_policy="fixed").generate(prompt, max_new_tokens=40)
         assert out.token_ids == plain.token_ids
         assert sum(out.stats.step_accepted) > 0  # drafts were accepted, and rejected ones rolled back
     batch = ov_target.forward_batch([(ov_target.new_kv(), prompt), (ov_target.new_kv(), prompt[:4])])
@@ -349,7 +350,9 @@ def test_passes_of_two_or_more_tokens_give_a_position_the_same_logits_at_every_w
         prompt = [1, 5, 9, 5, 9, 5, 9, 12, 5, 9]
         padded.eos_token_ids = frozenset()
         plain = SpeculativeDecoder(padded).generate(prompt, max_new_tokens=40)
-        out = SpeculativeDecoder(padded, make_drafter("ngram", target=padded), k=4).generate(prompt, max_new_tokens=40)
+        # fixed k: the controller, timing passes, stepped aside once on a loaded machine and verified no draft
+        out = SpeculativeDecoder(padded, make_drafter("ngram", target=padded), k=4,
+                                 k_policy="fixed").generate(prompt, max_new_tokens=40)
         assert out.token_ids == plain.token_ids and sum(out.stats.step_accepted) > 0
     with pytest.raises(InvalidRequest, match="min_width"):
         load_model(str(tiny_dir), backend="openvino", threads=1, min_width=0)
