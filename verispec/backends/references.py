@@ -226,6 +226,8 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
     with transformers_progress_bars(False):
         model.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
+    if target.exists() and not (target / "config.json").exists():
+        shutil.rmtree(target, ignore_errors=True)  # an unfinished leftover (nothing reads a folder without a config)
     try:
         partial.rename(target)  # atomic: an interrupted conversion never looks finished
     except OSError:
