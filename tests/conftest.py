@@ -13,9 +13,10 @@ import torch  # noqa: E402
 
 from tiny import loaded, make_model, noisy_copy  # noqa: E402
 # two threads per test, or with pytest-xdist's workers the cores shared out among them (never more threads than cores)
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-torch.set_num_threads(int(os.environ.get("VERISPEC_TEST_THREADS",
-                                         max(1, min(2, (os.cpu_count() or 1) // max(1, _WORKERS))))))
+torch.set_num_threads(int(os.environ.get("VERISPEC_TEST_THREADS", max(1, min(2, _CORES // max(1, _WORKERS))))))
+_BEFORE = pytest.StashKey[set]()  # the tiny OpenVINO exports present when the run began
 
 
 def _tiny_exports():
@@ -41,15 +42,11 @@ def pytest_sessionfinish(session):
             shutil.rmtree(folder, ignore_errors=True)
 
 
-_BEFORE = pytest.StashKey[set]()
-
-
 def pytest_xdist_auto_num_workers(config):
     """`-n auto`: one worker per core, at most four (each worker loads its own models: the real ones take 1-3 GB)
     and one on a single core. On 2 cores two workers halve the suite's time: the tiny models' tests are mostly
     Python, which one process runs on one core."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(4, cores))
+    return max(1, min(4, _CORES))
 
 
 @pytest.fixture(scope="session")
