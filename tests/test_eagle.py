@@ -388,6 +388,30 @@ def test_a_continued_run_that_trains_no_step_leaves_the_head_it_started_from(sma
     assert report.best["step"] == 0 and report.best == report.val_history[0]
 
 
+def test_a_head_transplanted_to_fewer_feature_layers_computes_what_the_whole_head_does_without_them(
+        small_target, trained_head_dir):
+    """--init-head with a subset of the head's --layers (the final state alone, for llama.cpp without a callback):
+    the new head is the old one with the dropped layers' features set to zero (their norms give zero, so their
+    fusion columns add nothing); a layer the old head never read is refused."""
+    from verispec.eagle.train import transplant_feature_layers
+
+    head = EagleHead.load(trained_head_dir[0])
+    layers = list(head.config.feature_layers)
+    final = small_target.model.config.num_hidden_layers
+    assert len(layers) > 1 and layers[-1] == final
+    small = transplant_feature_layers(head, [final])
+    assert small.config.feature_layers == [final] and small.fuse.weight.shape[1] == head.config.hidden_size
+    hidden = torch.randn(5, len(layers), head.config.hidden_size)
+    only_final = hidden.clone()
+    only_final[:, :-1] = 0
+    with torch.no_grad():
+        assert torch.allclose(small.fuse_features(hidden[:, -1:]), head.fuse_features(only_final), atol=1e-5)
+        assert not torch.allclose(small.fuse_features(hidden[:, -1:]), head.fuse_features(hidden), atol=1e-3)
+    assert torch.equal(small.fc.weight, head.fc.weight) and torch.equal(small.d2t, head.d2t)
+    with pytest.raises(ValueError, match="subset"):
+        transplant_feature_layers(head, [0, final])
+
+
 def test_validation_split_holds_out_every_answer_to_a_prompt():
     rng = random.Random(5)
     prompts = [[rng.randrange(50) for _ in range(6)] for _ in range(40)]

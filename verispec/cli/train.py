@@ -40,7 +40,8 @@ def add_train_parser(sub) -> None:
                    help="size of the head's reduced vocabulary: the target's most frequent answer tokens (default: 8192)")
     g.add_argument("--init-head", metavar="DIR",
                    help="continue training this head (e.g. after adding data with a larger --samples) instead of "
-                        "starting afresh; it keeps its draft vocabulary and must read the same --layers")
+                        "starting afresh; it keeps its draft vocabulary and reads its --layers or a subset of them (a "
+                        "subset starts from its weights with the other layers' fusion columns dropped)")
     g.add_argument("--val-every", type=int, default=200,
                    help="steps between validations, each also writing a resumable checkpoint (default: 200)")
     g.add_argument("--val-sequences", type=int, default=64,

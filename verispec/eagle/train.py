@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from ..backends.hf import LoadedModel
 from .data import Sequence, batch_features, load_meta, load_sequences
-from .head import WEIGHTS, EagleHead, head_config_for, ttt_mask
+from .head import WEIGHTS, EagleHead, HeadConfig, head_config_for, ttt_mask
 from .runs import Schedule, StopSignals, load_checkpoint, save_checkpoint, scheduled_batches
 
 
@@ -241,11 +241,13 @@ def train_head(target: LoadedModel, data_dir: str | Path, out_dir: str | Path, c
     select = None if online else [available.index(i) for i in layers]
     collate_kw = dict(select=select, model=model, layers=layers, device=device)
     if config.init_head:
-        if list(head.config.feature_layers) != layers:
-            raise ValueError(f"the head in {config.init_head} reads target layers {head.config.feature_layers}, "
-                             f"but this training uses {layers}; continue with the same --layers or start afresh")
-        head.train()
         continued_from = {"head": str(config.init_head), "training": head.config.training}
+        if list(head.config.feature_layers) != layers:
+            continued_from["feature_layers"] = list(head.config.feature_layers)
+            head = transplant_feature_layers(head, layers, str(config.init_head))
+            log(f"starting from {config.init_head}'s weights with its fusion restricted to layers {layers} "
+                f"(it read {continued_from['feature_layers']})")
+        head.train()
     else:
         continued_from = {}
         head = EagleHead(head_config_for(model, target.name, layers, len(d2t)))
@@ -371,6 +373,30 @@ class _FrozenEmbedding(torch.nn.Module):
         return F.embedding(ids, self.weight)
 
 
+def transplant_feature_layers(head: EagleHead, layers: list[int], source: str = "the head") -> EagleHead:
+    """A head reading ``layers``, a subset of ``head``'s feature layers, started from ``head``: every weight kept,
+    the fusion restricted to the kept layers' columns (the fused feature is normed before use, so dropping the other
+    layers' terms changes its direction, not its scale). This starts a head for llama.cpp's callback-free final state
+    (``--layers 30``) from the shipped four-layer one."""
+    old = list(head.config.feature_layers)
+    extra = [i for i in layers if i not in old]
+    if extra:
+        raise ValueError(f"{source} reads target layers {old}, and this training adds {extra}; continue with a "
+                         "subset of its layers or start afresh")
+    keep = [old.index(i) for i in layers]
+    config = HeadConfig(**{**asdict(head.config), "feature_layers": list(layers)})
+    new = EagleHead(config)
+    state = {k: v for k, v in head.state_dict().items() if not k.startswith("embed.")}  # the target's, borrowed
+    h = config.hidden_size
+    state["fuse.weight"] = torch.cat([state["fuse.weight"][:, j * h:(j + 1) * h] for j in keep], dim=1)
+    for name in [k for k in state if k.startswith("feature_layer_norms.")]:
+        del state[name]
+    for new_index, j in enumerate(keep):
+        state[f"feature_layer_norms.{new_index}.weight"] = head.feature_layer_norms[j].weight.detach()
+    new.load_state_dict(state)
+    return new.to(next(head.parameters()).dtype)
+
+
 def _init_feature_norms(head: EagleHead, model, layers: list[int]) -> None:
     """hidden_states[l] is the input of decoder layer l, so start its norm from that layer's input norm (the
     target's own way of taming the massive dimensions); the final state is normed already."""
@@ -462,8 +488,6 @@ def _save(head: EagleHead, out_dir, meta: dict, config: TrainConfig, report: Tra
 
 
 def _save_training_record(out_dir, meta, config, report, coverage) -> None:
-    from .head import HeadConfig
-
     folder = Path(out_dir)
     cfg = HeadConfig.load(folder)
     cfg.training = training_record(meta, config, report, coverage)
