@@ -59,10 +59,12 @@ def test_plain_decoding_equals_llama_cpp_pythons_greedy_generate(llama_q41):
         assert ours == plain_llama_cpp_python(llama_q41, ids, 40), prompt
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "model", "eagle", "medusa"])
+@pytest.mark.parametrize("drafter", ["ngram", "model", "eagle", "eagle:fused", "medusa"])
 def test_speculation_on_f32_weights_is_identical_to_plain_decoding(llama_f32, drafter):
     plain = SpeculativeDecoder(llama_f32)
-    draft = make_drafter(drafter, target=llama_f32, draft_model=llama_f32 if drafter == "model" else None)
+    drafter, _, head = drafter.partition(":")  # eagle: the final-state head (this backend's default); fused: 4 layers
+    draft = make_drafter(drafter, target=llama_f32, draft_model=llama_f32 if drafter == "model" else None,
+                         **({"head": head} if head else {}))
     spec = SpeculativeDecoder(llama_f32, draft, k=6, k_policy="fixed")
     drafted = 0
     for prompt in PROMPTS:
@@ -130,9 +132,8 @@ def test_what_the_backend_cannot_do_is_a_clear_error(llama_q41, tiny_dir):
     with pytest.raises(InvalidRequest, match="features=True"):
         llama_q41.forward(llama_q41.new_kv(), [1, 2], feature_layers=(1,))
     with pytest.raises(InvalidRequest, match="features=True"):
-        make_drafter("eagle", target=llama_q41)
-    with pytest.raises(InvalidRequest, match="features=True"):
-        make_drafter("medusa", target=llama_q41)
+        make_drafter("eagle", target=llama_q41, head="fused")  # four layers: the callback's
+    assert make_drafter("eagle", target=llama_q41).feature_layers == (30,)  # llama.cpp's default: the final state
     with pytest.raises(ModelNotFound, match="GGUF"):
         load_model(str(tiny_dir), backend="llamacpp")
     with pytest.raises(InvalidRequest, match="--weights"):
@@ -141,6 +142,33 @@ def test_what_the_backend_cannot_do_is_a_clear_error(llama_q41, tiny_dir):
         load_model("smollm2-135m", backend="llamacpp", dtype="bfloat16")
     with pytest.raises(InvalidRequest, match="unknown backend"):
         load_model("smollm2-135m", backend="vllm")
+
+
+def test_the_final_state_comes_without_the_callback(llama_f32, llama_q41):
+    """A model loaded without features=True still returns hidden_states[n_layer] (llama.cpp's embeddings output,
+    switched on for the passes that ask): equal to what the eval callback reads, so heads on the final state alone
+    (Medusa, `train-eagle --layers 30`) run with no Python per graph node."""
+    n = llama_q41.final_feature_layer
+    assert n == 30 and not llama_q41.supports_features
+    plain_f32 = load_model("smollm2-135m", backend="llamacpp", weights="f32")
+    tokens = list(range(300, 340))
+    mine = plain_f32.forward(plain_f32.new_kv(), tokens, last_only=True, feature_layers=(n,))
+    tapped = llama_f32.forward(llama_f32.new_kv(), tokens, last_only=True, feature_layers=(n - 1, n))
+    assert mine.hidden.shape == (len(tokens), 1, 576) and mine.logits.shape == (1, llama_q41.vocab_size)
+    assert torch.equal(mine.hidden[:, 0], tapped.hidden[:, 1]) and torch.equal(mine.logits, tapped.logits)
+    kv = plain_f32.new_kv()
+    plain_f32.forward(kv, tokens)
+    assert plain_f32.forward(kv, [5]).hidden is None  # switched off again for a pass that asks for none
+    batch = plain_f32.forward_batch([(plain_f32.new_kv(), tokens[:7]), (plain_f32.new_kv(), tokens[:3])],
+                                    feature_layers=(n,))
+    assert torch.equal(batch[0].hidden[:, 0], mine.hidden[:7, 0]) and batch[1].hidden.shape == (3, 1, 576)
+    # Medusa reads the final state only: it drafts without the callback (F32 weights: passes of any width round
+    # alike, so greedy output is plain decoding's token for token), and builds on the as-is file too
+    drafter = make_drafter("medusa", target=plain_f32)
+    expected = SpeculativeDecoder(plain_f32).generate(PROMPTS[0], max_new_tokens=32).token_ids
+    out = SpeculativeDecoder(plain_f32, drafter, k=3, k_policy="fixed").generate(PROMPTS[0], max_new_tokens=32)
+    assert out.stats.drafted > 0 and out.stats.accepted > 0 and out.token_ids == expected
+    assert make_drafter("medusa", target=llama_q41).feature_layers == (n,)
 
 
 def test_generate_cli_on_llamacpp(capsys, llama_q41):
@@ -199,3 +227,15 @@ def test_bf16_weights_stay_within_bf16_rounding_of_the_shipped_values(llama_f32)
     kv.truncate(len(ids) - 4)
     steps = torch.stack([bf16.forward(kv, [t]).logits[-1] for t in ids[-4:]])
     assert torch.equal(wide.argmax(-1), steps.argmax(-1))
+
+
+def test_a_llama_cpp_server_started_with_eagle_runs_the_final_state_head_without_the_callback(llama_q41):
+    from verispec.server.config import ServeOptions, build_server_config
+
+    config = build_server_config(ServeOptions(target="smollm2-135m", backend="llamacpp", drafter="eagle", max_batch=1))
+    assert not config.target.supports_features  # no eval callback installed
+    assert "eagle" in config.drafters and "medusa" not in config.drafters  # heads only when asked
+    assert config.drafters["eagle"]().feature_layers == (30,)
+    fused = build_server_config(ServeOptions(target="smollm2-135m", backend="llamacpp", drafter="eagle",
+                                             drafter_options={"eagle_head": "fused"}, max_batch=1))
+    assert fused.target.supports_features and fused.drafters["eagle"]().feature_layers == (2, 15, 28, 30)

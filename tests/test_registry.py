@@ -115,3 +115,25 @@ def test_trees_are_declared_and_refused_where_they_cannot_run(tiny_target):
     with pytest.raises(InvalidRequest, match="--ngram-branches verifies one sequence per pass"):
         ServeOptions(drafter_options={"ngram_branches": 3}).check()
     ServeOptions(max_batch=1, drafter_options={"ngram_branches": 3}).check()
+
+
+def test_which_drafters_need_the_llama_cpp_callback():
+    """Only heads that read layers before the final normed state need llama.cpp's per-pass eval callback (loaded
+    with features=True); Medusa and the shipped final-state EAGLE head (the default on llama.cpp) read the final
+    state, which llama.cpp returns as its embeddings output."""
+    from verispec.eagle.head import HeadConfig
+    from verispec.eagle.weights import SHIPPED, SHIPPED_FINAL, resolve_head
+
+    parser = build_parser()
+    needs = lambda *argv: registry.needs_layer_callback(parser.parse_args(["generate", "hi", *argv]))  # noqa: E731
+    assert not needs("--drafter", "medusa") and not needs("--drafter", "ngram") and not needs("--drafter", "eagle")
+    assert needs("--drafter", "eagle", "--eagle-head", "fused")
+    assert needs("--drafter", "eagle", "--eagle-head", "/no/such/head")  # unknown: the drafter's own error speaks
+    assert resolve_head("smollm2-135m", None, "llamacpp") == SHIPPED_FINAL["smollm2-135m"]
+    assert resolve_head("smollm2-135m", None) == resolve_head("smollm2-135m", "fused", "llamacpp") \
+        == SHIPPED["smollm2-135m"]
+    assert resolve_head("smollm2-135m", "final") == SHIPPED_FINAL["smollm2-135m"]
+    fused, final = (HeadConfig.load(resolve_head("smollm2-135m", name)) for name in ("fused", "final"))
+    assert fused.target_layers == final.target_layers == 30 and final.feature_layers == [30]
+    assert fused.reads_inner_layers() and not final.reads_inner_layers()
+    assert fused.target_fingerprint == final.target_fingerprint

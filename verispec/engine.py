@@ -20,7 +20,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .backends.base import KVCache, TargetModel, TargetPass, host_threads, torch_threads
+from .backends.base import KVCache, TargetModel, TargetPass, host_threads, provides_features, torch_threads
 from .controller import COST, Controller, save_cost_curve, shared_cost_curve
 from .drafters.base import EMPTY_DRAFT, Draft, Drafter
 from .drafters.ngram import NgramDrafter
@@ -177,9 +177,10 @@ class SpeculativeDecoder:
         # drafters that read the target's hidden states (EAGLE heads) name the layers; the engine then takes
         # them from the forward passes it runs anyway and hands them to propose()
         self.feature_layers: tuple[int, ...] = tuple(drafter.feature_layers) if drafter is not None else ()
-        if self.feature_layers and not target.supports_features:
-            raise InvalidRequest(f"the {self.drafter_name} drafter reads the target's hidden states, which the "
-                                 f"{target.backend} backend does not provide; use --backend transformers")
+        if self.feature_layers and not provides_features(target, self.feature_layers):
+            raise InvalidRequest(f"the {self.drafter_name} drafter reads the target's hidden states at layers "
+                                 f"{list(self.feature_layers)}, which this {target.backend} target does not return; "
+                                 "use --backend transformers, or on llamacpp load it with features=True")
         self.fill_padding = fill_padding
         self._trees = bool(drafter is not None and drafter.tree_depth)  # its caches are asked for tree passes
         if self._trees and not target.supports_trees:

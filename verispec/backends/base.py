@@ -111,7 +111,7 @@ class TargetModel(Protocol):
     dtype: torch.dtype  # of the logits' computation as reported ("float32" for GGUF weights run by llama.cpp)
     eos_token_ids: frozenset[int]
     supports_trees: bool  # can verify a token tree in one pass (tree attention mask)
-    supports_features: bool  # can return hidden states of given layers (EAGLE heads)
+    supports_features: bool  # can return hidden states of any layers (EAGLE heads); see ``provides_features``
 
     @property
     def vocab_size(self) -> int: ...
@@ -162,3 +162,13 @@ class TargetModel(Protocol):
     # Optional, looked up by the engine: ``prepare(feature_layers, width, trees)`` readies the passes of up to
     # ``width`` tokens, returning those layers' hidden states (token trees: with ``trees``), before a first request
     # needs them (the OpenVINO backend compiles its graphs then).
+
+
+def provides_features(target, layers) -> bool:
+    """Whether ``target`` returns the hidden states at ``layers`` (indices into transformers' ``hidden_states``):
+    a backend that ``supports_features`` returns any; one with a ``final_feature_layer`` (llama.cpp, whose
+    embeddings output is the final normed state) returns that one without being asked at load time."""
+    if target.supports_features:
+        return True
+    final = getattr(target, "final_feature_layer", None)
+    return final is not None and all(i == final for i in layers)

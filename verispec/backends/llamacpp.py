@@ -208,14 +208,18 @@ class LlamaCppModel(BorrowedEmbeddings):
     supports_trees = False
     host_threads = 1  # torch's share while this backend's own threads run passes (base.host_threads)
     supports_features = False
+    final_feature_layer: int  # hidden_states[n_layer], the final normed state: returned with or without ``features``
     dtype = torch.float32  # logits come as float32; the weights' format is ``weights``
 
     def __init__(self, path: Path, tokenizer, name: str, *, weights: str = "as-is", threads: int | None = None,
                  context: int | None = None, sequences: int = DEFAULT_SEQUENCES, batch: int = 512,
                  features: bool = False, embedding_model=None) -> None:
-        """``features=True`` installs the eval callback that returns hidden states (EAGLE heads; it costs a Python
-        call per graph node, so it is off otherwise); ``embedding_model()`` loads a transformers model with the
-        same embeddings and lm_head, which EAGLE heads borrow."""
+        """``features=True`` installs the eval callback that returns hidden states at any layer (EAGLE heads; it
+        costs a Python call per graph node, so it is off otherwise). Without it the final normed state
+        (``final_feature_layer``) still comes back, as llama.cpp's embeddings output of the passes that ask for it:
+        heads that read only that layer (Medusa, ``--layers N`` EAGLE heads) need no callback.
+        ``embedding_model()`` loads a transformers model with the same embeddings and lm_head, which heads
+        borrow."""
         llama_cpp = import_llama_cpp()
         self._llama = llama_cpp
         self.path, self.tokenizer, self.name, self.weights = Path(path), tokenizer, name, weights
@@ -234,8 +238,10 @@ class LlamaCppModel(BorrowedEmbeddings):
         cparams.kv_unified = True  # every sequence may use the whole window
         cparams.n_threads = cparams.n_threads_batch = self.threads
         self._tap = None
+        self.final_feature_layer = int(llama_cpp.llama_model_n_layer(self._model))
+        self._n_embd = int(llama_cpp.llama_model_n_embd(self._model))
         if features:
-            self._tap = _FeatureTap(int(llama_cpp.llama_model_n_layer(self._model)))
+            self._tap = _FeatureTap(self.final_feature_layer)
             self._tap.callback = llama_cpp.ggml_backend_sched_eval_callback(self._tap)
             cparams.cb_eval = self._tap.callback
         self.supports_features = features
@@ -322,32 +328,48 @@ class LlamaCppModel(BorrowedEmbeddings):
     def forward(self, kv: LlamaKV, tokens, *, parents=None, last_only: bool = False, feature_layers=()) -> TargetPass:
         if parents is not None:
             raise InvalidRequest("the llamacpp backend verifies chains only; token trees need --backend transformers")
-        if feature_layers and self._tap is None:
-            raise InvalidRequest("this llama.cpp model was loaded without hidden states; load it with "
-                                 "features=True (the CLI does that for --drafter eagle)")
+        embeddings = self._embeddings_only(feature_layers)
         tokens = list(tokens)
         if not tokens:
             raise ValueError("forward needs at least one token")
         if kv.length + len(tokens) > self._n_ctx:
             raise InvalidRequest(f"{kv.length + len(tokens)} positions exceed the llama.cpp context of {self._n_ctx}")
         rows: list[torch.Tensor] = []
-        names = [self._tap.name(i) for i in feature_layers] if feature_layers else []
+        names = [self._tap.name(i) for i in feature_layers] if feature_layers and not embeddings else []
         # the last layer's rows exist only where logits are asked for
-        all_logits = not last_only or (self._tap is not None and self._tap.name(self._tap.n_layer) in names)
+        all_logits = not last_only or embeddings or (self._tap is not None and
+                                                     self._tap.name(self._tap.n_layer) in names)
+        finals: list[torch.Tensor] | None = [] if embeddings else None
+        hidden = None
         with self._lock:
             if names:
                 self._tap.wanted = {n: [] for n in names}
             try:
-                self._decode(kv, tokens, all_logits, rows)
+                self._decode(kv, tokens, all_logits, rows, finals)
                 if names:
                     hidden = torch.stack([torch.cat(self._tap.wanted[n]) for n in names], dim=1)  # [rows, L, H]
             finally:
                 if names:
                     self._tap.wanted = {}
+        if finals is not None:
+            hidden = torch.cat(finals)[:, None].expand(-1, len(feature_layers), -1)  # [rows, L, H], L copies
         logits = torch.cat(rows) if len(rows) > 1 else rows[0]
         if last_only:
             logits = logits[-1:]
-        return TargetPass(logits, hidden if names else None)
+        return TargetPass(logits, hidden)
+
+    def _embeddings_only(self, feature_layers) -> bool:
+        """Whether the features asked for come from llama.cpp's embeddings output (the final normed state, no
+        callback) rather than the eval callback; a layer the model cannot return is refused."""
+        if not feature_layers:
+            return False
+        if all(i == self.final_feature_layer for i in feature_layers):
+            return True  # with or without the callback: the embeddings output costs no Python per graph node
+        if self._tap is None:
+            raise InvalidRequest(f"this llama.cpp model was loaded without hidden states, so it returns only the final "
+                                 f"one (layer {self.final_feature_layer}), not layers {list(feature_layers)}; load it "
+                                 "with features=True (the CLI does that for --drafter eagle with such a head)")
+        return False
 
     def new_kv_group(self, capacity: int) -> LlamaKVGroup:
         if capacity > self.sequences:
@@ -361,8 +383,7 @@ class LlamaCppModel(BorrowedEmbeddings):
 
     def forward_batch(self, items, *, feature_layers=()) -> list[TargetPass]:
         """Several sequences in one ``llama_decode`` (split only where the tokens exceed the batch size)."""
-        if feature_layers and self._tap is None:
-            raise InvalidRequest("this llama.cpp model was loaded without hidden states; load it with features=True")
+        embeddings = self._embeddings_only(feature_layers)
         items = [(kv, list(tokens)) for kv, tokens in items]
         for kv, tokens in items:
             if not tokens:
@@ -372,7 +393,7 @@ class LlamaCppModel(BorrowedEmbeddings):
             if kv.length + len(tokens) > self._n_ctx:
                 raise InvalidRequest(f"{kv.length + len(tokens)} positions exceed the llama.cpp context of "
                                      f"{self._n_ctx}")
-        names = [self._tap.name(i) for i in feature_layers] if feature_layers else []
+        names = [self._tap.name(i) for i in feature_layers] if feature_layers and not embeddings else []
         groups, group, size = [], [], 0
         for item in items:  # consecutive items that fit one llama_batch
             if group and size + len(item[1]) > self._batch.size:
@@ -389,7 +410,7 @@ class LlamaCppModel(BorrowedEmbeddings):
                     self._tap.wanted = {n: [] for n in names}
                 try:
                     self._batch.fill_many(llama_cpp, group)
-                    status = llama_cpp.llama_decode(self._ctx, self._batch.raw)
+                    status = self._decode_batch(embeddings)
                     if status != 0:
                         raise RuntimeError(f"llama_decode failed with status {status} (a batch of {len(group)} "
                                            "sequences)")
@@ -397,6 +418,8 @@ class LlamaCppModel(BorrowedEmbeddings):
                     ptr = llama_cpp.llama_get_logits(self._ctx)
                     logits = torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(total, self._n_vocab)).copy())
                     hidden = (torch.stack([torch.cat(self._tap.wanted[n]) for n in names], dim=1) if names else None)
+                    if embeddings:
+                        hidden = self._read_embeddings(total)[:, None].expand(-1, len(feature_layers), -1)
                 finally:
                     if names:
                         self._tap.wanted = {}
@@ -408,15 +431,36 @@ class LlamaCppModel(BorrowedEmbeddings):
                     start += len(tokens)
         return passes
 
-    def _decode(self, kv: LlamaKV, tokens: list[int], all_logits: bool, rows: list) -> None:
-        """Feed ``tokens`` in chunks of the batch size; append logits (every row, or the last one) to ``rows``."""
+    def _decode_batch(self, embeddings: bool) -> int:
+        """``llama_decode`` of the filled batch; with ``embeddings`` the final normed state of every row that asks
+        for logits is kept too (switched on for this pass only: a plain step copies none)."""
+        llama_cpp = self._llama
+        if not embeddings:
+            return llama_cpp.llama_decode(self._ctx, self._batch.raw)
+        llama_cpp.llama_set_embeddings(self._ctx, True)
+        try:
+            return llama_cpp.llama_decode(self._ctx, self._batch.raw)
+        finally:
+            llama_cpp.llama_set_embeddings(self._ctx, False)
+
+    def _read_embeddings(self, rows: int) -> torch.Tensor:
+        """The last pass's final normed states of its ``rows`` output rows, [rows, n_embd]."""
+        ptr = self._llama.llama_get_embeddings(self._ctx)
+        if not ptr:
+            raise RuntimeError("llama.cpp returned no embeddings for a pass that asked for them")
+        return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(rows, self._n_embd)).copy())
+
+    def _decode(self, kv: LlamaKV, tokens: list[int], all_logits: bool, rows: list,
+                finals: list | None = None) -> None:
+        """Feed ``tokens`` in chunks of the batch size; append logits (every row, or the last one) to ``rows``, and
+        with ``finals`` (every row's logits asked for) the final normed states to it."""
         llama_cpp, size = self._llama, self._batch.size
         want = 0 if all_logits else len(tokens) - 1  # first row (of all tokens) whose logits we keep
         for start in range(0, len(tokens), size):
             chunk = tokens[start : start + size]
             first = min(max(0, want - start), len(chunk))  # len(chunk): no logits from this chunk
             self._batch.fill(llama_cpp, chunk, kv.length, kv.seq, first)
-            status = llama_cpp.llama_decode(self._ctx, self._batch.raw)
+            status = self._decode_batch(finals is not None)
             if status != 0:
                 raise RuntimeError(f"llama_decode failed with status {status} ({len(chunk)} tokens after "
                                    f"{kv.length} cached)")
@@ -425,6 +469,8 @@ class LlamaCppModel(BorrowedEmbeddings):
                 ptr = llama_cpp.llama_get_logits(self._ctx)
                 shape = (len(chunk) - first, self._n_vocab)
                 rows.append(torch.from_numpy(np.ctypeslib.as_array(ptr, shape=shape).copy()))
+                if finals is not None:
+                    finals.append(self._read_embeddings(len(chunk) - first))
 
     # ------------------------------------------------------------ llama.cpp's own tokenizer (for checks)
     def llama_tokenize(self, text: str, add_special: bool = True) -> list[int]:

@@ -144,6 +144,11 @@ def build_method(spec: str, target, load: Callable | None, default_k: int = 8, d
                              "openvino:draft=REF or arctic:suffix")
     drafter_spec = get_spec(name) if name != NONE else None
     hidden = drafter_spec is not None and drafter_spec.hidden_states
+    if hidden:  # llama.cpp needs its callback for layers before the final one (a head's reference names its layers)
+        named = dict(raw_opts)
+        if refs and drafter_spec.reference_option:
+            named[drafter_spec.reference_option] = refs[0]
+        hidden = drafter_spec.inner_layers(target.name, named)
     if hidden and not target.supports_features:  # a llama.cpp run: load a copy that gives hidden states
         target = load(target.name, backend=backend, weights=weights, features=True)
     elif backend or weights or dtype or compiled is not None:

@@ -9,7 +9,7 @@ from ..backends import BUILTINS, COMPILE_ENV, COMPILE_MODES, DEFAULT_MODEL, DTYP
 from ..backends.base import BACKENDS
 from ..backends import WEIGHT_CHOICES
 from ..drafters import drafter_names, drafter_specs, get_spec, make_drafter, options_from
-from ..drafters.registry import NONE, reads_hidden_states
+from ..drafters.registry import NONE, needs_layer_callback
 
 
 def model_options(p: argparse.ArgumentParser, drafter_default: str = "ngram") -> None:
@@ -96,10 +96,10 @@ def load_args_model(args, ref: str, **overrides):
     from ..backends import load_model
 
     backend = getattr(args, "backend", "transformers")
-    # llama.cpp returns hidden states only when asked at load time (EAGLE heads need them)
+    # llama.cpp returns hidden states before the final one only when asked at load time (four-layer EAGLE heads)
     options = dict(dtype=args.dtype, backend=backend, weights=getattr(args, "weights", "as-is"),
-                   threads=getattr(args, "threads", None), features=backend == "llamacpp" and reads_hidden_states(args),
-                   compiled=getattr(args, "compile", "off"))
+                   threads=getattr(args, "threads", None),
+                   features=backend == "llamacpp" and needs_layer_callback(args), compiled=getattr(args, "compile", "off"))
     options.update(overrides)
     return load_model(ref, **options)
 

@@ -39,11 +39,11 @@ from typing import Sequence
 
 import torch
 
-from ..eagle.head import EagleHead, HeadCache
+from ..eagle.head import CONFIG, EagleHead, HeadCache, HeadConfig
 from ..eagle.weights import resolve_head
-from ..errors import InvalidRequest, check_whole
+from ..errors import InvalidRequest, ModelNotFound, check_whole
 from ..prefix import common_prefix_length
-from ..backends.base import TargetModel
+from ..backends.base import TargetModel, provides_features
 from ..sampling import SamplingParams, probabilities, sample
 from .base import EMPTY_DRAFT, Draft, DrafterBase
 from .ngram import NgramDrafter
@@ -65,13 +65,6 @@ class EagleDrafter(DrafterBase):
         check_whole("eagle tree depth", depth)
         check_whole("eagle tree width", width)
         self.tree, self.depth, self.width = bool(tree), depth, width
-        if not target.supports_features and target.backend == "llamacpp":
-            raise InvalidRequest(f"the eagle drafter reads the target's hidden states, which this {target.backend} "
-                                 "model was loaded without; load it with features=True (the CLI does for "
-                                 "--drafter eagle) or use --backend transformers")
-        if not target.supports_features:
-            raise InvalidRequest(f"the eagle drafter reads the target's hidden states, which the {target.backend} "
-                                 "backend does not return; use --backend transformers or llamacpp")
         if lookup and not tree:
             raise InvalidRequest("the eagle drafter's lookup branch needs tree mode (tree=True / --eagle-tree)")
         if suffix and tree:
@@ -91,9 +84,14 @@ class EagleDrafter(DrafterBase):
         # the torch head's precision (``verispec.drafters.precision``); an OpenVINO graph is converted from float32
         resolved = head_dtype(precision, target) if engine == "torch" else target.dtype
         if not isinstance(head, EagleHead):
-            head = EagleHead.load(resolve_head(target.name, head), dtype=resolved)
-        elif precision != "auto" and head.fc.weight.dtype != resolved:
-            head = head.to(resolved)  # in place: a caller's head given with an explicit precision
+            folder = resolve_head(target.name, head, target.backend)
+            if (folder / CONFIG).is_file():  # before the weights load (a folder without one: load says so)
+                _check_features(target, HeadConfig.load(folder).feature_layers)
+            head = EagleHead.load(folder, dtype=resolved)
+        else:
+            _check_features(target, head.config.feature_layers)
+            if precision != "auto" and head.fc.weight.dtype != resolved:
+                head = head.to(resolved)  # in place: a caller's head given with an explicit precision
         self.head = head.to(target.device).attach(target.embedding_model)
         self.feature_layers = tuple(head.config.feature_layers)
         self.context_vocab = context_vocab
@@ -266,11 +264,36 @@ def _merge_chain(tree: Draft, chain: list[int]) -> Draft:
     return Draft(tokens, None, parents)
 
 
+def _reads_inner_layers(target_ref: str, head) -> bool:
+    """Whether the head that ``--eagle-head`` names (or the one shipped for ``target_ref`` on llama.cpp) reads layers
+    before the final normed state; True where that cannot be told before loading (the drafter then speaks)."""
+    if isinstance(head, EagleHead):
+        return head.config.reads_inner_layers()
+    try:
+        return HeadConfig.load(resolve_head(target_ref, head, "llamacpp")).reads_inner_layers()
+    except (ModelNotFound, OSError, ValueError, TypeError, IndexError):
+        return True
+
+
+def _check_features(target: TargetModel, layers) -> None:
+    if provides_features(target, layers):
+        return
+    final = getattr(target, "final_feature_layer", None)
+    if final is not None:  # llama.cpp loaded without its eval callback: the final normed state only
+        raise InvalidRequest(f"this eagle head reads the target's hidden states at layers {list(layers)}, and this "
+                             f"{target.backend} model was loaded without them (it returns layer {final} only); load it "
+                             "with features=True (the CLI does for --drafter eagle with such a head), or use a head "
+                             f"that reads layer {final} alone (`verispec train-eagle --layers {final}`)")
+    raise InvalidRequest(f"the eagle drafter reads the target's hidden states, which the {target.backend} backend does "
+                         "not return; use --backend transformers or llamacpp")
+
+
 register(DrafterSpec(
     "eagle", "a trained head drafts from the target's own hidden states (EAGLE); one ships for smollm2-135m",
     lambda target, draft_model, **options: EagleDrafter(target, **options),
-    options=(Option("head", str, None, "head for --drafter eagle, as written by `verispec train-eagle` (default: the "
-                    "head shipped for the built-in target)"),
+    options=(Option("head", str, None, "head for --drafter eagle: a folder written by `verispec train-eagle`, or "
+                    "fused / final for the built-in target's shipped heads (four fused layers / the final state alone; "
+                    "default: fused, and final on --backend llamacpp, where it needs no per-pass callback)"),
              Option("tree", bool, False, "with --drafter eagle, draft a tree of --k candidate tokens (EAGLE-2 style) "
                     "instead of a chain, verified losslessly at any temperature"),
              Option("lookup", bool, False, "with --eagle-tree, add a prompt-lookup (n-gram) branch to each tree "
@@ -287,6 +310,7 @@ register(DrafterSpec(
                     "bfloat16 dot products under a float32 target, else the target's dtype), float32 or bfloat16; "
                     "drafts only, the output is the target's either way", choices=HEAD_DTYPES)),
     hidden_states=True,
+    inner_layers=lambda target, options: _reads_inner_layers(target, options.get("head")),
     trees=lambda options: bool(options.get("tree")), tree_option="tree",
     reference_option="head",
     share=lambda drafter: {"head": drafter.head},

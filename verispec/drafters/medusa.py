@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from ..backends.base import TargetModel
+from ..backends.base import TargetModel, provides_features
 from ..errors import InvalidRequest, check_whole
 from ..medusa.head import MedusaHeads
 from ..medusa.weights import resolve_heads
@@ -37,16 +37,14 @@ class MedusaDrafter(DrafterBase):
     def __init__(self, target: TargetModel, heads: MedusaHeads | str | Path | None = None, *, tree: bool = False,
                  width: int = 4, context_vocab: bool = True, precision: str = "auto"):
         check_whole("medusa tree width", width)
-        if not target.supports_features:
-            hint = ("load it with features=True (the CLI does for --drafter medusa)" if target.backend == "llamacpp"
-                    else "use --backend transformers or llamacpp")
-            raise InvalidRequest(f"the medusa drafter reads the target's final hidden state, which this "
-                                 f"{target.backend} target does not return; {hint}")
         resolved = head_dtype(precision, target)  # ``verispec.drafters.precision``
         if not isinstance(heads, MedusaHeads):
             heads = MedusaHeads.load(resolve_heads(target.name, heads), dtype=resolved)
         elif precision != "auto" and heads.heads[0][0].linear.weight.dtype != resolved:
             heads = heads.to(resolved)  # in place: a caller's heads given with an explicit precision
+        if not provides_features(target, (heads.config.final_layer,)):
+            raise InvalidRequest(f"the medusa drafter reads the target's final hidden state, which this "
+                                 f"{target.backend} target does not return; use --backend transformers or llamacpp")
         self.heads = heads.to(target.device).attach(target.embedding_model)
         self.feature_layers = (heads.config.final_layer,)
         self.tree, self.width = bool(tree), width
@@ -127,6 +125,7 @@ register(DrafterSpec(
                     "dot products under a float32 target, else the target's dtype), float32 or bfloat16; drafts "
                     "only, the output is the target's either way", choices=HEAD_DTYPES)),
     hidden_states=True,
+    inner_layers=lambda target, options: False,  # the final normed state only: no llama.cpp callback
     trees=lambda options: bool(options.get("tree")), tree_option="tree",
     reference_option="heads",
     share=lambda drafter: {"heads": drafter.heads},

@@ -89,8 +89,9 @@ class DrafterSpec:
 
     ``factory(target, draft_model, **options)`` builds one (a fresh one per sequence: drafters keep per-sequence
     state). Capabilities, declared here and never probed: ``needs_draft_model`` (a second model, given as
-    ``draft_model``), ``hidden_states`` (reads the target's hidden states; a llama.cpp target must be loaded with
-    ``features=True``), ``trees`` (given its options, whether it drafts trees; None if it never does: trees verify one
+    ``draft_model``), ``hidden_states`` (reads the target's hidden states), ``inner_layers`` (given the target's
+    reference and the options, whether it reads layers before the final normed state: a llama.cpp target must then
+    be loaded with ``features=True``, which installs a per-pass callback; the final state comes without), ``trees`` (given its options, whether it drafts trees; None if it never does: trees verify one
     sequence per pass and need a backend with tree attention), ``backends`` (where it runs). A built
     drafter states the same per instance: ``feature_layers`` and ``tree_depth`` (see ``verispec.drafters.base``)."""
 
@@ -100,6 +101,7 @@ class DrafterSpec:
     options: tuple[Option, ...] = ()
     needs_draft_model: bool = False
     hidden_states: bool = False
+    inner_layers: Callable[[str, dict[str, Any]], bool] = lambda target, options: True
     trees: Callable[[dict[str, Any]], bool] | None = None
     tree_option: str = ""  # the option that turns trees on (named in messages)
     backends: tuple[str, ...] = BACKENDS
@@ -192,13 +194,17 @@ def options_from(args: Any, name: str) -> dict[str, Any]:
     return found
 
 
-def reads_hidden_states(args: Any) -> bool:
-    """Whether the drafter named by ``args.drafter``, or one whose options ``args`` set, reads the target's hidden
-    states (a llama.cpp target then has to be loaded with ``features=True``)."""
+def needs_layer_callback(args: Any) -> bool:
+    """Whether the drafter named by ``args.drafter``, or one whose options ``args`` set, reads hidden states before
+    the target's final normed state (a llama.cpp target then has to be loaded with ``features=True``)."""
+    target = getattr(args, "target", "")
     name = getattr(args, "drafter", NONE)
-    if name != NONE and get_spec(name).hidden_states:
-        return True
-    return any(spec.hidden_states and options_from(args, spec.name) for spec in _REGISTRY.values())
+    if name != NONE:
+        spec = get_spec(name)
+        if spec.hidden_states and spec.inner_layers(target, options_from(args, name)):
+            return True
+    return any(spec.hidden_states and (opts := options_from(args, spec.name)) and spec.inner_layers(target, opts)
+               for spec in _REGISTRY.values())
 
 
 def all_options() -> dict[str, Option]:

@@ -57,6 +57,17 @@ class HeadConfig:
     def load(cls, folder: Path) -> "HeadConfig":
         return cls(**json.loads((folder / CONFIG).read_text()))
 
+    @property
+    def target_layers(self) -> int:
+        """The target's decoder layers (from its fingerprint): ``hidden_states[target_layers]`` is its final normed
+        state."""
+        return int(self.target_fingerprint.split("-L", 1)[1].split("-", 1)[0])
+
+    def reads_inner_layers(self) -> bool:
+        """Whether the head reads hidden states before the final normed state (on llama.cpp those need the eval
+        callback; the final one is llama.cpp's embeddings output)."""
+        return any(i != self.target_layers for i in self.feature_layers)
+
 
 def target_fingerprint(model) -> str:
     """Shapes of the target plus a hash of a slice of its output and input embeddings: equal for the same weights

@@ -19,7 +19,7 @@ from ..backends import WEIGHT_CHOICES
 from ..batching import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
 from ..controller import COST, K_POLICIES
 from ..drafters import Drafter, drafter_names, drafter_specs, get_spec, options_from
-from ..drafters.registry import NONE, all_options, parse_value, reads_hidden_states
+from ..drafters.registry import NONE, all_options, needs_layer_callback, parse_value
 from ..errors import InvalidRequest, ModelNotFound
 from ..verify import ACCEPTANCE_MODES, STRICT
 
@@ -193,8 +193,10 @@ def build_server_config(options: ServeOptions) -> ServerConfig:
     a draft model when none is given, one whose weights are not found when it was not asked for by name or
     option (the EAGLE head of a target that ships none), or one whose spec says it is offered only when asked for
     (layerskip: its first use on a model measures which layers to skip for about a minute), or one that drafts trees
-    on a batched server (trees verify one sequence per pass). On llama.cpp, drafters that read hidden states are
-    offered only when the server starts with one of them (hidden states cost a callback on every pass there)."""
+    on a batched server (trees verify one sequence per pass). On llama.cpp, drafters that read hidden states before
+    the final one are offered only when the server starts with one of them (those cost a callback on every pass
+    there); heads on the final state alone (Medusa, final-state EAGLE heads) need none but are offered only when
+    asked for too (each loads a transformers copy of the embeddings)."""
     from ..backends import load_model
 
     # llama.cpp: a KV sequence per batch row (unbatched, each slot's decoders keep theirs for prompt reuse)
@@ -203,7 +205,7 @@ def build_server_config(options: ServeOptions) -> ServerConfig:
                 compiled=options.compile if options.max_batch == 1 and options.backend == "transformers" else "off")
     if options.backend == "llamacpp":
         load["sequences"] = max(8, options.max_batch + 1, 4 * options.max_concurrency)
-    target = load_model(options.target, features=options.backend == "llamacpp" and reads_hidden_states(options),
+    target = load_model(options.target, features=options.backend == "llamacpp" and needs_layer_callback(options),
                         **load)
     load["features"] = False
     draft = load_model(options.draft_model, **load) if options.draft_model else None
@@ -211,7 +213,11 @@ def build_server_config(options: ServeOptions) -> ServerConfig:
     for spec in drafter_specs():
         opts = options_from(options, spec.name)
         asked = spec.name == options.drafter or bool(opts)
-        if (spec.needs_draft_model and draft is None) or (spec.hidden_states and not target.supports_features) \
+        # on llama.cpp heads load a transformers copy of the embeddings: only those asked for (and the callback's
+        # layers only where the target was loaded with them)
+        unloaded = spec.hidden_states and not target.supports_features and \
+            (not asked or spec.inner_layers(options.target, opts))
+        if (spec.needs_draft_model and draft is None) or unloaded \
                 or target.backend not in spec.backends or (not asked and not spec.offered_by_default) \
                 or (options.max_batch > 1 and spec.drafts_trees(opts)):  # trees verify one sequence per pass
             continue

@@ -7,19 +7,25 @@ from pathlib import Path
 from ...errors import ModelNotFound
 
 HERE = Path(__file__).parent
-SHIPPED = {"smollm2-135m": HERE / "smollm2-135m"}
+SHIPPED = {"smollm2-135m": HERE / "smollm2-135m"}  # four fused layers (EAGLE-3's features)
+# heads on the target's final normed state alone (`train-eagle --layers N`): on llama.cpp that state is the
+# embeddings output of a pass, so they draft with no eval callback; the default there
+SHIPPED_FINAL = {"smollm2-135m": HERE / "smollm2-135m-final"}
+NAMED = {"fused": SHIPPED, "final": SHIPPED_FINAL}  # --eagle-head NAME picks a shipped head by its features
 
 
-def resolve_head(target_name: str, ref: str | Path | None) -> Path:
-    """The folder of an EAGLE head: ``ref`` when given, else the head shipped for the built-in target."""
-    if ref is not None:
+def resolve_head(target_name: str, ref: str | Path | None, backend: str = "transformers") -> Path:
+    """The folder of an EAGLE head: ``ref`` when given (a folder, or ``fused`` / ``final`` for a shipped head),
+    else the head shipped for the built-in target and ``backend`` (the final-state one on llama.cpp)."""
+    if ref is not None and str(ref) not in NAMED:
         path = Path(ref).expanduser()
         if not path.is_dir():
             raise ModelNotFound(f"EAGLE head folder {path} does not exist; pass the --out folder of "
-                                "`verispec train-eagle`")
+                                f"`verispec train-eagle`, or {' or '.join(NAMED)} for a shipped head")
         return path
-    if target_name in SHIPPED and (SHIPPED[target_name] / "config.json").exists():
-        return SHIPPED[target_name]
+    shipped = NAMED[str(ref)] if ref is not None else SHIPPED_FINAL if backend == "llamacpp" else SHIPPED
+    if target_name in shipped and (shipped[target_name] / "config.json").exists():
+        return shipped[target_name]
     raise ModelNotFound(
         f"no EAGLE head ships for target {target_name!r} (shipped: {', '.join(SHIPPED)}). Train one with "
         f"`verispec train-eagle --target {target_name} --prompts FILE --out DIR` and pass it with --eagle-head DIR"
