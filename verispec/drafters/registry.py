@@ -91,9 +91,10 @@ class DrafterSpec:
     state). Capabilities, declared here and never probed: ``needs_draft_model`` (a second model, given as
     ``draft_model``), ``hidden_states`` (reads the target's hidden states), ``inner_layers`` (given the target's
     reference and the options, whether it reads layers before the final normed state: a llama.cpp target must then
-    be loaded with ``features=True``, which installs a per-pass callback; the final state comes without), ``trees`` (given its options, whether it drafts trees; None if it never does: trees verify one
-    sequence per pass and need a backend with tree attention), ``backends`` (where it runs). A built
-    drafter states the same per instance: ``feature_layers`` and ``tree_depth`` (see ``verispec.drafters.base``)."""
+    be loaded with ``features=True``, which installs a per-pass callback; the final state comes without),
+    ``trees`` (given its options, whether it drafts trees; None if it never does: trees verify one sequence per pass
+    and need a backend with tree attention), ``backends`` (where it runs). A built drafter states the same per
+    instance: ``feature_layers`` and ``tree_depth`` (see ``verispec.drafters.base``)."""
 
     name: str
     summary: str
