@@ -70,10 +70,12 @@ def main() -> int:
             burst = 3 if spec else 1
             for i in range(0, len(out), burst):
                 # passes far apart next to the microseconds between one pass's tokens, so that a loaded machine
-                # (another test beside this one) cannot blur where one ends (5 ms did, once, under pytest-xdist)
-                time.sleep(0.05)
-                for tok in out[i:i + burst]:  # one chunk per token, a pass's tokens back to back
-                    self.wfile.write(f"data: {json.dumps({'tokens': [tok], 'stop': False})}\n\n".encode())
+                # (another test beside this one) cannot blur where one ends: 5 ms apart did, once, under
+                # pytest-xdist, and so did three writes per pass at 50 ms (this thread descheduled between them)
+                time.sleep(0.1)
+                # one chunk per token, a pass's chunks sent in one write
+                self.wfile.write(b"".join(f"data: {json.dumps({'tokens': [tok], 'stop': False})}\n\n".encode()
+                                          for tok in out[i:i + burst]))
                 self.wfile.flush()
             timings = {"predicted_n": len(out)}
             if spec:
