@@ -7,6 +7,7 @@ import torch
 
 from verispec import EagleDrafter, ModelDrafter, NgramDrafter, SpeculativeDecoder, load_model
 from verispec.audit import run_audit
+from verispec.batching import generate_batch
 from verispec.cli import DEFAULT_AUDIT_PROMPT
 from verispec.backends.hf.packing import packing_available
 
@@ -36,22 +37,38 @@ def test_bfloat16_loads_with_the_kernel_this_cpu_supports(bf16_model):
     assert bf16_model.linear_kernel == ("oneDNN-packed; width-invariant attention" if packed else "F.linear (oneDNN)")
 
 
-@pytest.mark.parametrize("drafter", ["ngram", "eagle"])
-def test_bfloat16_greedy_speculation_equals_bfloat16_plain_decoding(bf16_model, drafter):
-    """Width-invariant passes (verispec.backends.hf.invariant): every greedy answer token-identical in bfloat16,
-    where this CPU runs packed bfloat16 linears (elsewhere identity is not promised in bfloat16)."""
+@pytest.fixture(scope="module")
+def bf16_plain(bf16_model):
+    """bfloat16 plain decoding's greedy answers to PROMPTS, 64 tokens each."""
     if not bf16_model.width_invariant:
         pytest.skip("this CPU cannot run oneDNN's packed bfloat16 kernel: bfloat16 passes keep SDPA")
     plain = SpeculativeDecoder(bf16_model, None)
-    spec = SpeculativeDecoder(bf16_model, NgramDrafter() if drafter == "ngram" else EagleDrafter(bf16_model), k=6,
-                              k_policy="fixed")
+    return [plain.generate(prompt, max_new_tokens=64).token_ids for prompt in PROMPTS]
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "eagle", "eagle-tree", "ngram-tree"])
+def test_bfloat16_greedy_speculation_equals_bfloat16_plain_decoding(bf16_model, bf16_plain, drafter):
+    """Width-invariant passes (verispec.backends.hf.invariant): every greedy answer token-identical in bfloat16,
+    chains and token trees, where this CPU runs packed bfloat16 linears (elsewhere identity is not promised in
+    bfloat16)."""
+    make = {"ngram": NgramDrafter, "eagle": lambda: EagleDrafter(bf16_model),
+            "eagle-tree": lambda: EagleDrafter(bf16_model, tree=True), "ngram-tree": lambda: NgramDrafter(branches=3)}
+    spec = SpeculativeDecoder(bf16_model, make[drafter](), k=12 if "tree" in drafter else 6, k_policy="fixed")
     accepted = 0
-    for prompt in PROMPTS:
-        expected = plain.generate(prompt, max_new_tokens=64).token_ids
+    for prompt, expected in zip(PROMPTS, bf16_plain):
         out = spec.generate(prompt, max_new_tokens=64)
         assert out.token_ids == expected, prompt
         accepted += out.stats.accepted
     assert accepted > 0
+
+
+def test_bfloat16_batched_greedy_speculation_equals_bfloat16_plain_decoding(bf16_model, bf16_plain):
+    """Rows of a batched pass attend as each sequence alone would: the batch engine's answers equal plain
+    decoding's too, with and without drafts."""
+    for drafter in (None, NgramDrafter):
+        decoders = [SpeculativeDecoder(bf16_model, drafter and drafter(), k=6, k_policy="fixed") for _ in PROMPTS]
+        out = generate_batch(decoders, PROMPTS, max_batch=len(PROMPTS), max_new_tokens=64)
+        assert [g.token_ids for g in out] == bf16_plain, drafter
 
 
 @pytest.mark.parametrize("drafter", ["none", "ngram", "model", "eagle", "eagle-tree"])

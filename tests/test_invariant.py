@@ -142,3 +142,52 @@ def test_padded_batches_still_see_their_padding_mask():
     batch = target.model(input_ids=ids, attention_mask=mask).logits
     target.model.set_attn_implementation("sdpa")  # transformers' own path for the same padded batch
     assert torch.equal(batch, target.model(input_ids=ids, attention_mask=mask).logits)
+
+
+def _path(parents, node):
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+@needs_bf16_packing
+@torch.inference_mode()
+def test_a_token_trees_rows_are_the_same_bits_as_each_nodes_own_chain(small_buckets):
+    """A tree pass gathers each node's keys (the context, then its ancestors) into the layout of a plain pass at
+    the node's depth: its logits are those of the one-token steps along its branch, bit for bit."""
+    target = _bf16_target(seed=5)
+    parents = [-1, -1, -1, 0, 0, 1, 3, 3, 6, 8, 9]  # depth 6, branching at the root and at depths 1 and 3
+    nodes = [7, 11, 4, 9, 21, 13, 5, 17, 8, 30, 12]
+    for cached in (4, 6, 13):  # the tree inside one bucket, across one, starting on one
+        prompt = [3 + (i * 5) % 29 for i in range(cached)]
+        kv = target.new_kv()
+        target.forward(kv, prompt, last_only=True)
+        for fed in ([22], [22, 6, 19]):  # the pending token alone, or accepted tokens fed again before the tree
+            tree = target.forward(kv, fed + nodes, parents=parents).logits
+            kv.truncate(cached)
+            for node in range(len(parents)):
+                chain = [target.forward(kv, [t]).logits[0] for t in fed + [nodes[j] for j in _path(parents, node)]]
+                kv.truncate(cached)
+                assert torch.equal(tree[len(fed) + node], chain[-1]), (cached, fed, node)
+            assert torch.equal(tree[: len(fed)], torch.stack(chain[: len(fed)]))
+
+
+@needs_bf16_packing
+@torch.inference_mode()
+def test_the_rows_of_a_batched_pass_are_the_same_bits_as_each_sequence_alone(small_buckets):
+    target = _bf16_target(seed=6)
+    prompts = [[3 + (i * 7) % 28 for i in range(n)] for n in (5, 14, 9)]
+    fed = [[4, 8, 15], [16], [23, 2]]
+    alone = []
+    for prompt, tokens in zip(prompts, fed):
+        kv = target.new_kv()
+        target.forward(kv, prompt, last_only=True)
+        alone.append(target.forward(kv, tokens).logits)
+    group = target.new_kv_group(len(prompts))
+    kvs = [group.new_kv() for _ in prompts]
+    target.forward_batch(list(zip(kvs, prompts)), last_only=True)
+    passes = target.forward_batch(list(zip(kvs, fed)))
+    for i, (got, want) in enumerate(zip(passes, alone)):
+        assert torch.equal(got.logits, want), i

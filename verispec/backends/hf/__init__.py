@@ -26,7 +26,7 @@ from .compiled import CompiledStep, FixedKV
 from .cpu import linear_kernel
 from .layers import decoder_layers, skipping_view
 from .masks import for_layers
-from .invariant import make_width_invariant
+from .invariant import make_width_invariant, row_keys
 from .packing import pack_linear_layers
 
 log = logging.getLogger(__name__)
@@ -161,17 +161,20 @@ class LoadedModel:
                 ids[kv.index - span.start, : len(tokens)] = torch.tensor(list(tokens))
             positions = starts[:, None] + torch.arange(width)  # [rows, width]: each row at its own positions
             mask = None  # one row: the plain causal case, which transformers builds (and SDPA runs) as usual
+            extra = {}
             if len(starts) > 1:
                 columns = torch.arange(batch.pass_end)
                 allowed = columns[None, None, :] <= positions[:, :, None]  # [rows, width, columns]
                 mask = torch.zeros(allowed.shape, dtype=self.dtype).masked_fill_(~allowed, torch.finfo(self.dtype).min)
                 mask = for_layers(self.model.config, mask[:, None].to(self.device), positions.to(self.device),
                                   columns.to(self.device))
+                if self.width_invariant:  # each row attends as if alone (verispec.backends.hf.invariant)
+                    extra = dict(verispec_keys=row_keys(allowed.to(self.device)))
             keep = sorted({len(tokens) - 1 for _, tokens in items}) if last_only else None
             out = self.model(input_ids=ids.to(self.device), cache=batch.cache, use_cache=True,
                              position_ids=positions.to(self.device), attention_mask=mask,
                              output_hidden_states=bool(feature_layers),
-                             logits_to_keep=torch.tensor(keep, device=self.device) if keep else 0)
+                             logits_to_keep=torch.tensor(keep, device=self.device) if keep else 0, **extra)
         finally:
             batch.end_pass()
         passes = []
@@ -205,6 +208,8 @@ class LoadedModel:
                 keys = torch.cat([torch.arange(past, device=self.device), positions[0]])
                 extra = dict(position_ids=positions, attention_mask=for_layers(self.model.config, mask, positions[0],
                                                                               keys))
+                if self.width_invariant:  # each node attends as its own chain would (verispec.backends.hf.invariant)
+                    extra["verispec_keys"] = row_keys(mask[0, :1] == 0)
             elif fixed:  # the buffer's columns past the sequence hold stale keys: mask them explicitly
                 extra = dict(position_ids=torch.arange(len(kv), len(kv) + n, device=self.device)[None],
                              attention_mask=kv.mask(n, self.dtype, self.device, self.model.config))

@@ -19,16 +19,25 @@ So, for plain causal passes (one sequence, no explicit mask):
 * a packed linear given one row computes two copies of it and keeps one (``PackedLinear.one_row_as_two``), which
   costs nearly nothing in a pass bound by streaming the weights.
 
+Passes whose rows see other keys than the plain causal rule gives them (token trees: a node sees the context and
+its ancestors; the rows of a batch, each sequence at its own length) say which in ``RowKeys``, built once per pass
+by the backend: every row's keys are gathered into the layout a plain pass at the row's position would have (the
+keys it sees in order, zeros up to its bucket) and attended as in a one-token step, the rows of a bucket in one
+batched product. So a tree node's logits are those of the one-token steps along its branch, and a batched row's
+those of its sequence alone.
+
 Measured (AMD EPYC Zen 4, 300 and 250 cached tokens, widths 1-17): every row bitwise equal to a chain of one-token
-passes, against differences of 0.25-0.56 with SDPA. Passes with an explicit mask (token trees, batched rows) take
-transformers' SDPA as before: their rows are measured, not promised. Models with sliding-window layers keep SDPA
-(they need transformers' per-layer masks), and so does a CPU whose kernels fail the probe
-(``kernels_are_width_invariant``: other CPUs may pick other blockings).
+passes, against differences of 0.25-0.56 with SDPA; token trees and batched rows equal to their chains and lone
+sequences (tests/test_invariant.py, tests/test_e2e_kernels.py). Passes with any other mask (padded batches such as
+train-eagle's answer generation) take SDPA. Models with sliding-window layers keep SDPA (they need transformers'
+per-layer masks), and so does a CPU whose kernels fail the probe (``kernels_are_width_invariant``: other CPUs may
+pick other blockings).
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -64,13 +73,73 @@ def _hidden(first: int, rows: int, groups: int, keys: int, device: torch.device)
     return torch.arange(keys, device=device)[None, :] > positions[:, None]
 
 
+@dataclass(frozen=True)
+class RowKeys:
+    """The keys each row of a pass sees, for passes the plain causal rule does not describe (token trees, the rows of
+    a batch at their own positions): per bucket, the rows (``b``, ``i``: batch row and query row) whose position
+    falls in it and, for each, the key columns it sees in the order a chain of one-token steps would have them
+    (``index`` [n, keys]; the column past the pass's keys stands for a zero key) and which of them lie past its
+    position (``hidden`` [n, keys]). Built once per pass (``row_keys``), read by every layer."""
+
+    groups: tuple[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], ...]
+
+
+def row_keys(allowed: torch.Tensor) -> RowKeys:
+    """``RowKeys`` from ``allowed`` [batch, rows, keys] (True where a row sees a key). A row that sees n keys is laid
+    out as position n - 1 of a sequence: the keys it sees, in column order, then zeros up to its bucket."""
+    batch, rows, length = allowed.shape
+    positions = (allowed.sum(-1) - 1).clamp_(min=0)  # [batch, rows]
+    buckets = (positions // BUCKET + 1) * BUCKET
+    widest = int(buckets.max())
+    # the columns each row sees first, in order (a stable sort of "hidden"), then the zero key's column
+    order = torch.argsort((~allowed).to(torch.uint8), dim=-1, stable=True)
+    if widest > length:
+        order = torch.cat([order, order.new_full((batch, rows, widest - length), length)], dim=-1)
+    groups = []
+    for keys in buckets.unique().tolist():
+        b, i = (buckets == keys).nonzero(as_tuple=True)
+        hidden = torch.arange(keys)[None, :] > positions[b, i][:, None]
+        index = order[b, i, :keys].masked_fill(hidden, length)
+        groups.append((keys, b, i, index, hidden))
+    return RowKeys(tuple(groups))
+
+
+def _attention_by_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: RowKeys,
+                       scale: float) -> torch.Tensor:
+    """``width_invariant_attention`` for rows laid out by ``RowKeys``: each row's keys gathered into the layout of a
+    plain causal pass, one product per row and KV head (the query heads sharing it as its rows, as in a one-token
+    step), every row of a bucket in one batched product."""
+    batch, heads, width, dim = query.shape
+    kv_heads = key.shape[1]
+    groups = heads // kv_heads
+    zero = key.new_zeros(batch, kv_heads, 1, dim)
+    keys_by_column = torch.cat([key, zero], dim=2).transpose(1, 2)  # [batch, columns + 1, kv_heads, dim]
+    values_by_column = torch.cat([value, zero], dim=2).transpose(1, 2)
+    out = query.new_empty(batch, width, heads, dim)
+    for keys, b, i, index, hidden in rows.groups:
+        n = len(b)
+        q = query[b, :, i].reshape(n * kv_heads, groups, dim)  # [n, heads, dim]: heads j*groups.. share KV head j
+        k = keys_by_column[b[:, None], index].transpose(1, 2).reshape(n * kv_heads, keys, dim)
+        v = values_by_column[b[:, None], index].transpose(1, 2).reshape(n * kv_heads, keys, dim)
+        scores = torch.bmm(q, k.transpose(1, 2)).float() * scale  # [n * kv_heads, groups, keys]
+        masked = hidden[:, None, None, :].expand(n, kv_heads, groups, keys).reshape(n * kv_heads, groups, keys)
+        probs = torch.softmax(scores.masked_fill(masked, float("-inf")), dim=-1).to(v.dtype)
+        out[b, i] = torch.bmm(probs, v).reshape(n, heads, dim)
+    return out
+
+
 def width_invariant_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                               attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                              **kwargs) -> tuple[torch.Tensor, None]:
-    """Causal attention for one sequence whose rows do not depend on how many rows the pass has (module doc).
-    ``query`` [1, heads, rows, dim], ``key``/``value`` [1, kv_heads, cached + rows, dim]; returns [1, rows, heads,
-    dim] as transformers' attention functions do."""
+                              verispec_keys: RowKeys | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """Causal attention whose rows do not depend on how many rows the pass has (module doc). ``query`` [batch,
+    heads, rows, dim], ``key``/``value`` [batch, kv_heads, cached + rows, dim]; returns [batch, rows, heads, dim] as
+    transformers' attention functions do. One sequence under the plain causal rule needs nothing more; a pass
+    whose rows see other keys (token trees, rows of a batch) says which in ``verispec_keys`` (``row_keys``), and
+    its ``attention_mask`` is then only for other attention functions."""
     batch, heads, rows, dim = query.shape
+    if verispec_keys is not None and not dropout:
+        return _attention_by_rows(query, key, value, verispec_keys,
+                                  scaling if scaling is not None else dim ** -0.5), None
     if attention_mask is not None or batch != 1 or dropout:
         return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, dropout=dropout,
                                               scaling=scaling, **kwargs)
@@ -116,7 +185,8 @@ AttentionMaskInterface.register(WIDTH_INVARIANT_ATTENTION, width_invariant_mask)
 def kernels_are_width_invariant() -> bool:
     """Probe, once per process, that this CPU's kernels keep rows independent of the width as the scheme needs: a
     packed bfloat16 linear (1,536 -> 576, one row computed as two) and the attention above (9 query heads on 3 KV
-    heads of 64, 300 cached keys), each width's rows against the rows computed alone, bitwise. Another CPU may pick
+    heads of 64, 300 cached keys), each width's rows, and rows whose keys are gathered (``RowKeys``), against the
+    rows computed alone, bitwise. Another CPU may pick
     other kernels (AMX tiles, other blockings); where the probe fails bfloat16 passes keep SDPA."""
     gen = torch.Generator().manual_seed(0)
     try:
@@ -135,6 +205,18 @@ def kernels_are_width_invariant() -> bool:
                 out = width_invariant_attention(None, q[:, :, :w], k[:, :, : 300 + w], v[:, :, : 300 + w], None)[0]
                 if not all(torch.equal(out[0, i], alone[i]) for i in range(w)):
                     return False
+            # rows laid out by RowKeys (tree nodes, batch rows): row i sees the 300 keys, then new keys at every
+            # other column, with keys it must not see between them
+            spread_k, spread_v = (torch.randn(1, 3, 318, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
+            spread_k[:, :, :300], spread_v[:, :, :300] = k[:, :, :300], v[:, :, :300]
+            spread_k[:, :, 300::2], spread_v[:, :, 300::2] = k[:, :, 300:309], v[:, :, 300:309]
+            allowed = torch.zeros(1, 9, 318, dtype=torch.bool)
+            allowed[:, :, :300] = True
+            for i in range(9):
+                allowed[0, i, 300 : 301 + 2 * i : 2] = True
+            out = width_invariant_attention(None, q, spread_k, spread_v, None, verispec_keys=row_keys(allowed))[0]
+            if not all(torch.equal(out[0, i], alone[i]) for i in range(9)):
+                return False
     except (RuntimeError, NotImplementedError):
         return False
     return True
