@@ -144,6 +144,26 @@ def test_padded_batches_still_see_their_padding_mask():
     assert torch.equal(batch, target.model(input_ids=ids, attention_mask=mask).logits)
 
 
+def test_row_keys_lay_each_row_out_as_its_own_chain(small_buckets):
+    # a tree after 6 cached tokens: the pending token (column 6) and nodes 0..2 (columns 7..9), node 2 under node 0
+    allowed = torch.zeros(1, 4, 10, dtype=torch.bool)
+    allowed[0, :, :7] = True
+    allowed[0, 1, 7] = allowed[0, 2, 8] = allowed[0, 3, 7] = allowed[0, 3, 9] = True
+    rows = invariant.row_keys(allowed)
+    assert rows.lengths is None
+    # positions 6, 7, 7, 8: rows 0-2 in the bucket of 8 keys, row 3 in the bucket of 16; column 10 is the zero key
+    (eight, b, i, index, hidden), (sixteen, b3, i3, index3, hidden3) = rows.groups
+    assert (eight, b.tolist(), i.tolist(), sixteen, b3.tolist(), i3.tolist()) == (8, [0, 0, 0], [0, 1, 2], 16, [0], [3])
+    assert index.tolist() == [[0, 1, 2, 3, 4, 5, 6, 10], [0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4, 5, 6, 8]]
+    assert hidden.sum(-1).tolist() == [1, 0, 0]
+    assert index3.tolist() == [[0, 1, 2, 3, 4, 5, 6, 7, 9] + [10] * 7] and hidden3.sum().item() == 7
+    # rows of a batch, each sequence causal at its own length: no gathering, each sequence's key length
+    lengths = torch.tensor([5, 9])
+    columns = torch.arange(10)
+    batch = columns[None, None, :] <= (lengths[:, None] - 3 + torch.arange(3))[:, :, None]
+    assert invariant.row_keys(batch) == invariant.RowKeys((), (5, 9))
+
+
 def _path(parents, node):
     path = []
     while node >= 0:

@@ -82,6 +82,7 @@ class RowKeys:
     position (``hidden`` [n, keys]). Built once per pass (``row_keys``), read by every layer."""
 
     groups: tuple[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], ...]
+    lengths: tuple[int, ...] | None = None  # every row causal in its own sequence (a batch): each one's key length
 
 
 def row_keys(allowed: torch.Tensor) -> RowKeys:
@@ -89,6 +90,12 @@ def row_keys(allowed: torch.Tensor) -> RowKeys:
     out as position n - 1 of a sequence: the keys it sees, in column order, then zeros up to its bucket."""
     batch, rows, length = allowed.shape
     positions = (allowed.sum(-1) - 1).clamp_(min=0)  # [batch, rows]
+    last = positions[:, -1:] + 1
+    causal = torch.arange(length)[None, None, :] <= (last - rows + torch.arange(rows)[None, :])[:, :, None]
+    if rows > 1 and torch.equal(allowed, causal):
+        # each sequence's rows are its last ones, each seeing all before it: attended per sequence, nothing gathered
+        # (with one row a sequence, one gathered product for all of them costs less Python than a loop)
+        return RowKeys((), tuple(last[:, 0].tolist()))
     buckets = (positions // BUCKET + 1) * BUCKET
     widest = int(buckets.max())
     # the columns each row sees first, in order (a stable sort of "hidden"), then the zero key's column
@@ -104,27 +111,60 @@ def row_keys(allowed: torch.Tensor) -> RowKeys:
     return RowKeys(tuple(groups))
 
 
+def _causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """One sequence under the plain causal rule: ``query`` [1, heads, rows, dim] for the last rows of ``key`` /
+    ``value`` [1, kv_heads, length, dim]; each bucket's rows in one product over the bucket's keys."""
+    _, heads, rows, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    out = query.new_empty(1, rows, heads, dim)
+    for start, end, keys in _groups(length, rows):
+        k, v = key[0], value[0]
+        if keys > length:
+            k = nn.functional.pad(k, (0, 0, 0, keys - length))
+            v = nn.functional.pad(v, (0, 0, 0, keys - length))
+        else:
+            k, v = k[:, :keys], v[:, :keys]
+        m = end - start
+        # the query heads sharing KV head j are heads j*groups .. j*groups + groups - 1 (transformers' repeat_kv)
+        q = query[0, :, start:end].reshape(kv_heads, groups * m, dim)
+        scores = torch.matmul(q, k.transpose(1, 2)).float() * scale  # [kv_heads, groups * m, keys]
+        hidden = _hidden(length - rows + start, m, groups, keys, query.device)
+        probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1).to(v.dtype)
+        o = torch.matmul(probs, v)  # [kv_heads, groups * m, dim]
+        out[0, start:end] = o.reshape(kv_heads, groups, m, dim).permute(2, 0, 1, 3).reshape(m, heads, dim)
+    return out
+
+
 def _attention_by_rows(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: RowKeys,
                        scale: float) -> torch.Tensor:
     """``width_invariant_attention`` for rows laid out by ``RowKeys``: each row's keys gathered into the layout of a
     plain causal pass, one product per row and KV head (the query heads sharing it as its rows, as in a one-token
-    step), every row of a bucket in one batched product."""
+    step), every row of a bucket in one batched product. The gather is the cost (a copy of each row's keys and
+    values): one ``index_select`` per bucket straight into the products' layout, KV head major."""
     batch, heads, width, dim = query.shape
-    kv_heads = key.shape[1]
+    if rows.lengths is not None:  # a batch: each sequence as a plain causal pass of its own, no keys copied
+        return torch.cat([_causal_attention(query[b : b + 1], key[b : b + 1, :, :n], value[b : b + 1, :, :n], scale)
+                          for b, n in enumerate(rows.lengths)])
+    kv_heads, length = key.shape[1], key.shape[2]
     groups = heads // kv_heads
     zero = key.new_zeros(batch, kv_heads, 1, dim)
-    keys_by_column = torch.cat([key, zero], dim=2).transpose(1, 2)  # [batch, columns + 1, kv_heads, dim]
-    values_by_column = torch.cat([value, zero], dim=2).transpose(1, 2)
+    # [kv_heads, batch * (columns + 1), dim]: every sequence's columns, then its zero key
+    keys_by_column = torch.cat([key, zero], dim=2).transpose(0, 1).reshape(kv_heads, -1, dim)
+    values_by_column = torch.cat([value, zero], dim=2).transpose(0, 1).reshape(kv_heads, -1, dim)
     out = query.new_empty(batch, width, heads, dim)
     for keys, b, i, index, hidden in rows.groups:
         n = len(b)
-        q = query[b, :, i].reshape(n * kv_heads, groups, dim)  # [n, heads, dim]: heads j*groups.. share KV head j
-        k = keys_by_column[b[:, None], index].transpose(1, 2).reshape(n * kv_heads, keys, dim)
-        v = values_by_column[b[:, None], index].transpose(1, 2).reshape(n * kv_heads, keys, dim)
-        scores = torch.bmm(q, k.transpose(1, 2)).float() * scale  # [n * kv_heads, groups, keys]
-        masked = hidden[:, None, None, :].expand(n, kv_heads, groups, keys).reshape(n * kv_heads, groups, keys)
+        flat = (b[:, None] * (length + 1) + index).reshape(-1)
+        k = keys_by_column.index_select(1, flat).view(kv_heads * n, keys, dim)
+        v = values_by_column.index_select(1, flat).view(kv_heads * n, keys, dim)
+        # query heads j*groups .. j*groups + groups - 1 share KV head j (transformers' repeat_kv)
+        q = query[b, :, i].view(n, kv_heads, groups, dim).transpose(0, 1).reshape(kv_heads * n, groups, dim)
+        scores = torch.bmm(q, k.transpose(1, 2)).float() * scale  # [kv_heads * n, groups, keys]
+        masked = hidden[None, :, None, :].expand(kv_heads, n, groups, keys).reshape(kv_heads * n, groups, keys)
         probs = torch.softmax(scores.masked_fill(masked, float("-inf")), dim=-1).to(v.dtype)
-        out[b, i] = torch.bmm(probs, v).reshape(n, heads, dim)
+        o = torch.bmm(probs, v).view(kv_heads, n, groups, dim).transpose(0, 1).reshape(n, heads, dim)
+        out[b, i] = o
     return out
 
 
@@ -143,26 +183,7 @@ def width_invariant_attention(module: nn.Module, query: torch.Tensor, key: torch
     if attention_mask is not None or batch != 1 or dropout:
         return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, dropout=dropout,
                                               scaling=scaling, **kwargs)
-    kv_heads, length = key.shape[1], key.shape[2]
-    groups = heads // kv_heads
-    scale = scaling if scaling is not None else dim ** -0.5
-    out = query.new_empty(1, rows, heads, dim)
-    for start, end, keys in _groups(length, rows):
-        k, v = key[0], value[0]
-        if keys > length:
-            k = nn.functional.pad(k, (0, 0, 0, keys - length))
-            v = nn.functional.pad(v, (0, 0, 0, keys - length))
-        else:
-            k, v = k[:, :keys], v[:, :keys]
-        m = end - start
-        # the query heads sharing KV head j are heads j*groups .. j*groups + groups - 1 (transformers' repeat_kv)
-        q = query[0, :, start:end].reshape(kv_heads, groups * m, dim)
-        scores = torch.matmul(q, k.transpose(1, 2)).float() * scale  # [kv_heads, groups * m, keys]
-        hidden = _hidden(length - rows + start, m, groups, keys, query.device)
-        probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1).to(v.dtype)
-        o = torch.matmul(probs, v)  # [kv_heads, groups * m, dim]
-        out[0, start:end] = o.reshape(kv_heads, groups, m, dim).permute(2, 0, 1, 3).reshape(m, heads, dim)
-    return out, None
+    return _causal_attention(query, key, value, scaling if scaling is not None else dim ** -0.5), None
 
 
 def width_invariant_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
