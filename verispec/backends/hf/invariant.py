@@ -207,8 +207,8 @@ def kernels_are_width_invariant() -> bool:
     """Probe, once per process, that this CPU's kernels keep rows independent of the width as the scheme needs: a
     packed bfloat16 linear (1,536 -> 576, one row computed as two) and the attention above (9 query heads on 3 KV
     heads of 64, 300 cached keys), each width's rows, and rows whose keys are gathered (``RowKeys``), against the
-    rows computed alone, bitwise. Another CPU may pick
-    other kernels (AMX tiles, other blockings); where the probe fails bfloat16 passes keep SDPA."""
+    rows computed alone, bitwise. Another CPU may pick other kernels (AMX tiles, other blockings); where the probe
+    fails bfloat16 passes keep SDPA."""
     gen = torch.Generator().manual_seed(0)
     try:
         with torch.inference_mode():
