@@ -6,7 +6,7 @@ model keeps SDPA, which is checked too)."""
 import pytest
 import torch
 
-from tiny import loaded, make_model
+from tiny import ancestors, loaded, make_model
 from verispec import NgramDrafter, SpeculativeDecoder
 from verispec.backends.hf import invariant
 from verispec.backends.hf.packing import PackedLinear, pack_linear_layers, packing_available
@@ -164,14 +164,6 @@ def test_row_keys_lay_each_row_out_as_its_own_chain(small_buckets):
     assert invariant.row_keys(batch) == invariant.RowKeys((), (5, 9))
 
 
-def _path(parents, node):
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = parents[node]
-    return path[::-1]
-
-
 @needs_bf16_packing
 @torch.inference_mode()
 def test_a_token_trees_rows_are_the_same_bits_as_each_nodes_own_chain(small_buckets):
@@ -188,7 +180,7 @@ def test_a_token_trees_rows_are_the_same_bits_as_each_nodes_own_chain(small_buck
             tree = target.forward(kv, fed + nodes, parents=parents).logits
             kv.truncate(cached)
             for node in range(len(parents)):
-                chain = [target.forward(kv, [t]).logits[0] for t in fed + [nodes[j] for j in _path(parents, node)]]
+                chain = [target.forward(kv, [t]).logits[0] for t in fed + [nodes[j] for j in ancestors(parents, node)]]
                 kv.truncate(cached)
                 assert torch.equal(tree[len(fed) + node], chain[-1]), (cached, fed, node)
             assert torch.equal(tree[: len(fed)], torch.stack(chain[: len(fed)]))

@@ -5,20 +5,13 @@ import pytest
 import torch
 
 from statistical_helpers import ALPHA, joint_p_value
+from tiny import ancestors
 from verispec import InvalidRequest, SamplingParams, SpeculativeDecoder
 from verispec.drafters import make_drafter
 from verispec.drafters.lookahead import LookaheadDrafter
 from verispec.tree import depths
 
 CONTEXT = [1, 5, 9, 7, 3, 12, 30, 4]
-
-
-def ancestors(parents, i):
-    found = []
-    while i >= 0:
-        found.append(i)
-        i = parents[i]
-    return found[::-1]
 
 
 def test_the_lookahead_branch_is_the_papers_window_as_a_tree():

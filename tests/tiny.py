@@ -46,3 +46,12 @@ def loaded(model, tokenizer=None, name="tiny", eos: frozenset[int] | None = froz
     """Wrap as a LoadedModel; by default with no EOS so that generations run to max_new_tokens."""
     return LoadedModel(model=model, tokenizer=tokenizer or make_tokenizer(model.config.vocab_size), name=name,
                        eos_token_ids=eos)
+
+
+def ancestors(parents: list[int], node: int) -> list[int]:
+    """The nodes from a token tree's root down to ``node``, itself included (``parents[i]`` = -1 at the root)."""
+    found = []
+    while node >= 0:
+        found.append(node)
+        node = parents[node]
+    return found[::-1]
