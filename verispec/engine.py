@@ -440,7 +440,12 @@ class SpeculativeDecoder:
         draft, uncached = plan.draft, plan.uncached
         proposed = len(draft) if plan.proposed < 0 else min(plan.proposed, len(draft))
         past = len(state.cached_tokens)
-        p = probabilities(out.logits[len(uncached) - 1 :], state.sampling)  # [k+1, vocab]: after pending, each draft
+        rows = out.logits[len(uncached) - 1 :]  # [k+1, vocab]: after the pending token, after each draft token
+        if state.sampling.greedy and draft.probs is None and (self.acceptance == STRICT or draft.parents is not None):
+            # greedy one-hot verification (chains, trees) reads only the target's argmax: no one-hot rows are built
+            p = rows.argmax(dim=-1).tolist()
+        else:
+            p = probabilities(rows, state.sampling)
         if draft.parents is not None:
             path, next_token = self._verify_tree(state, draft, p)
             n, accepted = len(path), [draft.tokens[i] for i in path]
@@ -513,11 +518,12 @@ class SpeculativeDecoder:
             draft = self.drafter.propose(state.tokens, k)
         return draft.truncated(k) if len(draft) > k else draft
 
-    def _verify_chain(self, state: SequenceState, draft: Draft, p: torch.Tensor) -> tuple[int, int]:
-        """(accepted draft tokens, correction or bonus token) by the acceptance rule (strict unless lossy is asked)."""
+    def _verify_chain(self, state: SequenceState, draft: Draft, p: torch.Tensor | list[int]) -> tuple[int, int]:
+        """(accepted draft tokens, correction or bonus token) by the acceptance rule (strict unless lossy is asked).
+        ``p``: the target's distributions, or for greedy one-hot drafts its argmax at each row (``settle``)."""
         if self.acceptance == STRICT and draft.probs is None:  # plain steps and one-hot drafts
             if state.sampling.greedy:  # p is one-hot on the argmax: accept while the draft is the argmax
-                best = p.argmax(dim=-1).tolist()
+                best = p
                 n = next((i for i, x in enumerate(draft.tokens) if x != best[i]), len(draft.tokens))
                 return n, best[n]
             verdict = verify_positional(draft.tokens, p, state.seed, len(state.tokens))  # position-keyed draws
@@ -529,10 +535,11 @@ class SpeculativeDecoder:
             verdict = verify_typical(x, p, state.generator, *self.typical)
         return verdict.num_accepted, verdict.next_token
 
-    def _verify_tree(self, state: SequenceState, draft: Draft, p: torch.Tensor) -> tuple[list[int], int]:
-        """(accepted path of node indices, correction or bonus token) for a tree of deterministic candidates."""
+    def _verify_tree(self, state: SequenceState, draft: Draft, p: torch.Tensor | list[int]) -> tuple[list[int], int]:
+        """(accepted path of node indices, correction or bonus token) for a tree of deterministic candidates; ``p``
+        as for ``_verify_chain``."""
         if state.sampling.greedy:
-            return verify_tree_greedy(draft.tokens, draft.parents, p.argmax(dim=-1).tolist())
+            return verify_tree_greedy(draft.tokens, draft.parents, p)
         return verify_tree_positional(draft.tokens, draft.parents, p, state.seed, len(state.tokens))
 
     @staticmethod
