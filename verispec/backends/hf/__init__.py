@@ -26,6 +26,7 @@ from .compiled import CompiledStep, FixedKV
 from .cpu import linear_kernel
 from .layers import decoder_layers, skipping_view
 from .masks import for_layers
+from .attention import use_grouped_sdpa
 from .invariant import make_width_invariant, row_keys
 from .packing import pack_linear_layers
 
@@ -275,6 +276,8 @@ def load(ref: str, dtype: str | torch.dtype = "float32", device: str | None = No
         pack = pack_from_environment()
     packed = pack_linear_layers(model) if pack else 0
     invariant = invariant_from_environment() and make_width_invariant(model)
+    if not invariant:
+        use_grouped_sdpa(model)  # eager passes attend without copying each key/value head (.attention)
     loaded = LoadedModel(model=model, tokenizer=tokenizer, name=ref, dtype=torch_dtype, packed_layers=packed,
                          pack_requested=pack, width_invariant=invariant)
     if compiled == "on":
