@@ -164,3 +164,16 @@ def test_a_second_generate_process_skips_calibration_with_the_same_output(store,
     listing = subprocess.run([sys.executable, "-m", "verispec.cli", "models"], capture_output=True, text=True,
                              check=True).stdout
     assert "stored measurements: 1 in" in listing and COST_RECORD in listing
+
+
+def test_costs_timed_with_other_attention_are_another_measurement(store, tiny_dir):
+    """Eager passes with transformers' repeated heads cost more than grouped ones: a curve stored for one is not the
+    other's."""
+    first = load_model(str(tiny_dir))
+    curve = shared_cost_curve(first)
+    curve.observe(1, 0.004)
+    save_cost_curve(curve, force=True)
+    other = load_model(str(tiny_dir))
+    other.model.set_attn_implementation("sdpa")
+    assert first.measurement_key["attention"] != other.measurement_key["attention"]
+    assert not shared_cost_curve(other)

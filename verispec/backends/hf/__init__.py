@@ -90,6 +90,7 @@ class LoadedModel:
         model = measurements.file_fingerprint(source) if Path(source).exists() else source
         return {**measurements.machine(), "backend": self.backend, "model": model, "dtype": str(self.dtype),
                 "device": str(self.device), "compiled": self.step is not None, "kernel": self.linear_kernel,
+                "attention": getattr(self.model.config, "_attn_implementation", None),
                 "threads": torch.get_num_threads()}
 
     @property
