@@ -522,10 +522,9 @@ class SpeculativeDecoder:
         """(accepted draft tokens, correction or bonus token) by the acceptance rule (strict unless lossy is asked).
         ``p``: the target's distributions, or for greedy one-hot drafts its argmax at each row (``settle``)."""
         if self.acceptance == STRICT and draft.probs is None:  # plain steps and one-hot drafts
-            if state.sampling.greedy:  # p is one-hot on the argmax: accept while the draft is the argmax
-                best = p
-                n = next((i for i, x in enumerate(draft.tokens) if x != best[i]), len(draft.tokens))
-                return n, best[n]
+            if state.sampling.greedy:  # p is the argmax of each row: accept while the draft is the argmax
+                n = next((i for i, x in enumerate(draft.tokens) if x != p[i]), len(draft.tokens))
+                return n, p[n]
             verdict = verify_positional(draft.tokens, p, state.seed, len(state.tokens))  # position-keyed draws
             return verdict.num_accepted, verdict.next_token
         x = torch.tensor(draft.tokens, dtype=torch.long, device=self.target.device)  # [k]

@@ -21,12 +21,12 @@ from ...tree import tree_inputs
 from .. import measurements
 from ..base import TargetPass, parse_dtype
 from ..references import BUILTINS, resolve, transformers_progress_bars
+from .attention import use_grouped_sdpa
 from .cache import BatchKV, RowKV, TorchKV
 from .compiled import CompiledStep, FixedKV
 from .cpu import linear_kernel
 from .layers import decoder_layers, skipping_view
 from .masks import for_layers
-from .attention import use_grouped_sdpa
 from .invariant import make_width_invariant, row_keys
 from .packing import pack_linear_layers
 
