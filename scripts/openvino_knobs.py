@@ -2,11 +2,13 @@
 
     python scripts/openvino_knobs.py                      # every configuration below
     python scripts/openvino_knobs.py base,dq0             # some of them
+    python scripts/openvino_knobs.py base,dq64 20         # ... 20 rounds instead of 40
 
 Each configuration loads the default model's int4 export with extra compile properties (dynamic quantization of the
-activations off or in groups of 128 instead of the default 32; a u8 or f16 KV cache), prints the properties the
+activations off or in groups of 64, 128, 256 or per token instead of the default 32; a u8 or f16 KV cache; TBB's
+static or auto partitioner; threads not pinned; one inference thread instead of two), prints the properties the
 compiled model reports and whether its passes are width-invariant, then times passes of 2 and 6 tokens at 300
-cached tokens, the configurations interleaved (median of 40).
+cached tokens, the configurations interleaved (median of 40 rounds unless asked).
 """
 
 import statistics
@@ -20,12 +22,19 @@ from verispec.backends.openvino.model import load
 CONFIGS = {
     "base": {},
     "dq0": {"DYNAMIC_QUANTIZATION_GROUP_SIZE": 0},
+    "dq64": {"DYNAMIC_QUANTIZATION_GROUP_SIZE": 64},
     "dq128": {"DYNAMIC_QUANTIZATION_GROUP_SIZE": 128},
+    "dq256": {"DYNAMIC_QUANTIZATION_GROUP_SIZE": 256},
+    "dqtoken": {"DYNAMIC_QUANTIZATION_GROUP_SIZE": str(2**64 - 1)},  # UINT64_MAX: one group per token
+    "tbbstatic": {"TBB_PARTITIONER": "STATIC"},
+    "tbbauto": {"TBB_PARTITIONER": "AUTO"},
+    "nopin": {"ENABLE_CPU_PINNING": False},
+    "thread1": {"INFERENCE_NUM_THREADS": 1},
     "kvu8": {"KV_CACHE_PRECISION": "u8"},
     "kvf16": {"KV_CACHE_PRECISION": "f16"},
 }
 SHOWN = ("DYNAMIC_QUANTIZATION_GROUP_SIZE", "KV_CACHE_PRECISION", "INFERENCE_PRECISION_HINT", "KEY_CACHE_PRECISION",
-         "VALUE_CACHE_PRECISION")
+         "VALUE_CACHE_PRECISION", "TBB_PARTITIONER", "ENABLE_CPU_PINNING", "INFERENCE_NUM_THREADS")
 
 
 def main() -> None:
@@ -50,7 +59,8 @@ def main() -> None:
         model.forward(kv, list(range(100, 400)), last_only=True)
         models[name] = (model, kv)
     times = {(n, w): [] for n in models for w in (2, 6)}
-    for _ in range(40):
+    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 40
+    for _ in range(rounds):
         for name, (model, kv) in models.items():
             for w in (2, 6):
                 t0 = time.perf_counter()

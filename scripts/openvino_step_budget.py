@@ -50,7 +50,7 @@ def nodes(model, rounds: int) -> None:
     model.forward(kv, list(range(100, 400)), last_only=True)
     for w in model.static_widths:
         request = model._paged_requests[(), w]
-        by_type, total = collections.Counter(), 0.0
+        by_type, by_node, total = collections.Counter(), collections.Counter(), 0.0
         for r in range(rounds + 5):
             model.forward(kv, list(range(500, 500 + w)))
             kv.truncate(300)
@@ -59,10 +59,11 @@ def nodes(model, rounds: int) -> None:
             for node in request.profiling_info:
                 ms = node.real_time.total_seconds() * 1e3
                 by_type[node.node_type] += ms / rounds
+                by_node[node.node_name, node.exec_type] += ms / rounds
                 total += ms / rounds
-        slowest = max(request.profiling_info, key=lambda node: node.real_time.total_seconds())
+        (name, exec_type), ms = by_node.most_common(1)[0]
         print(f"width {w}: {total:.2f} ms in nodes; " + ", ".join(f"{k} {v:.2f}" for k, v in by_type.most_common(4))
-              + f"; slowest node {slowest.node_name} ({slowest.exec_type})")
+              + f"; slowest node {name} ({exec_type}) {ms:.2f}")
 
 
 class SuffixThenEagle(EagleDrafter):
