@@ -51,6 +51,50 @@ def test_stateful_export_matches_transformers_at_every_width(exported, tiny_targ
     assert len(request.query_state()) == 2 * tiny_target.model.config.num_hidden_layers
 
 
+def test_verispec_graph_fuses_the_projections_of_one_input(exported, tiny_target):
+    import openvino as ov
+
+    def matmuls(xml):
+        return sum(op.get_type_name() == "MatMul" for op in ov.Core().read_model(exported / xml).get_ops())
+
+    layers = tiny_target.model.config.num_hidden_layers
+    # GenAI's graph as optimum-intel lays it out; verispec's: q/k/v one matmul (2 fewer), gate/up one (1 fewer)
+    assert matmuls(ov_export.MODEL_XML) - matmuls(ov_export.VERISPEC_XML) == 3 * layers
+
+
+def test_bf16_gets_an_unfused_export_of_its_own(exported, tiny_dir):
+    import openvino as ov
+
+    bf16 = ov_export.export_dir(str(tiny_dir), "bf16")
+    assert bf16 != exported
+
+    def matmuls(xml):
+        return sum(op.get_type_name() == "MatMul" for op in ov.Core().read_model(bf16 / xml).get_ops())
+
+    # fused matmuls made bf16 passes width-dependent on a Zen 4, so bf16 runs the projections one by one
+    assert matmuls(ov_export.MODEL_XML) == matmuls(ov_export.VERISPEC_XML)
+
+
+def test_an_outdated_export_of_the_same_source_is_removed(exported, tiny_dir):
+    import json
+    import shutil
+
+    old = exported.parent / f"{exported.name.rsplit('-', 1)[0]}-0123456789abcdef"
+    other = exported.parent / f"{exported.name.rsplit('-', 1)[0]}-fedcba9876543210"
+    for folder, source in ((old, str(tiny_dir)), (other, "/somewhere/else")):
+        folder.mkdir()
+        (folder / "verispec_export.json").write_text(json.dumps(
+            {"source": source, "weights": "fp32", "export_version": ov_export.EXPORT_VERSION - 1}))
+    moved = exported.with_name(exported.name + ".kept")
+    shutil.move(exported, moved)  # the next call exports again, as after a version bump
+    try:
+        assert ov_export.export_dir(str(tiny_dir), "fp32") == exported
+        assert not old.exists() and other.exists()  # only the same source's older export goes
+    finally:
+        shutil.rmtree(other)
+        shutil.rmtree(moved)
+
+
 def test_export_is_cached_by_source_and_format(exported, tiny_dir):
     assert ov_export.export_dir(str(tiny_dir), "fp32") == exported  # the second call exports nothing
     assert (exported / "config.json").exists() and (exported / "verispec_export.json").exists()

@@ -11,11 +11,12 @@ OpenVINO GenAI's ``LLMPipeline`` loads. The folder also gets the tokenizer as Op
 verispec's own backend runs a second graph of the same weights, ``verispec_model.xml``: its ``attention_mask`` is
 the 4-D additive mask itself ([1, 1, fed, cached + fed], built by the caller: rolled-back positions masked out, token
 trees as ``verispec.tree`` lays them out) it computes logits only at the rows of its ``logit_rows`` input (a prefill asks
-for its last row and skips the lm_head over the prompt: 769 prompt tokens took 0.79 s with every row's logits); and
-it also returns ``hidden_states`` [1, fed, layers + 1, hidden], every layer's output (what EAGLE heads read). GenAI's
-2-D graph stays as it was for the peers.
+for its last row and skips the lm_head over the prompt: 769 prompt tokens took 0.79 s with every row's logits); it
+also returns ``hidden_states`` [1, fed, layers + 1, hidden], every layer's output (what EAGLE heads read); and the
+projections of one input (q/k/v, gate/up) run as one matmul each (``fusion``). GenAI's 2-D graph stays as
+optimum-intel lays it out, for the peers.
 
-Weight formats: ``fp32`` (as traced), ``bf16`` (the fp32 export computed in bfloat16, where the CPU has it),
+Weight formats: ``fp32`` (as traced), ``bf16`` (fp32 weights computed in bfloat16, where the CPU has it),
 ``fp16`` (weights stored in half precision) and ``int8`` / ``int4`` (weight-only compression with NNCF, ``pip install nncf``).
 """
 
@@ -33,9 +34,12 @@ from ..references import cache_dir, resolve
 
 log = logging.getLogger(__name__)
 
-EXPORT_VERSION = 3  # bump when the exported graph changes: cached exports are then made again
+EXPORT_VERSION = 4  # bump when the exported graph changes: cached exports are then made again
 WEIGHTS = ("fp32", "bf16", "fp16", "int8", "int4")
-STORED = {"bf16": "fp32"}  # the formats that run another one's export
+# where the projections of one input are fused in verispec's graph: every format but bf16, whose passes the fused
+# matmuls would make width-dependent on CPUs where the unfused ones are not (AMD Zen 4, OpenVINO 2026.4.1); so bf16
+# gets an export of its own (fp32 weights, unfused)
+UNFUSED = ("bf16",)
 
 
 def inference_precision(weights: str) -> str:
@@ -77,7 +81,6 @@ def export_dir(ref: str, weights: str = "fp32") -> Path:
     """The cached OpenVINO export of ``ref`` in ``weights``, made on first use (~30 s for the built-in model)."""
     if weights not in WEIGHTS:
         raise InvalidRequest(f"unknown OpenVINO weight format {weights!r}; choose one of {', '.join(WEIGHTS)}")
-    weights = STORED.get(weights, weights)
     folder = resolve(ref)
     if folder is None:
         raise InvalidRequest(f"{ref!r} is a hub id; the OpenVINO export needs a local model (a transformers folder, "
@@ -86,7 +89,22 @@ def export_dir(ref: str, weights: str = "fp32") -> Path:
     out = cache_dir() / "openvino" / f"{name}-{weights}-{_source_key(folder, weights)}"
     if not (out / MODEL_XML).exists() or not (out / VERISPEC_XML).exists():
         export(folder, out, weights)
+        _remove_outdated(out, folder, weights)
     return out
+
+
+def _remove_outdated(out: Path, folder: Path, weights: str) -> None:
+    """Remove the exports of the same source and format that an older exporter made (the cache would otherwise keep
+    every version's ~0.2-1 GB); exports of other sources under the same name stay."""
+    for other in out.parent.glob(out.name.rsplit("-", 1)[0] + "-*"):
+        try:
+            record = json.loads((other / "verispec_export.json").read_text())
+        except (OSError, ValueError):
+            continue  # not an export, or one being written
+        if other != out and record.get("source") == str(folder) and record.get("weights") == weights \
+                and record.get("export_version") != EXPORT_VERSION:
+            log.info("removing %s, made by an older exporter", other)
+            shutil.rmtree(other, ignore_errors=True)
 
 
 def export(folder: Path, out: Path, weights: str = "fp32") -> Path:
@@ -102,7 +120,9 @@ def export(folder: Path, out: Path, weights: str = "fp32") -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
     try:
         for xml, custom_mask in ((MODEL_XML, False), (VERISPEC_XML, True)):
-            ov_model = trace(model, custom_mask)
+            # GenAI's graph keeps the layout optimum-intel exports; verispec's own runs each group of projections
+            # of one input as one matmul (verispec.backends.openvino.fusion)
+            ov_model = trace_fused(model) if custom_mask and weights not in UNFUSED else trace(model, custom_mask)
             make_stateful(ov_model, model.config.num_hidden_layers)
             if weights in ("int8", "int4"):
                 ov_model = compress(ov_model, weights, group_size(model.config))
@@ -184,6 +204,21 @@ def trace(model, custom_mask: bool = False):
     for port, name in zip(ov_model.outputs, [*outputs, *present]):
         port.get_tensor().set_names({name})
     return ov_model
+
+
+def trace_fused(model):
+    """verispec's graph (``trace(model, custom_mask=True)``) with the projections that share an input fused; traced
+    as it is where the model's layers call them otherwise (``fusion.FusionError``)."""
+    from .fusion import FusionError, fused_projections
+
+    try:
+        with fused_projections(model) as groups:
+            ov_model = trace(model, custom_mask=True)
+        log.info("exported with %d groups of projections fused", groups)
+        return ov_model
+    except FusionError as exc:
+        log.warning("projections not fused (%s); exporting them one by one", exc)
+        return trace(model, custom_mask=True)
 
 
 def make_stateful(ov_model, layers: int) -> None:
