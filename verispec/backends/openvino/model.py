@@ -23,7 +23,7 @@ from ...errors import InvalidRequest
 from ...tree import tree_inputs
 from ..base import BorrowedEmbeddings, TargetPass
 from .export import VERISPEC_XML, export_dir, import_openvino, inference_precision
-from .paged import BlockPool, PagedKV, paged_model, pass_inputs, static_shapes
+from .paged import BlockPool, BoundInputs, PagedKV, paged_model, pass_inputs, static_shapes
 
 log = logging.getLogger(__name__)
 MASKED = np.float32(np.finfo(np.float32).min)  # the additive mask's value for a position not attended to
@@ -138,6 +138,7 @@ class OpenVINOModel(BorrowedEmbeddings):
         self.pool: BlockPool | None = None
         # (hidden-state layers (none: ()), static width or None) -> an infer request on the pool's blocks
         self._paged_requests = {}
+        self._bound: dict = {}  # (layers, static width) -> paged.BoundInputs
         self._paged_graphs = {}  # hidden-state layers -> the paged graph (dynamic shapes), read once
         if attention == "paged" and self._properties["INFERENCE_PRECISION_HINT"] == "bf16" and kv_precision != "bf16":
             log.info("paged attention computing in bf16 takes a bf16 KV cache only; %s runs the stateful graph", name)
@@ -379,11 +380,19 @@ class OpenVINOModel(BorrowedEmbeddings):
             width = self._bucket(len(items[0][1])) if len(items) == 1 else None
             inputs, rows, offsets, picks = pass_inputs(items, last_only, width or self.min_width, width is not None)
             request = self._paged_request(tuple(feature_layers), width)
-            out = request.infer(inputs, share_inputs=True, share_outputs=True)
+            if width is None:
+                out = request.infer(inputs, share_inputs=True, share_outputs=True)
+                logits = out["logits"]  # the infer request's own memory: each item copies only the rows it asked for
+                hidden = out["hidden_states"] if feature_layers else None
+            else:  # a static graph: its inputs bound once (paged.BoundInputs)
+                bound = self._bound.get((tuple(feature_layers), width))
+                if bound is None or bound.request is not request:
+                    bound = self._bound[tuple(feature_layers), width] = BoundInputs(self.ov, request)
+                bound.run(inputs)
+                logits = bound.output("logits")
+                hidden = bound.output("hidden_states") if feature_layers else None
             for kv, tokens in items:
                 kv.length += len(tokens)  # a padding token stays past the length: written over by the next pass
-            logits = out["logits"]  # the infer request's own memory: each item copies only the rows it asked for
-            hidden = out["hidden_states"] if feature_layers else None
             passes, row = [], 0
             for (_, tokens), picked, start, pick in zip(items, rows, offsets, picks):
                 item_logits = torch.from_numpy(np.array(logits[row:row + len(picked), 0][pick], dtype=np.float32))
