@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verispec import InvalidRequest, SamplingParams
-from verispec.sampling import probabilities, sample
+from verispec.sampling import greedy_tokens, probabilities, sample
 
 
 def test_temperature_scales_softmax():
@@ -101,3 +101,12 @@ def test_sample_follows_the_distribution_and_never_draws_a_zero():
     nonzero = p > 0
     assert chisquare(counts[nonzero].numpy(), (p[nonzero].double() * 20000).numpy()).pvalue > 1e-3
     assert sample(torch.tensor([0.0, 0.0, 1.0]), g) == 2 and sample(torch.tensor([1.0, 0.0]), g) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_greedy_tokens_are_torchs_argmax_first_of_ties_included(dtype):
+    logits = torch.randn(6, 1000, generator=torch.Generator().manual_seed(0)).to(dtype)
+    logits[2, 10] = logits[2, 500] = logits[2].max() + 1  # a tie: the first index wins, as in torch.argmax
+    rows = logits[1:]  # a view, as the engine passes its rows
+    assert greedy_tokens(rows) == rows.argmax(dim=-1).tolist()
+    assert greedy_tokens(rows)[1] == 10

@@ -27,7 +27,7 @@ from .drafters.ngram import NgramDrafter
 from .errors import InvalidRequest, check_whole
 from .features import FeatureBuffer
 from .prefix import reusable_prefix
-from .sampling import SamplingParams, probabilities
+from .sampling import SamplingParams, greedy_tokens, probabilities
 from .stats import GenerationStats
 from .text import TextAssembler, has_text
 from .verify import (ACCEPTANCE_MODES, LOSSY_MODES, STRICT, verify, verify_positional, verify_tree_greedy,
@@ -443,7 +443,7 @@ class SpeculativeDecoder:
         rows = out.logits[len(uncached) - 1 :]  # [k+1, vocab]: after the pending token, after each draft token
         if state.sampling.greedy and draft.probs is None and (self.acceptance == STRICT or draft.parents is not None):
             # greedy one-hot verification (chains, trees) reads only the target's argmax: no one-hot rows are built
-            p = rows.argmax(dim=-1).tolist()
+            p = greedy_tokens(rows)
         else:
             p = probabilities(rows, state.sampling)
         if draft.parents is not None:

