@@ -7,8 +7,12 @@
     python scripts/openvino_step_budget.py hybrid --weights int4       # suffix drafts, the EAGLE head where they have none
     python scripts/openvino_step_budget.py configs 5/2,4,6 7/2,4,6,8   # suffix drafts: k / static widths, one model each
     python scripts/openvino_step_budget.py profile --prompts 12        # suffix drafts under cProfile: Python around infer
+    python scripts/openvino_step_budget.py dispatch --prompts 12       # bound inputs against handing them over per pass
 
-``steps``, ``hybrid`` and ``configs`` decode Spec-Bench first turns (128 tokens, end of sequence ignored, fixed k). ``hybrid``
+``dispatch`` decodes with plain decoding and suffix drafts on two loads of the model, one whose static passes run
+with inputs bound once to their infer request (today's ``paged.BoundInputs``) and one that hands OpenVINO its inputs
+and takes back its outputs per pass (before 2026-11-27), interleaved per prompt, two rounds.
+``steps``, ``hybrid``, ``configs`` and ``dispatch`` decode Spec-Bench first turns (128 tokens, end of sequence ignored, fixed k). ``hybrid``
 races suffix drafts, the EAGLE chain, and a drafter that asks the suffix store first and the EAGLE head (up to 1 or 2
 tokens) only where the store has nothing, interleaved per prompt; it prints draft and verify ms per step.
 """
@@ -21,6 +25,7 @@ import time
 
 from verispec import SpeculativeDecoder
 from verispec.backends.openvino.model import load
+from verispec.backends.openvino.paged import BoundInputs
 from verispec.bench.prompts import PACKAGED
 from verispec.drafters.eagle import EagleDrafter
 from verispec.drafters.suffix import SuffixDrafter
@@ -161,9 +166,46 @@ def configs(args) -> None:
               f"equal to the first: {same}/{len(texts)}")
 
 
+class HandedOver(BoundInputs):
+    """A static graph's pass as before 2026-11-27: the inputs handed to ``infer`` and the outputs taken back each time."""
+
+    def run(self, inputs) -> None:
+        self.out = self.request.infer(inputs, share_inputs=True, share_outputs=True)
+
+    def output(self, name: str):
+        return self.out[name]
+
+
+def dispatch(args, texts: list[str]) -> None:
+    decoders = {}
+    for name in ("handed over per pass", "bound once"):
+        model = load("smollm2-135m", args.weights, args.threads)
+        model.prepare(width=args.k + 1)
+        model.eos_token_ids = frozenset()
+        if name == "handed over per pass":
+            for w in model.static_widths:
+                model._bound[(), w] = HandedOver(model.ov, model._paged_request((), w))
+        for kind, drafter in (("plain", None), ("suffix", SuffixDrafter(scope="request"))):
+            decoders[name, kind] = SpeculativeDecoder(model, drafter, k=args.k, k_policy="fixed")
+            decoders[name, kind].generate(texts[0], max_new_tokens=16)  # warm-up
+    totals = {key: [0, 0.0, []] for key in decoders}
+    for _ in range(2):
+        for text in texts:
+            for key, decoder in decoders.items():
+                t0 = time.perf_counter()
+                out = decoder.generate(text, max_new_tokens=args.tokens)
+                total = totals[key]
+                total[0] += out.stats.new_tokens
+                total[1] += time.perf_counter() - t0
+                total[2].append(out.token_ids)
+    for (name, kind), (tokens, seconds, ids) in totals.items():
+        same = sum(a == b for a, b in zip(ids, totals["handed over per pass", kind][2]))
+        print(f"{name:22s} {kind:6s} {tokens / seconds:6.1f} tok/s  answers equal to the other's: {same}/{len(ids)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("what", choices=("widths", "nodes", "steps", "hybrid", "configs", "profile"))
+    ap.add_argument("what", choices=("widths", "nodes", "steps", "hybrid", "configs", "profile", "dispatch"))
     ap.add_argument("configs", nargs="*", metavar="K/WIDTHS", help="configs: fixed k and static widths, e.g. 5/2,4,6")
     ap.add_argument("--weights", default="int4")
     ap.add_argument("--threads", type=int, default=2)
@@ -177,6 +219,8 @@ def main() -> None:
     static = tuple(int(w) for w in args.static.split(",")) if args.what in ("widths", "nodes") else None
     if args.what == "configs":
         return configs(args)
+    if args.what == "dispatch":
+        return dispatch(args, prompts(args.prompts, args.stride))
     if args.what == "nodes":
         model = load("smollm2-135m", args.weights, args.threads, static_widths=())
         model._properties["PERF_COUNT"] = True  # the static graphs compiled below count their nodes' time

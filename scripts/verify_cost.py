@@ -1,5 +1,6 @@
 """What verifying one-hot drafts costs: the generator rule (``verify``) against the position-keyed rule
-(``verify_positional``) on the same rows, with 0, 2 and all k draft tokens accepted.
+(``verify_positional``) on the same rows, with 0, 2 and all k draft tokens accepted; and what greedy verification's
+argmax of the target's rows costs (``sampling.greedy_tokens``, numpy, against torch's argmax) at 2 and k + 1 rows.
 
     python scripts/verify_cost.py [--vocab 49152] [--k 8] [--repeats 300]
 """
@@ -9,7 +10,7 @@ import time
 
 import torch
 
-from verispec.sampling import SamplingParams, position_uniform, probabilities, sample_at
+from verispec.sampling import SamplingParams, greedy_tokens, position_uniform, probabilities, sample_at
 from verispec.verify import verify, verify_positional
 
 
@@ -37,6 +38,18 @@ def main() -> None:
             b.append(time.perf_counter() - t)
         print(f"k={k}, vocabulary {vocab}, {n} accepted: generator rule {1e6 * statistics.median(a):.0f} us, "
               f"position-keyed {1e6 * statistics.median(b):.0f} us")
+    for rows in (2, k + 1):
+        logits = torch.randn(rows, vocab, generator=gen)
+        a, b = [], []
+        for _ in range(args.repeats):
+            t = time.perf_counter()
+            logits.argmax(dim=-1).tolist()
+            a.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            greedy_tokens(logits)
+            b.append(time.perf_counter() - t)
+        print(f"greedy argmax of {rows} rows: torch {1e6 * statistics.median(a):.0f} us, "
+              f"greedy_tokens (numpy) {1e6 * statistics.median(b):.0f} us")
 
 
 if __name__ == "__main__":
