@@ -540,3 +540,20 @@ def test_verispec_models_lists_the_openvino_exports_and_stored_head_graphs(tiny_
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("openvino exports: 1 in") and lines[1].startswith(f"  {target.folder.name} · ")
     assert lines[2].startswith("  eagle-heads: 1 stored head graph(s) · ")
+
+
+def test_static_passes_on_bound_inputs_follow_a_growing_block_table(tiny_dir, tiny_target):
+    """Static-width passes write into inputs bound once to their request (paged.BoundInputs); the block table grows
+    every 32 positions and the pool doubles past its blocks, and each position must still get transformers' logits."""
+    model = load_model(str(tiny_dir), backend="openvino", threads=1, min_width=2)
+    seq = _ids(120, seed=9)
+    kv = model.new_kv()
+    model.forward(kv, seq[:3])
+    hoard = kv.pool.take(kv.pool.blocks - 1)  # nearly every block taken: the sequence's next blocks grow the pool
+    got = [model.forward(kv, seq[i:i + 2]).logits for i in range(3, 119, 2)]  # 58 static passes of 2 tokens
+    kv.pool.give(hoard)
+    with torch.no_grad():
+        want = tiny_target.model(torch.tensor([seq[:119]])).logits[0, 3:]
+    torch.testing.assert_close(torch.cat(got), want, atol=1e-4, rtol=1e-4)
+    bound = model._bound[(), 2]
+    assert bound.arrays["block_indices"].shape == (4,)  # 119 positions: four blocks of 32
