@@ -10,12 +10,11 @@ logits, and times passes of 2 and 6 tokens after 300 cached ones, interleaved (m
 
 import argparse
 import shutil
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from openvino_knobs import time_passes  # scripts/: run as python scripts/openvino_fusion.py
 
 import verispec.backends.openvino.model as ov_model
 from verispec.backends.openvino import export as ov_export
@@ -66,16 +65,9 @@ def main() -> None:
     diff = (logits["fused"] - logits["one by one"]).abs().max().item()
     print(f"6-token pass: largest logit difference {diff:.3g}, argmax equal "
           f"{torch.equal(logits['fused'].argmax(-1), logits['one by one'].argmax(-1))}")
-    times = {(name, w): [] for name in models for w in (2, 6)}
-    for _ in range(args.rounds):
-        for name, (model, kv) in models.items():
-            for w in (2, 6):
-                t0 = time.perf_counter()
-                model.forward(kv, list(range(500, 500 + w)))
-                times[name, w].append(time.perf_counter() - t0)
-                kv.truncate(300)
+    times = time_passes(models, args.rounds)
     for name in models:
-        print(f"{name:10s} " + ", ".join(f"{w} tokens {statistics.median(times[name, w]) * 1e3:.2f} ms" for w in (2, 6)))
+        print(f"{name:10s} " + ", ".join(f"{w} tokens {times[name, w] * 1e3:.2f} ms" for w in (2, 6)))
 
 
 if __name__ == "__main__":
