@@ -44,7 +44,7 @@ from ..eagle.weights import resolve_head
 from ..errors import InvalidRequest, ModelNotFound, check_whole
 from ..prefix import common_prefix_length
 from ..backends.base import TargetModel, provides_features
-from ..sampling import SamplingParams, probabilities, sample
+from ..sampling import SamplingParams, greedy_tokens, probabilities, sample
 from .base import EMPTY_DRAFT, Draft, DrafterBase
 from .ngram import NgramDrafter
 from .precision import HEAD_DTYPES, head_dtype
@@ -176,7 +176,7 @@ class EagleDrafter(DrafterBase):
             # the head's largest probability: a property of the distribution, not of the token drawn from it
             confidence.append(float(torch.softmax(logits.float(), dim=-1).max()))
             if self.sampling.greedy:
-                token = self.vocab.ids[int(logits.argmax())]
+                token = self.vocab.ids[greedy_tokens(logits[None])[0]]
             else:
                 q = probabilities(self.vocab.full(logits), self.sampling)
                 token = sample(q, self.generator)

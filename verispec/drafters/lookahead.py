@@ -34,7 +34,7 @@ from typing import Sequence
 import torch
 
 from ..errors import check_whole
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, greedy_tokens
 from .base import EMPTY_DRAFT, Draft, DrafterBase
 from .registry import DrafterSpec, Option, register
 
@@ -130,7 +130,7 @@ class LookaheadDrafter(DrafterBase):
         if self._levels is None or not any(node is not None for node in self._fed):
             return
         rows = [1 + node for node in self._fed if node is not None]
-        best = logits[rows].argmax(dim=-1).tolist()
+        best = greedy_tokens(logits[rows])
         new = list(self._levels[0])  # an unfed column keeps its guesses: its next level repeats its first
         for c, node in enumerate(self._fed):
             if node is None:

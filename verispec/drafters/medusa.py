@@ -24,7 +24,7 @@ from ..backends.base import TargetModel, provides_features
 from ..errors import InvalidRequest, check_whole
 from ..medusa.head import MedusaHeads
 from ..medusa.weights import resolve_heads
-from ..sampling import SamplingParams, probabilities, sample
+from ..sampling import SamplingParams, greedy_tokens, probabilities, sample
 from .base import EMPTY_DRAFT, Draft, DrafterBase
 from .precision import HEAD_DTYPES, head_dtype
 from .registry import DrafterSpec, Option, register
@@ -81,7 +81,7 @@ class MedusaDrafter(DrafterBase):
         # the head's largest probability: a property of its distribution, not of the token drawn from it
         confidence = probs.max(dim=-1).values.tolist()
         if self.sampling.greedy:
-            tokens = [self.vocab.ids[i] for i in logits.argmax(dim=-1).tolist()]
+            tokens = [self.vocab.ids[i] for i in greedy_tokens(logits)]
             return Draft(tokens, None, confidence=confidence)
         q = torch.stack([probabilities(self.vocab.full(row), self.sampling) for row in logits])
         tokens = [sample(row, self.generator) for row in q]

@@ -25,7 +25,7 @@ import torch
 
 from ..backends.base import TargetModel
 from ..prefix import common_prefix_length, reusable_prefix
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, greedy_tokens
 from .base import EMPTY_DRAFT, Draft, DrafterBase
 
 ANCHOR = 4  # tokens of context decoded or tokenized with a piece of text, for its boundary
@@ -168,7 +168,7 @@ class RetokenizingDrafter(DrafterBase):
             logits = self.draft.forward(self._cache, feed, last_only=True).logits[-1]
             self._cached.extend(feed)
             self.draft_steps += 1
-            token = int(torch.argmax(logits))
+            token = greedy_tokens(logits[None])[0]
             if token in self.draft_specials:  # the draft ends here (with the target's counterpart, if it has one)
                 special = token
                 break
