@@ -18,7 +18,7 @@ from verispec.backends import COMPILE_ENV, compile_mode, default_compile_mode
 from verispec.backends.hf import compile_store
 from verispec.backends.hf import compiled as compiled_module
 from verispec.backends.hf.cache import TorchKV
-from verispec.backends.hf.compiled import FixedKV, unpacked_copy
+from verispec.backends.hf.compiled import VERIFY_WIDTHS, FixedKV, unpacked_copy
 from verispec.drafters.ngram import NgramDrafter
 from verispec.engine import SpeculativeDecoder
 from verispec.errors import InvalidRequest
@@ -117,6 +117,61 @@ def test_compiled_step_gives_the_eager_greedy_output_plain_and_speculative(store
     torch.testing.assert_close(again, _fresh(model, prompt)[3:], atol=1e-5, rtol=1e-5)
 
 
+def test_verify_passes_run_the_compiled_verify_program_and_match_a_fresh_forward(store, monkeypatch):
+    from test_eagle import LAYERS
+
+    model, fast = store
+    verify = fast.verify
+    assert verify is not None and verify.widths == VERIFY_WIDTHS and verify.path != fast.step.path
+    assert "verify passes of 2-12 tokens" in fast.kernel
+    prompt = [5, 9, 3, 5, 9, 4, 7, 2, 8, 6, 1, 3, 5, 9, 3, 5, 9, 4, 7, 2, 8]
+    fresh = _fresh(model, prompt)
+    calls = []
+
+    class Counted:  # the verify program, counting the widths it ran
+        widths = verify.widths
+
+        def __call__(self, kv, tokens):
+            calls.append(len(tokens))
+            return verify(kv, tokens)
+
+    monkeypatch.setattr(fast, "verify", Counted())
+    kv = fast.new_kv()
+    with torch.inference_mode():
+        fast.forward(kv, prompt[:3], last_only=True)  # the first pass lays out the buffers: eager
+        wide = fast.forward(kv, prompt[3:8], feature_layers=LAYERS)  # 5 tokens: compiled
+        kv.truncate(5)  # a rollback: the next pass writes where the rejected tokens were
+        last = fast.forward(kv, prompt[5:7], last_only=True)  # 2 tokens, the last row only
+        widest = fast.forward(kv, prompt[7:19])  # 12 tokens: compiled
+        ref = loaded(model).forward(loaded(model).new_kv(), prompt, feature_layers=LAYERS)
+    assert calls == [5, 2, 12]
+    torch.testing.assert_close(wide.logits, fresh[3:8], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(wide.hidden, ref.hidden[3:8], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(last.logits, fresh[6:7], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(widest.logits, fresh[7:19], atol=1e-5, rtol=1e-5)
+    with torch.inference_mode():
+        kv.truncate(2)
+        eager_wide = fast.forward(kv, prompt[2:15])  # 13 tokens: wider than the program, eager
+    assert calls == [5, 2, 12]
+    torch.testing.assert_close(eager_wide.logits, fresh[2:15], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="cannot run a pass of 13 tokens"):
+        verify(fast.new_kv(), prompt[:13])
+    expected = _greedy(loaded(model), None, prompt[:6])
+    calls.clear()
+    assert _greedy(fast, NgramDrafter(), prompt[:6]) == expected  # compiled steps and compiled verify passes
+    assert any(width > 1 for width in calls), "no verify pass ran compiled"
+
+
+def test_verify_passes_stay_eager_when_switched_off(store, monkeypatch):
+    model, _ = store
+    monkeypatch.setenv("VERISPEC_COMPILED_VERIFY", "0")
+    target = loaded(model)
+    assert target.compile_step(cached_only=True) is True and target.step is not None and target.verify is None
+    assert "verify passes" not in target.kernel
+    assert _greedy(target, NgramDrafter(), [5, 9, 3, 5, 9, 4], n=12) == _greedy(loaded(model), None,
+                                                                                 [5, 9, 3, 5, 9, 4], n=12)
+
+
 def test_the_compiled_step_gives_hidden_states_and_eagle_keeps_plain_greedy_output(store):
     from test_eagle import LAYERS, random_head
 
@@ -137,9 +192,11 @@ def test_the_compiled_step_gives_hidden_states_and_eagle_keeps_plain_greedy_outp
     step, calls = fast.step, []
 
     class Counted:  # the step, counting its calls
-        def __call__(self, kv, token):
-            calls.append(token)
-            return step(kv, token)
+        widths = step.widths
+
+        def __call__(self, kv, tokens):
+            calls.append(tokens)
+            return step(kv, tokens)
 
     fast.step = Counted()
     try:  # the controller's k = 0 steps run the compiled step, and the head drafts from the features it returns
@@ -163,7 +220,29 @@ def test_the_same_weights_load_the_stored_step_and_other_weights_never_do(store,
     assert loaded(other).compile_step(cached_only=True) is False  # would hand it the first model's kernels
     record = json.loads(again.step.path.with_suffix(".json").read_text())
     assert record["key"]["width"] == 1 and record["bytes"] == again.step.path.stat().st_size
-    assert [r["path"] for r in compile_store.records()] == [str(again.step.path)]
+    assert again.verify is not None and again.verify.loaded is True  # its verify program too, under its own key
+    verify_record = json.loads(again.verify.path.with_suffix(".json").read_text())
+    assert verify_record["key"]["width"] == "2-12" and verify_record["key"]["weights"] == record["key"]["weights"]
+    assert sorted(r["path"] for r in compile_store.records()) == sorted([str(again.step.path), str(again.verify.path)])
+
+
+def test_a_new_package_supersedes_only_the_same_weights_and_kind_of_pass(tmp_path, monkeypatch):
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    folder = compile_store.folder()
+    folder.mkdir(parents=True)
+
+    def stored(name, weights, width):
+        (folder / f"{name}.pt2").write_bytes(b"package")
+        (folder / f"{name}.json").write_text(json.dumps({"built": name, "key": {"weights": weights, "width": width}}))
+        return folder / f"{name}.pt2"
+
+    old_step, old_verify = stored("step-a", "w1", 1), stored("step-b", "w1", "2-16")
+    other_weights = stored("step-c", "w2", "2-16")
+    new_verify = stored("step-d", "w1", "2-12")
+    assert compile_store.superseded(new_verify, {"weights": "w1", "width": "2-12"}) == [old_verify]
+    new_step = stored("step-e", "w1", 1)
+    assert compile_store.superseded(new_step, {"weights": "w1", "width": 1}) == [old_step]
+    assert other_weights not in compile_store.superseded(new_step, {"weights": "w1", "width": 1})
 
 
 def test_a_damaged_package_is_removed_and_never_run(store, caplog, tmp_path, monkeypatch):

@@ -100,13 +100,16 @@ def test_sampled_output_follows_the_exact_joint_distribution(target):
 
 def test_the_compiled_step_gives_greedy_decoding_with_no_cache(family):
     fast = zoo_target(family)
-    assert fast.compile_step() is True  # compiles in ~10 s per family on 2 cores
+    assert fast.compile_step() is True  # compiles in ~20 s per family on 2 cores (two programs)
     expected = reference_greedy(fast.model, PROMPT)
     assert SpeculativeDecoder(fast).generate(PROMPT, max_new_tokens=NEW).token_ids == expected
-    spec = SpeculativeDecoder(fast, NgramDrafter(), k=3, k_policy="fixed")  # compiled steps and eager verify passes
+    assert fast.verify is not None  # the verify program compiles for every family too (sliding-window masks included)
+    spec = SpeculativeDecoder(fast, NgramDrafter(), k=3, k_policy="fixed")  # compiled steps and compiled verify passes
     assert spec.generate(PROMPT, max_new_tokens=NEW).token_ids == expected
     # the same step loaded again from the compile cache, after other families' steps were loaded in this process
     # (in another process the sliding-window masks came in another order, swapped, before they were sorted)
     again = zoo_target(family)
-    assert again.compile_step(cached_only=True) is True and again.step.loaded
+    assert again.compile_step(cached_only=True) is True and again.step.loaded and again.verify.loaded
     assert SpeculativeDecoder(again).generate(PROMPT, max_new_tokens=NEW).token_ids == expected
+    spec = SpeculativeDecoder(again, NgramDrafter(), k=3, k_policy="fixed")
+    assert spec.generate(PROMPT, max_new_tokens=NEW).token_ids == expected

@@ -72,11 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     add_train_parser(sub)
 
-    com = sub.add_parser("compile", help="compile a model's one-token step ahead of time into the compile cache",
+    com = sub.add_parser("compile", help="compile a model's decoding passes ahead of time into the compile cache",
                          description="Compile the one-token decoding step of a transformers model (float32, CPU) "
-                                     "with AOTInductor and store it in the compile cache, keyed by the weights, "
-                                     "CPU and software; later processes load it in seconds (--compile auto, the "
-                                     "default, uses it). Prints where it is and what it cost. Needs a C++ compiler.")
+                                     "and its verify passes of 2-12 tokens (one program; VERISPEC_COMPILED_VERIFY=0 "
+                                     "skips it) with AOTInductor and store them in the compile cache, keyed by the "
+                                     "weights, CPU and software; later processes load them in seconds (--compile "
+                                     "auto, the default, uses them). Prints where they are and what they cost. Needs "
+                                     "a C++ compiler.")
     com.add_argument("--target", default=DEFAULT_MODEL, metavar="REF",
                      help=f"model: built-in name, local directory, .gguf file or hub id (default: {DEFAULT_MODEL})")
     com.add_argument("--threads", type=int, help="torch threads while compiling (default: torch's choice)")
@@ -143,6 +145,7 @@ def cmd_compile(args) -> int:
     import torch
 
     from ..backends import load_model
+    from ..backends.hf import COMPILED_VERIFY_ENV
 
     if args.threads is not None:
         if args.threads < 1:
@@ -155,13 +158,24 @@ def cmd_compile(args) -> int:
         raise VerispecError("the one-token step did not compile (the warning above says why); decoding stays eager")
     result = {"model": args.target, "compiled": not step.loaded, "seconds": round(step.seconds, 1),
               "total_seconds": round(time.perf_counter() - t0, 1), "path": str(step.path),
-              "bytes": step.path.stat().st_size}
+              "bytes": step.path.stat().st_size, "verify": None}
+    verify = target.verify
+    if verify is not None:
+        result["verify"] = {"widths": list(verify.widths), "compiled": not verify.loaded,
+                            "seconds": round(verify.seconds, 1), "path": str(verify.path),
+                            "bytes": verify.path.stat().st_size}
     if args.json:
         print(json.dumps(result))
     else:
         how = "compiled and stored" if result["compiled"] else "already stored; loaded"
         print(f"{args.target}: one-token step {how} in {result['seconds']} s: {result['path']} "
               f"({result['bytes'] / 1e9:.2f} GB)")
+        if verify is not None:
+            how = "compiled and stored" if not verify.loaded else "already stored; loaded"
+            print(f"{args.target}: {verify.what} {how} in {verify.seconds:.1f} s: {verify.path} "
+                  f"({result['verify']['bytes'] / 1e9:.2f} GB)")
+        else:
+            print(f"{args.target}: verify passes stay eager (see the warning above, or {COMPILED_VERIFY_ENV} is off)")
     return 0
 
 
@@ -213,11 +227,13 @@ def print_compiled_steps() -> None:
     from ..backends.hf import compile_store
 
     found = compile_store.records()
-    print(f"compiled steps: {len(found)} in {compile_store.folder()} (verispec compile builds one; delete a file "
-          f"to build it again)")
+    print(f"compiled passes: {len(found)} in {compile_store.folder()} (verispec compile builds a model's; delete a "
+          f"file to build it again)")
     for r in found:
-        print(f"  {r['model']:18} {r['key'].get('dtype', '')} · built {r['built']} in {r['compile_seconds']} s · "
-              f"{r['bytes'] / 1e9:.2f} GB · {Path(r['path']).name}")
+        width = r["key"].get("width", 1)
+        what = "one-token step" if width == 1 else f"verify {width} tokens"
+        print(f"  {r['model']:18} {r['key'].get('dtype', '')} {what} · built {r['built']} in {r['compile_seconds']} s "
+              f"· {r['bytes'] / 1e9:.2f} GB · {Path(r['path']).name}")
 
 
 def print_measurements() -> None:

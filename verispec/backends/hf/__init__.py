@@ -23,7 +23,7 @@ from ..base import TargetPass, parse_dtype
 from ..references import BUILTINS, resolve, transformers_progress_bars
 from .attention import use_grouped_sdpa
 from .cache import BatchKV, RowKV, TorchKV
-from .compiled import CompiledStep, FixedKV
+from .compiled import VERIFY_WIDTHS, CompiledStep, FixedKV
 from .cpu import linear_kernel
 from .layers import decoder_layers, skipping_view
 from .masks import for_layers
@@ -33,6 +33,7 @@ from .packing import pack_linear_layers
 log = logging.getLogger(__name__)
 
 PACK_ENV = "VERISPEC_PACK"  # 0 turns off prepacked oneDNN weights (verispec.backends.hf.packing)
+COMPILED_VERIFY_ENV = "VERISPEC_COMPILED_VERIFY"  # 0: verify passes stay eager beside a compiled step
 INVARIANT_ENV = "VERISPEC_WIDTH_INVARIANT"  # 0 turns off width-invariant bfloat16 passes (verispec.backends.hf.invariant)
 
 
@@ -48,6 +49,7 @@ class LoadedModel:
     packed_layers: int = 0  # linear layers whose weights are prepacked for oneDNN (verispec.backends.hf.packing)
     pack_requested: bool = True  # packing was asked for (False: VERISPEC_PACK=0 or pack=False)
     step: CompiledStep | None = None  # compiled one-token step (``compile_step``), or None: every pass eager
+    verify: CompiledStep | None = None  # compiled verify passes of VERIFY_WIDTHS tokens (``compile_step``), or None
     skipped_layers: tuple[int, ...] = ()  # decoder layers this model leaves out (a view made by ``without_layers``)
     width_invariant: bool = False  # bfloat16 passes whose rows do not depend on the width (hf.invariant)
     backend = "transformers"
@@ -116,25 +118,36 @@ class LoadedModel:
         return FixedKV() if self.step is not None else TorchKV()
 
     def compile_step(self, cached_only: bool = False) -> bool:
-        """Use the compiled one-token step (``verispec.backends.hf.compiled``): loaded from the compile cache on disk
-        (seconds), else compiled now and stored (about a minute on a 2-core CPU for the default model), so that
-        later one-token passes run compiled. With ``cached_only`` nothing is compiled: returns whether a stored
-        step was found. Returns False, with a warning, where compiling fails (no C++ compiler, an unsupported
-        operator, ...): decoding then stays eager."""
+        """Use the compiled passes (``verispec.backends.hf.compiled``): the one-token step and, unless
+        VERISPEC_COMPILED_VERIFY is 0/false/no/off, the verify program for passes of ``VERIFY_WIDTHS`` tokens; each
+        loaded from the compile cache on disk (seconds), else compiled now and stored (about two minutes each on a
+        2-core CPU for the default model). With ``cached_only`` nothing is compiled: returns whether a stored step
+        was found (the verify program is used when it is stored too). Returns False, with a warning, where
+        compiling the step fails (no C++ compiler, an unsupported operator, ...): decoding then stays eager; a verify
+        program that fails leaves verify passes eager."""
         if self.dtype != torch.float32 or self.device.type != "cpu":
             raise InvalidRequest(f"the compiled one-token step is for float32 on CPU (what it was measured on), not "
                                  f"{str(self.dtype).removeprefix('torch.')} on {self.device.type}; drop --compile")
-        try:
-            step = CompiledStep.build(self.model, self.name, cached_only=cached_only)
-        except Exception as exc:  # noqa: BLE001 - any compiler failure means: stay eager
-            log.warning("compiling the one-token step failed (%s: %s); decoding stays eager",
-                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-            return False
+        step = self._compiled((1, 1), cached_only)
         if step is None:
             return False
         self.step = step
-        log.info("one-token steps compiled (%s in %.1f s)", "loaded" if step.loaded else "compiled", step.seconds)
+        if _switched_on(COMPILED_VERIFY_ENV):
+            self.verify = self._compiled(VERIFY_WIDTHS, cached_only)
         return True
+
+    def _compiled(self, widths: tuple[int, int], cached_only: bool) -> CompiledStep | None:
+        try:
+            built = CompiledStep.build(self.model, self.name, cached_only=cached_only, widths=widths)
+        except Exception as exc:  # noqa: BLE001 - any compiler failure means: stay eager
+            log.warning("compiling %s failed (%s: %s); %s", "the one-token step" if widths == (1, 1) else
+                        "the verify passes", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "",
+                        "decoding stays eager" if widths == (1, 1) else "verify passes stay eager")
+            return None
+        if built is not None:
+            log.info("%s compiled (%s in %.1f s)", built.what.replace("the one-token step", "one-token steps"),
+                     "loaded" if built.loaded else "compiled", built.seconds)
+        return built
 
     def new_kv_group(self, capacity: int) -> BatchKV:
         return BatchKV(capacity)
@@ -199,9 +212,12 @@ class LoadedModel:
                 raise InvalidRequest("token trees run one sequence per pass; verify them outside a batch")
             return self.forward_batch([(kv, tokens)], feature_layers=feature_layers, last_only=last_only)[0]
         n, fixed = len(tokens), isinstance(kv, FixedKV)
-        if fixed and n == 1 and parents is None and self.step is not None and _initialized(kv):
-            logits, hidden = self.step(kv, int(tokens[0]))
-            return TargetPass(logits, select_layers(hidden, tuple(feature_layers)) if feature_layers else None)
+        compiled = self.step if n == 1 else self.verify
+        if (fixed and parents is None and compiled is not None and compiled.widths[0] <= n <= compiled.widths[1]
+                and _initialized(kv)):
+            logits, hidden = compiled(kv, [int(t) for t in tokens])
+            return TargetPass(logits[-1:] if last_only else logits,
+                              select_layers(hidden, tuple(feature_layers)) if feature_layers else None)
         with kv.eager(n) if fixed else nullcontext():
             extra = {}
             if parents is not None:
@@ -225,6 +241,8 @@ class LoadedModel:
     def linear_kernel(self) -> str:
         """The kernel the linear layers run on ("oneDNN-packed", "F.linear (MKL)", ...), for reports."""
         compiled = "; one-token steps compiled (AOTInductor)" if self.step is not None else ""
+        if self.verify is not None:
+            compiled += f", verify passes of {self.verify.widths[0]}-{self.verify.widths[1]} tokens too"
         if self.packed_layers:
             return "oneDNN-packed" + ("; width-invariant attention" if self.width_invariant else "") + compiled
         kernel = linear_kernel(self.dtype, pack=False)

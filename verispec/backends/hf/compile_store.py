@@ -1,4 +1,5 @@
-"""Compiled one-token steps on disk: AOTInductor packages keyed by everything that changes the compiled code.
+"""Compiled passes on disk (the one-token step, the verify program): AOTInductor packages keyed by everything that
+changes the compiled code.
 
 A package (``torch._inductor.aoti_compile_and_package``) holds the step's C++ kernels, its wrapper and the frozen
 weights in one ``.pt2`` file; loading one takes about two seconds where compiling takes a minute or more. torch's
@@ -7,16 +8,17 @@ and dtype only, so a model with other weights of the same shapes would be handed
 constants (measured: logits off by 1.5 after scaling two weight matrices), and oneDNN-packed constants bypass it.
 
 So the key is verispec's own (``package_key``): a digest of the weights' bytes and the model's config, the dtype and
-pass width, the step's source code, the CPU (model, instruction-set flags, the vector ISA torch dispatches to), the
-torch, transformers and Python versions, and the compile options. A package is read only under exactly that key,
-so a changed model, CPU or version builds a new one and never uses a stale one; building one removes the packages of
-the same weights under other keys (an older verispec, torch or CPU), so they do not pile up. Packages are written
-to a temporary name and renamed, so a stopped build leaves no half-written file under a real name; a file that does
-not load is removed and built again.
+pass width (1, or the verify program's range such as "2-12"), the step's source code, the CPU (model, instruction-set
+flags, the vector ISA torch dispatches to), the torch, transformers and Python versions, and the compile options. A
+package is read only under exactly that key, so a changed model, CPU or version builds a new one and never uses a
+stale one; building one removes the packages of the same weights and kind (the one-token step, or verify passes of
+any range) under other keys (an older verispec, torch or CPU: ``superseded``), so they do not pile up. Packages are
+written to a temporary name and renamed, so a stopped build leaves no half-written file under a real name; a file
+that does not load is removed and built again.
 
 Packages live under ``$VERISPEC_CACHE/compiled`` (``verispec.backends.references.cache_dir``) with a JSON file
 beside each that records its key, build time and size (``verispec models`` lists them). The default model's
-float32 package is about 1.1 GB (the weights as the kernels read them, and as the model holds them).
+float32 packages are about 1.1 GB each (the weights as the kernels read them, and as the model holds them).
 """
 
 from __future__ import annotations
@@ -182,11 +184,18 @@ def save(exported, path: Path, key: dict, name: str) -> float:
     tmp = path.with_suffix(f".{os.getpid()}.json.tmp")
     tmp.write_text(json.dumps(record, indent=1, default=str))
     os.replace(tmp, path.with_suffix(".json"))
-    for old in records():  # the same weights under another key: built by an older verispec or torch, or another CPU
-        if old["path"] != str(path) and old["key"].get("weights") == key["weights"]:
-            log.info("removing the compiled step %s, superseded by %s", old["path"], path.name)
-            remove(Path(old["path"]))
+    for old in superseded(path, key):
+        log.info("removing the compiled pass %s, superseded by %s", old, path.name)
+        remove(old)
     return seconds
+
+
+def superseded(path: Path, key: dict) -> list[Path]:
+    """The stored packages that the package at ``path`` (under ``key``) replaces: the same weights and kind of pass
+    (the one-token step, or verify passes of any range) under another key (an older verispec, torch, range of verify
+    widths, or another CPU)."""
+    return [Path(old["path"]) for old in records() if old["path"] != str(path)
+            and old["key"].get("weights") == key["weights"] and (old["key"].get("width") == 1) == (key["width"] == 1)]
 
 
 def remove(path: Path) -> None:

@@ -1,17 +1,18 @@
-"""The compiled one-token decoder step (AOTInductor), over a KV cache of fixed buffers with rollback.
+"""The compiled decoder passes (AOTInductor), over a KV cache of fixed buffers with rollback.
 
 On CPU a one-token step is bound by streaming the weights, and an eager step spends much of its time in Python and
 small ops around the linears. The step is exported (``torch.export``, with the cache's size dynamic: one program
 for every length) and compiled ahead of time by AOTInductor with frozen weights and ``max_autotune``: inductor's
 C++ GEMM kernels over weights it packs once, the norms, rotary and attention fused around them, and a C++ wrapper
 that calls them, so no Python runs per layer. Measured on the 2-core AMD EPYC Zen 5 with the default model: 15.3 ms
-a step against 22.2 ms eager (docs/kernels.md). Wider passes gained nothing from compiling (measured with
-``torch.compile``), so prefill and verification stay eager over the same cache; both are checked against a fresh
-forward over the whole sequence in tests/test_compiled.py and tests/test_e2e_compiled.py.
+a step against 22.2 ms eager (docs/kernels.md). Verify passes of 2-12 tokens run a second program of the same kind
+whose width is dynamic too (``VERIFY_WIDTHS``): on the AMD EPYC Zen 4 a 5-token pass took 23 ms compiled against 42
+eager, 12 tokens 44 against 50, 16 tokens 60 against 55 (so wider passes stay eager). Prefills and wider passes stay eager over the same cache; all are checked against a fresh forward over the
+whole sequence in tests/test_compiled.py and tests/test_e2e_compiled.py.
 
-Compiling takes about a minute for the default model on 2 cores, so the step is stored on disk
-(``verispec.backends.hf.compile_store``, keyed by the weights, CPU and software) and a later process loads it in
-about two seconds; ``LoadedModel.compile_step`` loads or builds it before the first request.
+Compiling takes about two minutes a program for the default model on 2 cores, so both are stored on disk
+(``verispec.backends.hf.compile_store``, keyed by the weights, widths, CPU and software) and a later process loads
+them in seconds; ``LoadedModel.compile_step`` loads or builds them before the first request.
 
 The cache is transformers' ``StaticLayer`` with a length that can be set back (``FixedLayer``): every pass writes
 at the sequence's length and attends through an explicit mask that hides the columns past each token's position,
@@ -204,10 +205,10 @@ AttentionInterface.register(ONE_TOKEN_ATTENTION, one_token_attention)
 
 
 class StepModule(nn.Module):
-    """The one-token forward as a function of tensors only (what ``torch.export`` takes): the token, its position,
+    """A forward as a function of tensors only (what ``torch.export`` takes): the tokens, their positions,
     the attention mask (one tensor, or one per kind of layer for sliding-window models), the sequence's length and
-    every layer's key and value buffers, which the pass writes in place. Returns the logits ``[1, 1, vocab]`` and
-    every layer's hidden state ``[layers + 1, 1, 1, hidden]`` (the embeddings first), for drafters that read them
+    every layer's key and value buffers, which the pass writes in place. Returns the logits ``[1, n, vocab]`` and
+    every layer's hidden state ``[layers + 1, 1, n, hidden]`` (the embeddings first), for drafters that read them
     (EAGLE): computed anyway, they cost one small copy, and one program serves every drafter."""
 
     def __init__(self, model: nn.Module) -> None:
@@ -228,12 +229,18 @@ class StepModule(nn.Module):
         return out.logits, torch.stack(out.hidden_states)
 
 
-class CompiledStep:
-    """The one-token forward of a transformers causal LM over a ``FixedKV``, compiled ahead of time by AOTInductor
-    (its C++ wrapper calls the kernels: no Python per layer) and kept on disk (``compile_store``): the first process
-    compiles it, later ones load it in seconds. ``build`` makes one (or loads it)."""
+VERIFY_WIDTHS = (2, 12)  # the verify program's pass widths (wider passes run eagerly: compiled, 16 cost more)
 
-    def __init__(self, runner, model: nn.Module, seconds: float, loaded: bool, path) -> None:
+
+class CompiledStep:
+    """A forward of a transformers causal LM over a ``FixedKV``, compiled ahead of time by AOTInductor (its C++
+    wrapper calls the kernels: no Python per layer) and kept on disk (``compile_store``): the first process compiles
+    it, later ones load it in seconds. ``widths`` (lowest, highest) are the pass widths it runs: (1, 1) for the
+    one-token step; ``VERIFY_WIDTHS`` for the verify program, one program whose width is dynamic. ``build`` makes one
+    (or loads it)."""
+
+    def __init__(self, runner, model: nn.Module, seconds: float, loaded: bool, path,
+                 widths: tuple[int, int] = (1, 1)) -> None:
         self._runner = runner
         self.path = path  # the package on disk
         weight = next(model.parameters())
@@ -241,56 +248,71 @@ class CompiledStep:
         self._config = model.config
         self.seconds = seconds  # to compile (or to load, when ``loaded``)
         self.loaded = loaded  # True: read from the compile cache on disk
+        self.widths = widths
+
+    @property
+    def what(self) -> str:
+        lowest, highest = self.widths
+        return "the one-token step" if highest == 1 else f"verify passes of {lowest}-{highest} tokens"
 
     @classmethod
-    def build(cls, model: nn.Module, name: str = "", *, cached_only: bool = False) -> "CompiledStep | None":
-        """The compiled step of ``model``: loaded from the compile cache, else compiled now (about a minute for the
-        default model on 2 cores) and stored there; with ``cached_only`` None when it is not on disk. Raises what
-        the compiler raises (``LoadedModel.compile_step`` turns that into a warning and eager decoding)."""
+    def build(cls, model: nn.Module, name: str = "", *, cached_only: bool = False,
+              widths: tuple[int, int] = (1, 1)) -> "CompiledStep | None":
+        """The compiled pass of ``model`` for ``widths``: loaded from the compile cache, else compiled now (about two
+        minutes each for the default model on 2 cores) and stored there; with ``cached_only`` None when it is not
+        on disk. Raises what the compiler raises (``LoadedModel.compile_step`` turns that into a warning and eager
+        decoding)."""
         from . import compile_store
 
         shadow = unpacked_copy(model)
         shadow.set_attn_implementation(ONE_TOKEN_ATTENTION)
-        key = compile_store.package_key(shadow, 1, compile_store.source_of(StepModule, FixedLayer,
-                                                                           one_token_attention, for_layers))
+        width = 1 if widths == (1, 1) else f"{widths[0]}-{widths[1]}"
+        key = compile_store.package_key(shadow, width, compile_store.source_of(StepModule, FixedLayer,
+                                                                               one_token_attention, for_layers))
         path = compile_store.package_path(key)
         t0 = time.perf_counter()
         runner = compile_store.load(path)
         if runner is not None:
-            return cls(runner, model, time.perf_counter() - t0, loaded=True, path=path)
+            return cls(runner, model, time.perf_counter() - t0, loaded=True, path=path, widths=widths)
         if cached_only:
             return None
         missing = compile_store.compiler_missing()
         if missing:
             raise RuntimeError(missing)
-        log.warning("compiling the one-token step of %s (about a minute on 2 cores, once per model and machine) ...",
-                    name or "the model")
-        exported = _export(shadow)
+        pending = cls(None, model, 0.0, loaded=False, path=path, widths=widths)
+        log.warning("compiling %s of %s (about two minutes on 2 cores, once per model and machine) ...",
+                    pending.what, name or "the model")
+        exported = _export(shadow) if width == 1 else _export(shadow, widths=widths)
         compile_store.save(exported, path, key, name)
         runner = compile_store.load(path)
         if runner is None:
-            raise RuntimeError(f"the compiled step written to {path} does not load")
-        return cls(runner, model, time.perf_counter() - t0, loaded=False, path=path)
+            raise RuntimeError(f"the compiled pass written to {path} does not load")
+        return cls(runner, model, time.perf_counter() - t0, loaded=False, path=path, widths=widths)
 
-    def __call__(self, kv: FixedKV, token: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run one token after ``kv``'s cached positions and cache it; returns its logits ``[1, vocab]`` and every
-        layer's hidden state ``[layers + 1, 1, 1, hidden]`` (index it as transformers' ``hidden_states``)."""
-        kv.reserve(1)
+    def __call__(self, kv: FixedKV, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run ``tokens`` (as many as ``widths`` allows) after ``kv``'s cached positions and cache them; returns their
+        logits ``[n, vocab]`` and every layer's hidden state ``[layers + 1, 1, n, hidden]`` (index it as
+        transformers' ``hidden_states``)."""
+        n = len(tokens)
+        if not self.widths[0] <= n <= self.widths[1]:
+            raise ValueError(f"{self.what} cannot run a pass of {n} tokens")
+        kv.reserve(n)
         layers = kv.cache.layers
-        logits, hidden = self._runner(torch.tensor([[token]], device=self.device),
-                                      torch.tensor([[kv.length]], device=self.device),
-                                      kv.mask(1, self.dtype, self.device, self._config),
+        logits, hidden = self._runner(torch.tensor([list(tokens)], device=self.device),
+                                      torch.arange(kv.length, kv.length + n, device=self.device)[None],
+                                      kv.mask(n, self.dtype, self.device, self._config),
                                       torch.tensor(kv.length, device=self.device),
                                       [layer.keys for layer in layers], [layer.values for layer in layers])
-        kv.length += 1
+        kv.length += n
         for layer in layers:
             layer.set_length(kv.length)
         return logits[0], hidden
 
 
-def _export(shadow: nn.Module, width: int = 1):
+def _export(shadow: nn.Module, width: int = 1, widths: tuple[int, int] | None = None):
     """``torch.export`` of a pass of ``width`` tokens (the one-token step by default) with the cache's size (columns)
-    dynamic: one program for every length. ``scripts/compiled_width.py`` exports wider passes with it."""
+    dynamic: one program for every length; with ``widths`` (lowest, highest) the pass width is dynamic too, one
+    program for every verify pass in that range. ``scripts/compiled_width.py`` exports wider static passes with it."""
     config = shadow.config
     kv = FixedKV(capacity=3 * GROWTH)
     # lay out the buffers with an eager pass of two tokens (no_grad, not inference mode: export writes into them)
@@ -299,11 +321,16 @@ def _export(shadow: nn.Module, width: int = 1):
     kv.length = 2
     layers = kv.cache.layers
     keys, values = [layer.keys for layer in layers], [layer.values for layer in layers]
+    if widths is not None:  # an example width inside the range that is neither 0 nor 1 (export specializes those)
+        width = max(widths[0], min(widths[1], 4))
     mask = kv.mask(width, keys[0].dtype, keys[0].device, config)
     columns = torch.export.Dim("columns", min=2, max=1 << 20)
-    mask_shape = {kind: {3: columns} for kind in mask} if isinstance(mask, dict) else {3: columns}
+    rows = None if widths is None else torch.export.Dim("width", min=widths[0], max=widths[1])
+    mask_shape = {2: rows, 3: columns} if rows is not None else {3: columns}
+    mask_shape = {kind: mask_shape for kind in mask} if isinstance(mask, dict) else mask_shape
     args = (torch.arange(3, 3 + width)[None], torch.arange(2, 2 + width)[None], mask, torch.tensor(2), keys, values)
-    shapes = {"input_ids": None, "position_ids": None, "mask": mask_shape, "length": None,
+    token_shape = None if rows is None else {1: rows}
+    shapes = {"input_ids": token_shape, "position_ids": token_shape, "mask": mask_shape, "length": None,
               "keys": [{2: columns}] * len(keys), "values": [{2: columns}] * len(values)}
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree deprecations, not ours to fix
