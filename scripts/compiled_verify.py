@@ -1,4 +1,4 @@
-"""Compiled verify passes against eager ones, beside the compiled one-token step (docs/results.md, 2026-11-27 17:00).
+"""Compiled verify passes against eager ones, beside the compiled one-token step (docs/results.md, 2026-11-27 15:15-16:55 UTC).
 
     python scripts/compiled_verify.py [--prompts 12] [--tokens 128] [--drafters none,ngram,eagle] [--widths 1,2,5,9,17]
 
@@ -71,7 +71,9 @@ def main() -> None:
     decoders = {}
     for drafter in args.drafters.split(","):
         for label, target in targets.items():
-            d = make_drafter(drafter, target)
+            # suffix drafts from this request's text only: with the process's store the second decoder of a prompt
+            # would copy the first one's answer
+            d = make_drafter(drafter, target, **({"scope": "request"} if drafter == "suffix" else {}))
             decoders[drafter, label] = SpeculativeDecoder(target, d)
             decoders[drafter, label].generate(texts[0], max_new_tokens=16)  # warm-up
     runs = {key: [] for key in decoders}

@@ -166,10 +166,36 @@ def test_verify_passes_stay_eager_when_switched_off(store, monkeypatch):
     model, _ = store
     monkeypatch.setenv("VERISPEC_COMPILED_VERIFY", "0")
     target = loaded(model)
-    assert target.compile_step(cached_only=True) is True and target.step is not None and target.verify is None
+    assert target.compile_step(cached_only=True) is True and target.step is not None
+    target.wait_compiled()
+    assert target.verify is None
     assert "verify passes" not in target.kernel
     assert _greedy(target, NgramDrafter(), [5, 9, 3, 5, 9, 4], n=12) == _greedy(loaded(model), None,
                                                                                  [5, 9, 3, 5, 9, 4], n=12)
+
+
+def test_the_verify_program_is_left_out_where_memory_is_short_unless_asked_for(store, monkeypatch, caplog):
+    import verispec.backends.hf as hf
+
+    model, _ = store
+    need, _ = hf.verify_memory(model)
+    monkeypatch.setattr(hf, "_available_memory", lambda: need)  # it would take more than half of what is left
+    short = loaded(model)
+    with caplog.at_level(logging.INFO, logger="verispec.backends.hf"):
+        assert short.compile_step(cached_only=True) is True
+    short.wait_compiled()
+    assert short.step is not None and short.verify is None and "verify passes stay eager" in caplog.text
+    monkeypatch.setenv("VERISPEC_COMPILED_VERIFY", "1")
+    forced = loaded(model)
+    assert forced.compile_step(cached_only=True) is True
+    forced.wait_compiled()
+    assert forced.verify is not None and forced.verify.loaded
+    monkeypatch.setattr(hf, "_available_memory", lambda: 3 * need)  # room enough: used without being asked
+    monkeypatch.delenv("VERISPEC_COMPILED_VERIFY")
+    roomy = loaded(model)
+    assert roomy.compile_step(cached_only=True) is True
+    roomy.wait_compiled()
+    assert roomy.verify is not None
 
 
 def test_the_compiled_step_gives_hidden_states_and_eagle_keeps_plain_greedy_output(store):
@@ -213,6 +239,7 @@ def test_the_same_weights_load_the_stored_step_and_other_weights_never_do(store,
     model, _ = store
     again = loaded(model)  # another model object, the same weights: the step comes from disk
     assert again.compile_step(cached_only=True) is True and again.step.loaded is True
+    again.wait_compiled()  # the stored verify program loads in the background
     assert _greedy(again, None, [5, 9, 3], n=12) == _greedy(loaded(model), None, [5, 9, 3], n=12)
     other = make_model(seed=5, scale=0.5)
     with torch.no_grad():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -33,7 +34,7 @@ from .packing import pack_linear_layers
 log = logging.getLogger(__name__)
 
 PACK_ENV = "VERISPEC_PACK"  # 0 turns off prepacked oneDNN weights (verispec.backends.hf.packing)
-COMPILED_VERIFY_ENV = "VERISPEC_COMPILED_VERIFY"  # 0: verify passes stay eager beside a compiled step
+COMPILED_VERIFY_ENV = "VERISPEC_COMPILED_VERIFY"  # 0 / 1: verify passes eager / compiled (default: if memory allows)
 INVARIANT_ENV = "VERISPEC_WIDTH_INVARIANT"  # 0 turns off width-invariant bfloat16 passes (verispec.backends.hf.invariant)
 
 
@@ -118,13 +119,15 @@ class LoadedModel:
         return FixedKV() if self.step is not None else TorchKV()
 
     def compile_step(self, cached_only: bool = False) -> bool:
-        """Use the compiled passes (``verispec.backends.hf.compiled``): the one-token step and, unless
-        VERISPEC_COMPILED_VERIFY is 0/false/no/off, the verify program for passes of ``VERIFY_WIDTHS`` tokens; each
-        loaded from the compile cache on disk (seconds), else compiled now and stored (about two minutes each on a
-        2-core CPU for the default model). With ``cached_only`` nothing is compiled: returns whether a stored step
-        was found (the verify program is used when it is stored too). Returns False, with a warning, where
-        compiling the step fails (no C++ compiler, an unsupported operator, ...): decoding then stays eager; a verify
-        program that fails leaves verify passes eager."""
+        """Use the compiled passes (``verispec.backends.hf.compiled``): the one-token step and the verify program for
+        passes of ``VERIFY_WIDTHS`` tokens; each loaded from the compile cache on disk (seconds), else compiled now
+        and stored (about two minutes each on a 2-core CPU for the default model). With ``cached_only`` nothing is
+        compiled: returns whether a stored step was found, and a stored verify program loads in a background thread
+        (``wait_compiled``) so that decoding starts as soon as the step is there. Returns False, with a warning,
+        where compiling the step fails (no C++ compiler, an unsupported operator, ...): decoding then stays eager; a
+        verify program that fails leaves verify passes eager. The verify program holds its own copy of the weights
+        (measured: ~4x their size at peak while it loads), so it is used where that fits in half the available
+        memory (``verify_memory``), or always / never with VERISPEC_COMPILED_VERIFY=1 / 0."""
         if self.dtype != torch.float32 or self.device.type != "cpu":
             raise InvalidRequest(f"the compiled one-token step is for float32 on CPU (what it was measured on), not "
                                  f"{str(self.dtype).removeprefix('torch.')} on {self.device.type}; drop --compile")
@@ -132,8 +135,35 @@ class LoadedModel:
         if step is None:
             return False
         self.step = step
-        if _switched_on(COMPILED_VERIFY_ENV):
-            self.verify = self._compiled(VERIFY_WIDTHS, cached_only)
+        if self.verify is None and self._verify_wanted():
+            if cached_only:
+                self._verify_thread = threading.Thread(target=self._load_verify, name="verispec-load-verify",
+                                                       daemon=True)
+                self._verify_thread.start()
+            else:
+                self.verify = self._compiled(VERIFY_WIDTHS, cached_only)
+        return True
+
+    def _load_verify(self) -> None:
+        self.verify = self._compiled(VERIFY_WIDTHS, cached_only=True)
+
+    def wait_compiled(self, timeout: float | None = None) -> None:
+        """Wait for a verify program that ``compile_step`` is loading in the background (at most ``timeout`` s)."""
+        thread = getattr(self, "_verify_thread", None)
+        if thread is not None:
+            thread.join(timeout)
+
+    def _verify_wanted(self) -> bool:
+        setting = os.environ.get(COMPILED_VERIFY_ENV, "auto").strip().lower()
+        if setting in ("0", "false", "no", "off"):
+            return False
+        if setting in ("1", "true", "yes", "on"):
+            return True
+        need, available = verify_memory(self.model)
+        if available is not None and need > available / 2:
+            log.info("verify passes stay eager: their compiled program needs ~%.1f GB more memory, %.1f GB are "
+                     "available (%s=1 uses it anyway)", need / 1e9, available / 1e9, COMPILED_VERIFY_ENV)
+            return False
         return True
 
     def _compiled(self, widths: tuple[int, int], cached_only: bool) -> CompiledStep | None:
@@ -248,6 +278,26 @@ class LoadedModel:
         kernel = linear_kernel(self.dtype, pack=False)
         kernel = kernel if self.pack_requested or self.device.type != "cpu" else f"{kernel}, packing off"
         return kernel + compiled
+
+
+def verify_memory(model: torch.nn.Module) -> tuple[int, int | None]:
+    """(bytes the compiled verify program needs at peak, bytes of memory available now or None where unknown): ~4x
+    the weights (measured with the default model: 5.7 against 3.6 GB peak for a process with and without it, 538 MB
+    of float32 weights)."""
+    weights = sum(t.numel() * t.element_size() for t in {id(p): p for p in model.parameters()}.values())
+    return 4 * weights, _available_memory()
+
+
+def _available_memory() -> int | None:
+    """MemAvailable of /proc/meminfo (free memory plus what the kernel can reclaim), in bytes; None elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def _initialized(kv: FixedKV) -> bool:

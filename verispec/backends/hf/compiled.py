@@ -267,7 +267,7 @@ class CompiledStep:
         shadow = unpacked_copy(model)
         shadow.set_attn_implementation(ONE_TOKEN_ATTENTION)
         width = 1 if widths == (1, 1) else f"{widths[0]}-{widths[1]}"
-        key = compile_store.package_key(shadow, width, compile_store.source_of(StepModule, FixedLayer,
+        key = compile_store.package_key(shadow, width, compile_store.source_of(StepModule, FixedLayer, _export,
                                                                                one_token_attention, for_layers))
         path = compile_store.package_path(key)
         t0 = time.perf_counter()
@@ -309,10 +309,11 @@ class CompiledStep:
         return logits[0], hidden
 
 
-def _export(shadow: nn.Module, width: int = 1, widths: tuple[int, int] | None = None):
+def _export(shadow: nn.Module, width: int = 1, widths: tuple[int, int] | None = None, example: int = 4):
     """``torch.export`` of a pass of ``width`` tokens (the one-token step by default) with the cache's size (columns)
     dynamic: one program for every length; with ``widths`` (lowest, highest) the pass width is dynamic too, one
-    program for every verify pass in that range. ``scripts/compiled_width.py`` exports wider static passes with it."""
+    program for every verify pass in that range, exported at the width in the range nearest ``example`` (4 or 8
+    measured the same). ``scripts/compiled_width.py`` exports other widths and dtypes with it."""
     config = shadow.config
     kv = FixedKV(capacity=3 * GROWTH)
     # lay out the buffers with an eager pass of two tokens (no_grad, not inference mode: export writes into them)
@@ -322,7 +323,7 @@ def _export(shadow: nn.Module, width: int = 1, widths: tuple[int, int] | None = 
     layers = kv.cache.layers
     keys, values = [layer.keys for layer in layers], [layer.values for layer in layers]
     if widths is not None:  # an example width inside the range that is neither 0 nor 1 (export specializes those)
-        width = max(widths[0], min(widths[1], 4))
+        width = max(widths[0], min(widths[1], max(example, 2)))
     mask = kv.mask(width, keys[0].dtype, keys[0].device, config)
     columns = torch.export.Dim("columns", min=2, max=1 << 20)
     rows = None if widths is None else torch.export.Dim("width", min=widths[0], max=widths[1])
