@@ -4,8 +4,8 @@ docs/kernels.md's notes on compiled verify passes (a static 8-token program; the
     python scripts/compiled_width.py 8                            # one program of static width 8 (2026-11-25)
     python scripts/compiled_width.py 2-16 --example 8 --time 2,5,8,9,12,16   # one program, width dynamic in 2-16
     python scripts/compiled_width.py 1,2,9 --dtype bfloat16       # bfloat16 programs of static widths 1, 2 and 9
-    python scripts/compiled_width.py 1,1-12 --attention grouped-rows --time 1,2,5,12 --context 300,1500
-                                                        # a one-token program against one dynamic program from 1
+    python scripts/compiled_width.py 1,1-12 --attention grouped-rows --time 1,2,5,12 --context 300,1500 --stored-step
+                                    # one dynamic program from width 1 against one-token programs (and the stored step)
 
 Each program (a static width N, or LO-HI: the width dynamic, exported at ``--example``) is compiled with the
 compiled step's options into --out (about 1 GB each for float32), its attention transformers' SDPA (copied key/value
@@ -63,6 +63,9 @@ ap.add_argument("--time", help="widths to time (default: the static widths and e
 ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
 ap.add_argument("--attention", default="sdpa", choices=["sdpa", "grouped-rows"])
 ap.add_argument("--context", default="300", help="cached tokens before the timed passes, comma-separated")
+ap.add_argument("--reuse", action="store_true", help="load the packages --out already holds instead of compiling")
+ap.add_argument("--stored-step", action="store_true",
+                help="time the default model's stored compiled one-token step at width 1 too (verispec compile)")
 ap.add_argument("--out", default="compiled-width", help="folder for the packages (about 1 GB each)")
 args = ap.parse_args()
 dtype = getattr(torch, args.dtype)
@@ -77,13 +80,20 @@ Path(args.out).mkdir(exist_ok=True)
 runners = {}
 for lo, hi in programs:
     t = time.time()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ep = _export(shadow, lo) if lo == hi else _export(shadow, widths=(lo, hi), example=args.example)
-        path = str(Path(args.out) / f"w{lo}-{hi}-{args.dtype}.pt2")
-        torch._inductor.aoti_compile_and_package(ep, package_path=path, inductor_configs=dict(compile_store.OPTIONS))
-    print(f"compiled widths {lo}-{hi} in {time.time() - t:.1f} s", flush=True)
+    path = str(Path(args.out) / f"w{lo}-{hi}-{args.dtype}-{args.attention}.pt2")
+    if not (args.reuse and Path(path).exists()):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ep = _export(shadow, lo) if lo == hi else _export(shadow, widths=(lo, hi), example=args.example)
+            torch._inductor.aoti_compile_and_package(ep, package_path=path,
+                                                     inductor_configs=dict(compile_store.OPTIONS))
+        print(f"compiled widths {lo}-{hi} in {time.time() - t:.1f} s", flush=True)
     runners[lo, hi] = torch._inductor.aoti_load_package(path)
+stored = None
+if args.stored_step:
+    stored = verispec.load_model("smollm2-135m", compiled="auto").step
+    if stored is None:
+        raise SystemExit("no stored step for the default model: run `verispec compile` first")
 
 for context in (int(c) for c in args.context.split(",")):
     ids = [(7 * i) % 49000 + 10 for i in range(context)]
@@ -102,7 +112,10 @@ for context in (int(c) for c in args.context.split(",")):
             return out[0][0]
 
         def covering(w):
-            return [(f"{lo}-{hi}", r) for (lo, hi), r in runners.items() if lo <= w <= hi]
+            found = [(f"{lo}-{hi}", r) for (lo, hi), r in runners.items() if lo <= w <= hi]
+            if stored is not None and w == 1:  # the stored step runs through its own wrapper: same inputs
+                found.append(("stored step", lambda *a: stored._runner(*a)))
+            return found
 
         ts = {}
         for w in timed:
