@@ -137,8 +137,10 @@ class LoadedModel:
         self.step = step
         if self.verify is None and self._verify_wanted():
             if cached_only:
+                # not a daemon: a process that ends while the program loads waits for it (~2 s) rather than
+                # leave C++ loading code running into the interpreter's shutdown (it aborted the process)
                 self._verify_thread = threading.Thread(target=self._load_verify, name="verispec-load-verify",
-                                                       daemon=True)
+                                                       daemon=False)
                 self._verify_thread.start()
             else:
                 self.verify = self._compiled(VERIFY_WIDTHS, cached_only)
