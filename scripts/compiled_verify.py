@@ -1,4 +1,5 @@
-"""Compiled verify passes against eager ones, beside the compiled one-token step (docs/results.md, 2026-11-27 15:15-16:55 UTC).
+"""Compiled verify passes against eager ones, beside the compiled one-token step (docs/results.md, 2026-11-27 15:15
+UTC).
 
     python scripts/compiled_verify.py [--prompts 12] [--tokens 128] [--drafters none,ngram,eagle] [--widths 1,2,5,9,17]
 

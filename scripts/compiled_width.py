@@ -147,4 +147,5 @@ for context in (int(c) for c in args.context.split(",")):
                 kv.length += 1
             kv.length = context
             diff = (wide.float() - torch.stack(rows).float()).abs().max().item()
-            print(f"{context} cached: a {len(toks)}-token pass against {len(toks)} one-token passes: max diff {diff:.3g}")
+            print(f"{context} cached: a {len(toks)}-token pass against {len(toks)} one-token passes: "
+                  f"max diff {diff:.3g}")

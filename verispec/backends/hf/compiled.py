@@ -6,9 +6,10 @@ for every length) and compiled ahead of time by AOTInductor with frozen weights 
 C++ GEMM kernels over weights it packs once, the norms, rotary and attention fused around them, and a C++ wrapper
 that calls them, so no Python runs per layer. Measured on the 2-core AMD EPYC Zen 5 with the default model: 15.3 ms
 a step against 22.2 ms eager (docs/kernels.md). Verify passes of 2-12 tokens run a second program of the same kind
-whose width is dynamic too (``VERIFY_WIDTHS``): on the AMD EPYC Zen 4 a 5-token pass took 23 ms compiled against 42
-eager, 12 tokens 44 against 50, 16 tokens 60 against 55 (so wider passes stay eager). Prefills and wider passes stay eager over the same cache; all are checked against a fresh forward over the
-whole sequence in tests/test_compiled.py and tests/test_e2e_compiled.py.
+whose width is dynamic too (``VERIFY_WIDTHS``): on the AMD EPYC Zen 4 a 5-token pass took 25 ms compiled against 42
+eager, 12 tokens 48 against 51, 16 tokens 61 against 60. Prefills, token trees and wider passes stay eager over the
+same cache; all are checked against a fresh forward over the whole sequence in tests/test_compiled.py and
+tests/test_e2e_compiled.py.
 
 Compiling takes about two minutes a program for the default model on 2 cores, so both are stored on disk
 (``verispec.backends.hf.compile_store``, keyed by the weights, widths, CPU and software) and a later process loads
