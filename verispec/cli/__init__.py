@@ -74,8 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     com = sub.add_parser("compile", help="compile a model's decoding passes ahead of time into the compile cache",
                          description="Compile the one-token decoding step of a transformers model (float32, CPU) "
-                                     "and its verify passes of 2-12 tokens (one program; VERISPEC_COMPILED_VERIFY=0 "
-                                     "skips it) with AOTInductor and store them in the compile cache, keyed by the "
+                                     "and its verify passes of 2-12 tokens (one program, built where memory allows; "
+                                     "VERISPEC_COMPILED_VERIFY=1/0 always/never) with AOTInductor and store them in the compile cache, keyed by the "
                                      "weights, CPU and software; later processes load them in seconds (--compile "
                                      "auto, the default, uses them). Prints where they are and what they cost. Needs "
                                      "a C++ compiler.")
@@ -175,7 +175,8 @@ def cmd_compile(args) -> int:
             print(f"{args.target}: {verify.what} {how} in {verify.seconds:.1f} s: {verify.path} "
                   f"({result['verify']['bytes'] / 1e9:.2f} GB)")
         else:
-            print(f"{args.target}: verify passes stay eager (see the warning above, or {COMPILED_VERIFY_ENV} is off)")
+            print(f"{args.target}: verify passes stay eager (a failed compile warns above; -v says when memory is "
+                  f"short; {COMPILED_VERIFY_ENV}=0 turns them off)")
     return 0
 
 

@@ -11,7 +11,7 @@ import logging
 import os
 import threading
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -51,6 +51,7 @@ class LoadedModel:
     pack_requested: bool = True  # packing was asked for (False: VERISPEC_PACK=0 or pack=False)
     step: CompiledStep | None = None  # compiled one-token step (``compile_step``), or None: every pass eager
     verify: CompiledStep | None = None  # compiled verify passes of VERIFY_WIDTHS tokens (``compile_step``), or None
+    _verify_thread: threading.Thread | None = field(default=None, init=False, repr=False, compare=False)
     skipped_layers: tuple[int, ...] = ()  # decoder layers this model leaves out (a view made by ``without_layers``)
     width_invariant: bool = False  # bfloat16 passes whose rows do not depend on the width (hf.invariant)
     backend = "transformers"
@@ -151,9 +152,8 @@ class LoadedModel:
 
     def wait_compiled(self, timeout: float | None = None) -> None:
         """Wait for a verify program that ``compile_step`` is loading in the background (at most ``timeout`` s)."""
-        thread = getattr(self, "_verify_thread", None)
-        if thread is not None:
-            thread.join(timeout)
+        if self._verify_thread is not None:
+            self._verify_thread.join(timeout)
 
     def _verify_wanted(self) -> bool:
         setting = os.environ.get(COMPILED_VERIFY_ENV, "auto").strip().lower()
@@ -169,15 +169,16 @@ class LoadedModel:
         return True
 
     def _compiled(self, widths: tuple[int, int], cached_only: bool) -> CompiledStep | None:
+        step = widths == (1, 1)
         try:
             built = CompiledStep.build(self.model, self.name, cached_only=cached_only, widths=widths)
         except Exception as exc:  # noqa: BLE001 - any compiler failure means: stay eager
-            log.warning("compiling %s failed (%s: %s); %s", "the one-token step" if widths == (1, 1) else
-                        "the verify passes", type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "",
-                        "decoding stays eager" if widths == (1, 1) else "verify passes stay eager")
+            log.warning("compiling %s failed (%s: %s); %s", "the one-token step" if step else "the verify passes",
+                        type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "",
+                        "decoding stays eager" if step else "verify passes stay eager")
             return None
         if built is not None:
-            log.info("%s compiled (%s in %.1f s)", built.what.replace("the one-token step", "one-token steps"),
+            log.info("%s compiled (%s in %.1f s)", "one-token steps" if step else built.what,
                      "loaded" if built.loaded else "compiled", built.seconds)
         return built
 
