@@ -412,6 +412,32 @@ def test_a_head_transplanted_to_fewer_feature_layers_computes_what_the_whole_hea
         transplant_feature_layers(head, [0, final])
 
 
+def test_a_widened_head_starts_where_the_head_was_and_its_new_units_can_learn(small_target, trained_head_dir):
+    """--intermediate-size with --init-head: the MLP gains units whose down-projection columns start at zero, so the
+    widened head drafts exactly what the old one does; the new units' gate/up rows are not zero, so training moves
+    them (the down columns get a gradient at once); narrowing is refused."""
+    from verispec.eagle.train import widen_mlp
+
+    head = EagleHead.load(trained_head_dir[0]).attach(small_target.model)
+    old = head.config.intermediate_size
+    wide = widen_mlp(head, old + 24).attach(small_target.model)
+    assert wide.config.intermediate_size == old + 24 and wide.down_proj.weight.shape[1] == old + 24
+    assert wide.gate_proj.weight[old:].abs().sum() > 0 and wide.up_proj.weight[old:].abs().sum() > 0
+    n_feat = len(head.config.feature_layers)
+    tokens = torch.tensor([3, 9, 4, 7, 1])
+    features = head.fuse_features(torch.randn(5, n_feat, head.config.hidden_size))
+    with torch.no_grad():
+        g_old, logits_old = head.step_logits(tokens, features, HeadCache())
+        g_new, logits_new = wide.step_logits(tokens, features, HeadCache())
+    assert torch.allclose(g_old, g_new, atol=1e-5) and torch.allclose(logits_old, logits_new, atol=1e-4)
+    wide.train()
+    g, _ = wide.step_logits(tokens, features.detach(), HeadCache())
+    g.square().sum().backward()
+    assert wide.down_proj.weight.grad[:, old:].abs().sum() > 0
+    with pytest.raises(ValueError, match="at least"):
+        widen_mlp(head, old - 1)
+
+
 def test_validation_split_holds_out_every_answer_to_a_prompt():
     rng = random.Random(5)
     prompts = [[rng.randrange(50) for _ in range(6)] for _ in range(40)]
@@ -496,10 +522,13 @@ def test_train_eagle_command_end_to_end(tiny_dir, tmp_path, capsys):
     code = main(["train-eagle", "--target", str(tiny_dir), "--prompts", str(prompts), "--out", str(more),
                  "--data", str(tmp_path / "data"), "--samples", "46", "--max-new-tokens", "8", "--epochs", "1",
                  "--val-every", "5", "--check-prompts", "0", "--layers", "1,2", "--init-head", str(out),
-                 "--answers-per-prompt", "2", "--answer-temperature", "0.9"])
+                 "--answers-per-prompt", "2", "--answer-temperature", "0.9",
+                 "--intermediate-size", str(cfg["intermediate_size"] + 16)])
     assert code == 0
     capsys.readouterr()
+    assert json.loads((more / "config.json").read_text())["intermediate_size"] == cfg["intermediate_size"] + 16
     record = json.loads((more / "config.json").read_text())["training"]
+    assert record["continued_from"]["intermediate_size"] == cfg["intermediate_size"]
     assert record["continued_from"]["head"] == str(out) and record["continued_from"]["training"]["data"]["sequences"] == 40
     assert record["data"]["sequences"] == 92 and len(list(load_sequences(tmp_path / "data"))) == 92
     assert record["data"]["answer_temperatures"] == [0.0, 0.9]
@@ -519,6 +548,9 @@ def test_train_eagle_command_end_to_end(tiny_dir, tmp_path, capsys):
     assert main(["train-eagle", "--target", str(tiny_dir), "--prompts", str(prompts), "--out", str(more),
                  "--init-head", str(tmp_path / "nowhere")]) != 0
     assert "nowhere" in capsys.readouterr().err
+    assert main(["train-eagle", "--target", str(tiny_dir), "--prompts", str(prompts), "--out", str(more),
+                 "--init-head", str(out), "--intermediate-size", "1"]) != 0
+    assert "widen it, not narrow it" in capsys.readouterr().err
 
 
 def test_train_eagle_refuses_spec_bench_prompts_and_bad_options(tiny_dir, tmp_path, capsys):

@@ -42,6 +42,10 @@ def add_train_parser(sub) -> None:
                    help="continue training this head (e.g. after adding data with a larger --samples) instead of "
                         "starting afresh; it keeps its draft vocabulary and reads its --layers or a subset of them (a "
                         "subset starts from its weights with the other layers' fusion columns dropped)")
+    g.add_argument("--intermediate-size", type=int, metavar="N",
+                   help="hidden units of the head's MLP (default: the target's, 1536 for the default model; a draft "
+                        "step streams them, so wider costs drafting time); with --init-head a wider N widens that "
+                        "head, its new units starting silent so it begins where the head was")
     g.add_argument("--val-every", type=int, default=200,
                    help="steps between validations, each also writing a resumable checkpoint (default: 200)")
     g.add_argument("--val-sequences", type=int, default=64,
@@ -212,10 +216,16 @@ def cmd_train_eagle(args) -> int:
                          ("--draft-vocab", args.draft_vocab, 2), ("--batch-tokens", args.batch_tokens, 64),
                          ("--val-sequences", args.val_sequences, 1))
     _check_run_arguments(args)
+    if args.intermediate_size is not None:
+        _check_whole_numbers(("--intermediate-size", args.intermediate_size, 1))
     if args.init_head:  # fail before an hour of data generation, not after
         from ..eagle.head import EagleHead
 
-        EagleHead.load(args.init_head)
+        init = EagleHead.load(args.init_head)
+        if args.intermediate_size is not None and args.intermediate_size < init.config.intermediate_size:
+            raise InvalidRequest(f"--init-head {args.init_head} has an MLP of {init.config.intermediate_size} units; "
+                                 f"--intermediate-size can widen it, not narrow it (got {args.intermediate_size}); "
+                                 "leave --init-head out to train a narrower head afresh")
     started = time.perf_counter()
     data_dir, check_ids = _self_distillation(args, "eagle")
 
@@ -224,7 +234,7 @@ def cmd_train_eagle(args) -> int:
                          draft_vocab_size=args.draft_vocab, val_every=args.val_every, seed=args.seed,
                          prompt_loss=not args.answers_only, init_head=args.init_head, device=args.device,
                          max_minutes=args.max_minutes, resume=args.resume, val_sequences=args.val_sequences,
-                         feature_layers=_online_layers(args.layers, target.model.config.num_hidden_layers)
+                         intermediate_size=args.intermediate_size, feature_layers=_online_layers(args.layers, target.model.config.num_hidden_layers)
                          if _online(args) and args.layers else None)
     print(f"verispec: step 2/3: training the head -> {args.out}", file=sys.stderr)
     report = train_head(target, data_dir, args.out, config, log=lambda m: print(f"verispec: {m}", file=sys.stderr))

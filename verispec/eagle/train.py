@@ -46,6 +46,7 @@ class TrainConfig:
     feature_layers: list[int] | None = None  # among the cached ones (and the final one); None = all of them
     bf16_autocast: bool = True
     init_head: str | None = None  # continue from this trained head (its weights and draft vocabulary)
+    intermediate_size: int | None = None  # the head's MLP width (None: the target's; with init_head: widen it to this)
     device: str = "cpu"  # where the head trains (and token-only data is teacher-forced): cpu, cuda, ...
     max_minutes: float | None = None  # the schedule ends after this many minutes of training if its steps do not
     resume: bool = False  # go on from the checkpoint in the output folder
@@ -247,10 +248,15 @@ def train_head(target: LoadedModel, data_dir: str | Path, out_dir: str | Path, c
             head = transplant_feature_layers(head, layers, str(config.init_head))
             log(f"starting from {config.init_head}'s weights with its fusion restricted to layers {layers} "
                 f"(it read {continued_from['feature_layers']})")
+        if config.intermediate_size and config.intermediate_size != head.config.intermediate_size:
+            continued_from["intermediate_size"] = head.config.intermediate_size
+            head = widen_mlp(head, config.intermediate_size, str(config.init_head), seed=config.seed)
+            log(f"starting from {config.init_head}'s weights with its MLP widened from "
+                f"{continued_from['intermediate_size']} to {config.intermediate_size} (the new units start silent)")
         head.train()
     else:
         continued_from = {}
-        head = EagleHead(head_config_for(model, target.name, layers, len(d2t)))
+        head = EagleHead(head_config_for(model, target.name, layers, len(d2t), config.intermediate_size))
         _init_feature_norms(head, model, layers)
         head.d2t.copy_(d2t)
         if config.init_from_layer is not None:
@@ -393,6 +399,29 @@ def transplant_feature_layers(head: EagleHead, layers: list[int], source: str = 
         del state[name]
     for new_index, j in enumerate(keep):
         state[f"feature_layer_norms.{new_index}.weight"] = head.feature_layer_norms[j].weight.detach()
+    new.load_state_dict(state)
+    return new.to(next(head.parameters()).dtype)
+
+
+def widen_mlp(head: EagleHead, size: int, source: str = "the head", seed: int = 0) -> EagleHead:
+    """A head whose MLP has ``size`` hidden units, started from ``head``: every weight kept, the new units' gate and
+    up rows drawn small and their down-projection columns zero, so the new head computes exactly what ``head`` does
+    until training moves them (more capacity, same starting point; Net2Net's function-preserving widening)."""
+    old = head.config.intermediate_size
+    if size < old:
+        raise ValueError(f"{source} has an MLP of {old} units; widening needs --intermediate-size of at least that, "
+                         f"got {size} (a narrower head trains afresh)")
+    config = HeadConfig(**{**asdict(head.config), "intermediate_size": size})
+    new = EagleHead(config)
+    state = {k: v for k, v in head.state_dict().items() if not k.startswith("embed.")}  # the target's, borrowed
+    generator = torch.Generator().manual_seed(seed)
+    std = float(state["gate_proj.weight"].float().std())
+    for name in ("gate_proj.weight", "up_proj.weight"):
+        w = state[name]
+        fresh = torch.randn(size - old, w.shape[1], generator=generator) * std
+        state[name] = torch.cat([w, fresh.to(w.dtype)], dim=0)
+    down = state["down_proj.weight"]
+    state["down_proj.weight"] = torch.cat([down, down.new_zeros(down.shape[0], size - old)], dim=1)
     new.load_state_dict(state)
     return new.to(next(head.parameters()).dtype)
 
