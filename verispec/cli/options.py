@@ -82,9 +82,10 @@ def add_cost_cache_option(g: argparse._ArgumentGroup) -> None:
 def add_compile_option(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--compile", nargs="?", const="on", default=default_compile_mode(), choices=COMPILE_MODES,
                    metavar="auto|on|off",
-                   help="transformers backend, float32 on CPU: one-token decoding steps compiled ahead of time "
-                        "(AOTInductor; verify passes stay eager). auto (default): use the compiled step stored by an "
-                        "earlier process, else decode eagerly (a server with --max-batch 1 compiles it in the "
+                   help="transformers backend, float32 on CPU: one-token decoding steps and verify passes of 2-12 "
+                        "tokens compiled ahead of time (AOTInductor; the verify program where 4x the weights fit in "
+                        "half the free memory; prefills, trees and wider passes stay eager). auto (default): use the "
+                        "compiled programs stored by an earlier process, else decode eagerly (a server with --max-batch 1 compiles it in the "
                         "background and switches when ready); on: compile now if none is stored (about a minute once "
                         "per model and machine, then ~2 s to load; needs a C++ compiler); off: always eager. "
                         f"${COMPILE_ENV} sets the default. "
