@@ -20,6 +20,7 @@ from verispec.backends.hf import compiled as compiled_module
 from verispec.backends.hf.cache import TorchKV
 from verispec.backends.hf.compiled import VERIFY_WIDTHS, FixedKV, unpacked_copy
 from verispec.drafters.ngram import NgramDrafter
+from verispec.controller import shared_cost_curve
 from verispec.engine import SpeculativeDecoder
 from verispec.errors import InvalidRequest
 from verispec.backends.hf.packing import PackedLinear, pack_linear_layers
@@ -102,6 +103,9 @@ def test_compiled_step_gives_the_eager_greedy_output_plain_and_speculative(store
     assert fast.step.loaded is False and fast.step.seconds > 0 and "compiled (AOTInductor)" in fast.kernel
     assert fast.step.path.exists() and fast.step.path.parent == compile_store.folder()
     assert isinstance(fast.new_kv(), FixedKV) and isinstance(eager.new_kv(), TorchKV)
+    # the same weights run compiled and eagerly cost differently: each way has a cost curve of its own
+    assert fast.cost_state == (True, True) and eager.cost_state == (False, False)
+    assert shared_cost_curve(fast) is not shared_cost_curve(eager) and shared_cost_curve(fast) is shared_cost_curve(fast)
     prompt = [5, 9, 3, 5, 9, 4]
     expected = _greedy(eager, None, prompt)
     assert _greedy(fast, None, prompt) == expected  # every step compiled, the buffers grown 5 times

@@ -177,3 +177,41 @@ def test_costs_timed_with_other_attention_are_another_measurement(store, tiny_di
     other.model.set_attn_implementation("sdpa")
     assert first.measurement_key["attention"] != other.measurement_key["attention"]
     assert not shared_cost_curve(other)
+
+
+def test_a_compiled_program_arriving_mid_process_starts_another_curve_at_the_next_request(store, tiny_dir):
+    """A verify program that loads in the background makes wide passes cheaper: the passes timed before it are not
+    its costs. Each way of running passes (``cost_state``) has its own curve and stored record, and a decoder takes
+    the curve of the passes as they run now at the start of each request."""
+    from verispec import NgramDrafter, SpeculativeDecoder
+
+    target = load_model(str(tiny_dir))
+    assert target.cost_state == (False, False) and target.measurement_key["compiled_verify"] is False
+    decoder = SpeculativeDecoder(target, NgramDrafter(), k=3)
+    eager = decoder.controller.costs
+    assert eager is shared_cost_curve(target)
+    decoder.generate([5, 6, 7, 5, 6, 7, 5], max_new_tokens=6)
+    assert eager.measured()
+
+    class Arrived(type(target)):  # the same weights, as they would run once a verify program is in
+        @property
+        def cost_state(self):
+            return (False, True)
+
+        @property
+        def measurement_key(self):
+            return {**super().measurement_key, "compiled_verify": True}
+
+    target.__class__ = Arrived
+    try:
+        later = shared_cost_curve(target)
+        assert later is not eager and not later  # nothing timed or stored for it yet
+        decoder.controller.start_request()
+        assert decoder.controller.costs is later
+        later.observe(1, 0.002)
+        save_cost_curve(later, force=True)
+        save_cost_curve(eager, force=True)
+        assert len(list(store.glob(f"{COST_RECORD}-*.json"))) == 2  # one record per way of running passes
+    finally:
+        target.__class__ = Arrived.__mro__[1]
+    assert shared_cost_curve(target) is eager

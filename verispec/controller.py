@@ -244,29 +244,29 @@ def _weighted_median(values: list[tuple[float, float]]) -> float:
     return ordered[-1][0]
 
 
-_CURVES: "weakref.WeakKeyDictionary[object, CostCurve]" = weakref.WeakKeyDictionary()
+_CURVES: "weakref.WeakKeyDictionary[object, dict[object, CostCurve]]" = weakref.WeakKeyDictionary()
 COST_RECORD = "cost-curve"  # the kind of record a curve is stored as (verispec.backends.measurements)
 SAVE_INTERVAL_S = 10.0
 
 
 def shared_cost_curve(target) -> CostCurve:
-    """The one cost curve of a target model in this process (every decoder over it measures into it), started from
-    the curve an earlier process stored for the same model, settings and machine (``target.measurement_key``)."""
-    curve = _CURVES.get(target.cost_key)
+    """The one cost curve of a target model in this process (every decoder over it measures into it) for the way its
+    passes run now (``target.cost_state``: a compiled program that arrives mid-process starts another curve, since
+    its passes cost something else), started from the curve an earlier process stored for the same model, settings
+    and machine (``target.measurement_key``)."""
+    curves = _CURVES.get(target.cost_key)
+    if curves is None:
+        curves = _CURVES[target.cost_key] = {}
+    state = target.cost_state
+    curve = curves.get(state)
     if curve is None:
-        curve = _CURVES[target.cost_key] = CostCurve()
+        curve = curves[state] = CostCurve()
         curve.key = target.measurement_key
         stored = measurements.load(COST_RECORD, curve.key)
         if stored:
             curve.seed({int(w): s for w, s in stored.items()})
             log.info("step costs of %s from an earlier run: %s", target.name, stored)
     return curve
-
-
-def forget_cost_curve(target) -> None:
-    """Drop this process's cost curve of ``target``, whose passes changed cost (its one-token step was compiled):
-    the next decoder starts from what is stored for the new settings, or measures them."""
-    _CURVES.pop(target.cost_key, None)
 
 
 def save_cost_curve(curve: CostCurve, force: bool = False) -> None:
@@ -362,16 +362,20 @@ class RequestState:
 class Controller:
     """Chooses the draft length per step for one drafter over one target (see the module docstring).
 
-    ``costs``: the target's step time by width (shared by every decoder of the model in this process).
+    ``costs``: the target's step time by width (shared by every decoder of the model in this process);
+    ``source``, where given, is asked for it again at the start of each request (``shared_cost_curve``: the curve of
+    the target's passes as they run now, which changes when a compiled program arrives).
     ``policy``: ``cost`` (the rule) or ``fixed`` (verify every draft token the drafter offers, up to k: for
     experiments and for comparison)."""
 
     def __init__(self, costs: CostCurve, policy: str = COST, margin: float = 0.03, probe_length: int = 2,
                  first_probe_interval: int = 8, max_probe_interval: int = 64, request_weight: float = 4.0,
-                 cheap_draft: float = 0.02, plain_relax: float = 0.03) -> None:
+                 cheap_draft: float = 0.02, plain_relax: float = 0.03,
+                 source: Callable[[], CostCurve] | None = None) -> None:
         if policy not in K_POLICIES:
             raise InvalidRequest(f"k policy must be one of {', '.join(K_POLICIES)}, got {policy!r}")
-        self.costs = costs
+        self._costs = costs
+        self.source = source
         self.policy = policy
         self.margin = margin
         self.probe_length = probe_length
@@ -390,7 +394,17 @@ class Controller:
         self.state = self.start_request()
 
     # ------------------------------------------------------------------ lifecycle
+    @property
+    def costs(self) -> CostCurve:
+        return self._costs
+
+    @costs.setter
+    def costs(self, curve: CostCurve) -> None:  # a curve given by hand stays: ``source`` no longer replaces it
+        self._costs, self.source = curve, None
+
     def start_request(self) -> RequestState:
+        if self.source is not None:
+            self._costs = self.source()
         acceptance = self.history.copy(self.request_weight)
         self.state = RequestState(acceptance, probe_interval=self.first_probe_interval)
         return self.state

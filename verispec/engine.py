@@ -13,6 +13,7 @@ accepted path is fed again, in front of the next step's drafts.
 
 from __future__ import annotations
 
+import functools
 import secrets
 import time
 from dataclasses import dataclass, field
@@ -170,7 +171,8 @@ class SpeculativeDecoder:
         self.acceptance = acceptance
         self.typical = (typical_epsilon, typical_delta)
         self.reuse_prefix = reuse_prefix
-        self.controller = Controller(shared_cost_curve(target), policy=k_policy)
+        self.controller = Controller(shared_cost_curve(target), policy=k_policy,
+                                     source=functools.partial(shared_cost_curve, target))
         self._cache: KVCache | None = None
         self._cached_tokens: list[int] = []
         self._features = FeatureBuffer()

@@ -131,6 +131,12 @@ class TargetModel(Protocol):
         """A weak-referenceable object that identifies the weights (the controller keeps one cost curve per key)."""
 
     @property
+    def cost_state(self) -> object:
+        """How passes run now, where that can change in a process (a compiled program arriving): the controller keeps
+        a cost curve per state. None: passes always run the same way."""
+        return None
+
+    @property
     def measurement_key(self) -> dict | None:
         """Everything a pass's cost depends on (weights, format, dtype, threads, CPU, versions): the key its measured
         costs are stored under for later processes (``verispec.backends.measurements``); None: never stored."""

@@ -17,7 +17,6 @@ import sys
 import threading
 import time
 
-from ..controller import forget_cost_curve
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +70,6 @@ class BackgroundCompile:
             self.state = "failed"
             log.warning("background compile failed (%s); decoding stays eager", exc)
             return
-        forget_cost_curve(self.target)
         self.seconds = time.perf_counter() - t0
         self.state = "compiled"
         log.warning("one-token steps of %s now run compiled (ready after %.0f s)", self.ref, self.seconds)

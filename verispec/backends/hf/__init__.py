@@ -85,6 +85,10 @@ class LoadedModel:
         return self.linear_kernel
 
     @property
+    def cost_state(self) -> object:
+        return (self.step is not None, self.verify is not None)
+
+    @property
     def measurement_key(self) -> dict | None:
         """What a pass's cost depends on here (``verispec.backends.measurements``); None for a model that was not
         loaded from a folder or the hub (its costs are never stored)."""
@@ -93,7 +97,8 @@ class LoadedModel:
             return None
         model = measurements.file_fingerprint(source) if Path(source).exists() else source
         return {**measurements.machine(), "backend": self.backend, "model": model, "dtype": str(self.dtype),
-                "device": str(self.device), "compiled": self.step is not None, "kernel": self.linear_kernel,
+                "device": str(self.device), "compiled": self.step is not None,
+                "compiled_verify": self.verify is not None, "kernel": self.linear_kernel,
                 "attention": getattr(self.model.config, "_attn_implementation", None),
                 "threads": torch.get_num_threads()}
 
@@ -114,7 +119,7 @@ class LoadedModel:
         skip = tuple(sorted(set(skip)))
         view = skipping_view(self.model, skip)
         return replace(self, model=view, name=f"{self.name} without layers {','.join(map(str, skip))}", step=None,
-                       skipped_layers=skip)
+                       verify=None, skipped_layers=skip)
 
     def new_kv(self, trees: bool = False) -> TorchKV | FixedKV:
         return FixedKV() if self.step is not None else TorchKV()
