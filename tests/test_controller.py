@@ -155,6 +155,26 @@ def test_fixed_policy_verifies_what_is_drafted_and_bad_policies_are_rejected():
         Controller(CostCurve(), policy="always")
 
 
+def test_a_tree_probe_brings_the_next_one_closer_only_if_it_paid_for_its_wide_pass():
+    """A tree probes with its whole budget, and almost every tree gets a token or two accepted; what matters is
+    whether the step paid: here a pass over the pending token and 10 nodes costs 4 plain steps, so a probe that
+    commits 3 tokens backs the probing off like a failed one (on an EPYC with a compiled step, tree probes every
+    8th step had run 0.81x plain decoding at temperature 0.7), and one that commits 4 brings the next one close."""
+    c = controller(slope=0.3, acceptance=0.1, first_probe_interval=4, max_probe_interval=32)
+    probes = []
+    for step in range(120):
+        d = c.draft_budget(10, tree_depth=4)
+        if d.n:
+            assert d.probe and d.n == 10
+            probes.append(step)
+            c.observe_verdict(4, 2)  # 3 tokens committed: not enough for a pass of 4 steps
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert c.state.probe_needs == pytest.approx(4.0) and gaps[:3] == [8, 16, 32]
+    c.state.probe_pending = True
+    c.observe_verdict(4, 3)  # 4 tokens: it paid
+    assert c.state.probe_interval == 4
+
+
 def test_trees_spend_the_whole_budget_or_none():
     assert controller(slope=0.05, acceptance=0.8).draft_budget(12, tree_depth=4).n == 12
     assert controller(slope=1.0, acceptance=0.1, draft_seconds_per_token=0.001).draft_budget(12, tree_depth=4).n == 0

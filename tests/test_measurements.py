@@ -215,3 +215,35 @@ def test_a_compiled_program_arriving_mid_process_starts_another_curve_at_the_nex
     finally:
         target.__class__ = Arrived.__mro__[1]
     assert shared_cost_curve(target) is eager
+
+
+def test_a_tree_drafter_times_tree_passes_into_a_curve_of_its_own(tiny_dir, store):
+    """Tree passes run eagerly where chain passes of the same width may run compiled: a decoder that drafts trees
+    keeps its own curve (and stored record), and its calibration times tree-shaped passes."""
+    from verispec import NgramDrafter, SpeculativeDecoder
+
+    target = load_model(str(tiny_dir))
+    chain = SpeculativeDecoder(target, NgramDrafter(), k=4)
+    tree = SpeculativeDecoder(target, NgramDrafter(branches=3), k=4)
+    assert tree.controller.costs is not chain.controller.costs
+    assert tree.controller.costs is shared_cost_curve(target, trees=True)
+    assert tree.controller.costs.key == {**chain.controller.costs.key, "passes": "trees"}
+    timed = []
+    forward = target.forward
+
+    def recording(kv, tokens, **kw):
+        timed.append((len(tokens), kw.get("parents")))
+        return forward(kv, tokens, **kw)
+
+    target.forward = recording
+    try:
+        tree.generate([5, 6, 7, 5, 6, 7, 5], max_new_tokens=4)
+    finally:
+        del target.forward
+    assert tree.controller.costs.measured() and not chain.controller.costs.measured()
+    calibration = timed[1:10]  # after the prefill: the warm-up pass, then widths 1, 2, 3, 5 twice
+    assert [n for n, _ in calibration] == [1, 1, 2, 3, 5, 1, 2, 3, 5]
+    assert all(parents == list(range(-1, n - 2)) for n, parents in calibration if n > 1)
+    assert all(parents is None for n, parents in calibration if n == 1)
+    save_cost_curve(tree.controller.costs, force=True)
+    assert any('"trees"' in p.read_text() for p in store.glob(f"{COST_RECORD}-*.json"))

@@ -249,19 +249,22 @@ COST_RECORD = "cost-curve"  # the kind of record a curve is stored as (verispec.
 SAVE_INTERVAL_S = 10.0
 
 
-def shared_cost_curve(target) -> CostCurve:
+def shared_cost_curve(target, trees: bool = False) -> CostCurve:
     """The one cost curve of a target model in this process (every decoder over it measures into it) for the way its
     passes run now (``target.cost_state``: a compiled program that arrives mid-process starts another curve, since
     its passes cost something else), started from the curve an earlier process stored for the same model, settings
-    and machine (``target.measurement_key``)."""
+    and machine (``target.measurement_key``). ``trees``: the curve of decoders whose wide passes are token trees
+    (their own: a tree pass of w tokens can cost far more than a chain's, which may run compiled)."""
     curves = _CURVES.get(target.cost_key)
     if curves is None:
         curves = _CURVES[target.cost_key] = {}
-    state = target.cost_state
+    state = (target.cost_state, trees)
     curve = curves.get(state)
     if curve is None:
         curve = curves[state] = CostCurve()
         curve.key = target.measurement_key
+        if curve.key is not None and trees:
+            curve.key = {**curve.key, "passes": "trees"}
         stored = measurements.load(COST_RECORD, curve.key)
         if stored:
             curve.seed({int(w): s for w, s in stored.items()})
@@ -356,6 +359,7 @@ class RequestState:
     plain_run: int = 0  # consecutive steps decided plain
     probe_interval: int = 8
     probe_pending: bool = False  # the current step is a probe
+    probe_needs: float = 2.0  # tokens the probe's step must commit to pay for itself (see Controller._choose)
     drafted: bool = False  # the request's first proposal (which also reads the prompt) has been made
 
 
@@ -457,9 +461,11 @@ class Controller:
         """Expected committed tokens of a step that verifies this draft (a tree: ``length`` = its depth)."""
         return expected_tokens(self._estimate(length, confidence))
 
-    def _choose(self, best: Decision, plain: Decision, tree: bool = False) -> Decision:
+    def _choose(self, best: Decision, plain: Decision, fed: int = 1, tree: bool = False) -> Decision:
         """Plain or speculative, with hysteresis and the probing schedule (a tree probes with its whole budget:
-        what is in question is the cost of the wide pass)."""
+        what is in question is the cost of the wide pass). A probe brings the next one closer only if it paid: it
+        committed as many tokens as a step of its width and drafting cost must to match a plain step (for a chain
+        probe, one accepted token where passes cost about the same; for a tree on a pass 3.6x a step, 3.6)."""
         st = self.state
         if best.n == 0:
             return plain
@@ -477,6 +483,8 @@ class Controller:
             st.plain_run = 0
             st.probe_pending = True
             k = best.n if tree else min(self.probe_length, best.n)
+            seconds = self.pass_cost(fed + k) + self.draft_cost(k)
+            st.probe_needs = (1.0 + self.other_tokens) * seconds / plain.predicted_seconds - self.other_tokens
             return Decision(k, best.predicted_tokens, best.predicted_seconds, True)
         return plain
 
@@ -491,13 +499,13 @@ class Controller:
             # a tree spends its whole node budget in one pass; its accepted path is measured by depth
             tree = self._decision([acc.at(i) for i in range(min(tree_depth, k_max))], fed, k_max,
                                   self.draft_cost(k_max))
-            return self._choose(tree, self._decision([], fed, 0, 0.0), tree=True)
+            return self._choose(tree, self._decision([], fed, 0, 0.0), fed, tree=True)
         if self.drafting_is_cheap(k_max, fed):
             # drafting costs nothing next to a pass: draft the most, verify_length decides on the draft itself
             best, _ = self._best([acc.at(i) for i in range(k_max)], fed, draft_cost=False)
             return Decision(k_max, best.predicted_tokens, best.predicted_seconds)
         best, plain = self._best([acc.at(i) for i in range(k_max)], fed, draft_cost=True)
-        return self._choose(best, plain)
+        return self._choose(best, plain, fed)
 
     def verify_length(self, length: int, confidence: list[float] | None, deterministic: bool,
                       fed: int = 1) -> Decision:
@@ -521,7 +529,7 @@ class Controller:
                     break
         best, plain = self._best(estimate[:n], fed, draft_cost=False)
         if self.drafting_is_cheap(length, fed):
-            return self._choose(best, plain)  # this is the step's one plain-or-speculate decision
+            return self._choose(best, plain, fed)  # this is the step's one plain-or-speculate decision
         # the budget decided to speculate; with the draft paid for, verify what pays
         return best if best.n and best.rate > plain.rate else plain
 
@@ -543,7 +551,7 @@ class Controller:
             st.acceptance.observe(verified, accepted, confidence)
             self.history.observe(verified, accepted, confidence)
             self.longrun.observe(verified, accepted)
-            if st.probe_pending:
-                st.probe_interval = (self.first_probe_interval if accepted
+            if st.probe_pending:  # a probe that paid for itself brings the next one close; else they back off
+                st.probe_interval = (self.first_probe_interval if accepted + 1 >= st.probe_needs
                                      else min(2 * st.probe_interval, self.max_probe_interval))
         st.probe_pending = False

@@ -171,8 +171,10 @@ class SpeculativeDecoder:
         self.acceptance = acceptance
         self.typical = (typical_epsilon, typical_delta)
         self.reuse_prefix = reuse_prefix
-        self.controller = Controller(shared_cost_curve(target), policy=k_policy,
-                                     source=functools.partial(shared_cost_curve, target))
+        self._trees = bool(drafter is not None and drafter.tree_depth)  # its caches are asked for tree passes
+        # tree passes cost what they cost (eager where chains run compiled): a tree drafter's curve is its own
+        curves = functools.partial(shared_cost_curve, target, trees=self._trees)
+        self.controller = Controller(curves(), policy=k_policy, source=curves)
         self._cache: KVCache | None = None
         self._cached_tokens: list[int] = []
         self._features = FeatureBuffer()
@@ -184,7 +186,6 @@ class SpeculativeDecoder:
                                  f"{list(self.feature_layers)}, which this {target.backend} target does not return; "
                                  "use --backend transformers, or on llamacpp load it with features=True")
         self.fill_padding = fill_padding
-        self._trees = bool(drafter is not None and drafter.tree_depth)  # its caches are asked for tree passes
         if self._trees and not target.supports_trees:
             raise InvalidRequest(f"the {getattr(drafter, 'name', 'drafter')} drafter's token trees need a backend that "
                                  f"verifies trees (transformers or openvino; the {target.backend} backend verifies "
@@ -380,8 +381,9 @@ class SpeculativeDecoder:
 
     def _calibrate(self, state: SequenceState, k: int) -> None:
         """Seed the target's cost curve (once per model and process): time an engine step at a few widths up
-        to k + 1 on this request's context, twice, then crop the cache back. Each width's faster time enters the
-        curve as provisional (``CostCurve.seed(..., stored=False)``): the steps confirm or replace it."""
+        to k + 1 on this request's context, twice, then crop the cache back (a tree drafter's passes as trees: a
+        chain of nodes after the pending tokens). Each width's faster time enters the curve as provisional
+        (``CostCurve.seed(..., stored=False)``): the steps confirm or replace it."""
         curve = self.controller.costs
         widths = sorted({1, 2, 1 + max(1, k // 2), 1 + k})
         if self.controller.policy != COST or all(w in curve.measured() for w in widths):
@@ -392,8 +394,10 @@ class SpeculativeDecoder:
         timed: dict[int, float] = {}
         for i, w in enumerate([1, *widths, *widths]):  # the first pass warms up and is not kept
             feed = (pending * w)[: max(w, len(pending))]
+            nodes = len(feed) - len(pending)
+            parents = list(range(-1, nodes - 1)) if self._trees and nodes else None
             t0 = time.perf_counter()
-            probabilities(self.target.forward(state.cache, feed).logits, state.sampling)
+            probabilities(self.target.forward(state.cache, feed, parents=parents).logits, state.sampling)
             state.cache.truncate(past)
             if i:  # a pass is only ever slowed down by what else runs: the faster of the two times is the cost
                 timed[len(feed)] = min(timed.get(len(feed), float("inf")), time.perf_counter() - t0)
