@@ -258,7 +258,7 @@ def shared_cost_curve(target, trees: bool = False) -> CostCurve:
     curves = _CURVES.get(target.cost_key)
     if curves is None:
         curves = _CURVES[target.cost_key] = {}
-    state = (target.cost_state, trees)
+    state = (getattr(target, "cost_state", None), trees)  # backends whose passes never change have none
     curve = curves.get(state)
     if curve is None:
         curve = curves[state] = CostCurve()

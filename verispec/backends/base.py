@@ -132,8 +132,8 @@ class TargetModel(Protocol):
 
     @property
     def cost_state(self) -> object:
-        """How passes run now, where that can change in a process (a compiled program arriving): the controller keeps
-        a cost curve per state. None: passes always run the same way."""
+        """Optional: how passes run now, where that can change in a process (a compiled program arriving); the
+        controller keeps a cost curve per state. None, or no such attribute: passes always run the same way."""
         return None
 
     @property
