@@ -85,9 +85,10 @@ def add_compile_option(g: argparse._ArgumentGroup) -> None:
                    help="transformers backend, float32 on CPU: one-token decoding steps and verify passes of 2-12 "
                         "tokens compiled ahead of time (AOTInductor; the verify program where 4x the weights fit in "
                         "half the free memory; prefills, trees and wider passes stay eager). auto (default): use the "
-                        "compiled programs stored by an earlier process, else decode eagerly (a server with --max-batch 1 compiles it in the "
-                        "background and switches when ready); on: compile now if none is stored (about a minute once "
-                        "per model and machine, then ~2 s to load; needs a C++ compiler); off: always eager. "
+                        "compiled programs stored by an earlier process, else decode eagerly (a server with "
+                        "--max-batch 1 compiles them in the background and switches when ready); on: compile now if "
+                        "none is stored (a few minutes once per model and machine, then seconds to load; needs a "
+                        "C++ compiler); off: always eager. "
                         f"${COMPILE_ENV} sets the default. "
                         "Plain decoding ran 1.67x faster on a 2-core EPYC (docs/kernels.md)")
 

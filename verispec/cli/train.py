@@ -234,7 +234,8 @@ def cmd_train_eagle(args) -> int:
                          draft_vocab_size=args.draft_vocab, val_every=args.val_every, seed=args.seed,
                          prompt_loss=not args.answers_only, init_head=args.init_head, device=args.device,
                          max_minutes=args.max_minutes, resume=args.resume, val_sequences=args.val_sequences,
-                         intermediate_size=args.intermediate_size, feature_layers=_online_layers(args.layers, target.model.config.num_hidden_layers)
+                         intermediate_size=args.intermediate_size,
+                         feature_layers=_online_layers(args.layers, target.model.config.num_hidden_layers)
                          if _online(args) and args.layers else None)
     print(f"verispec: step 2/3: training the head -> {args.out}", file=sys.stderr)
     report = train_head(target, data_dir, args.out, config, log=lambda m: print(f"verispec: {m}", file=sys.stderr))
