@@ -75,10 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     com = sub.add_parser("compile", help="compile a model's decoding passes ahead of time into the compile cache",
                          description="Compile the one-token decoding step of a transformers model (float32, CPU) "
                                      "and its verify passes of 2-12 tokens (one program, built where memory allows; "
-                                     "VERISPEC_COMPILED_VERIFY=1/0 always/never) with AOTInductor and store them in the compile cache, keyed by the "
-                                     "weights, CPU and software; later processes load them in seconds (--compile "
-                                     "auto, the default, uses them). Prints where they are and what they cost. Needs "
-                                     "a C++ compiler.")
+                                     "VERISPEC_COMPILED_VERIFY=1/0 always/never) with AOTInductor and store them in "
+                                     "the compile cache, keyed by the weights, CPU and software; later processes "
+                                     "load them in seconds (--compile auto, the default, uses them). Prints where "
+                                     "they are and what they cost. Needs a C++ compiler.")
     com.add_argument("--target", default=DEFAULT_MODEL, metavar="REF",
                      help=f"model: built-in name, local directory, .gguf file or hub id (default: {DEFAULT_MODEL})")
     com.add_argument("--threads", type=int, help="torch threads while compiling (default: torch's choice)")

@@ -17,7 +17,6 @@ import sys
 import threading
 import time
 
-
 log = logging.getLogger(__name__)
 
 STATES = ("eager", "compiling", "compiled", "failed")

@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 PACK_ENV = "VERISPEC_PACK"  # 0 turns off prepacked oneDNN weights (verispec.backends.hf.packing)
 COMPILED_VERIFY_ENV = "VERISPEC_COMPILED_VERIFY"  # 0 / 1: verify passes eager / compiled (default: if memory allows)
 INVARIANT_ENV = "VERISPEC_WIDTH_INVARIANT"  # 0 turns off width-invariant bfloat16 passes (verispec.backends.hf.invariant)
+SWITCHED_OFF = ("0", "false", "no", "off")  # how an environment switch is turned off (or on, below)
+SWITCHED_ON = ("1", "true", "yes", "on")
 
 
 @dataclass
@@ -162,9 +164,9 @@ class LoadedModel:
 
     def _verify_wanted(self) -> bool:
         setting = os.environ.get(COMPILED_VERIFY_ENV, "auto").strip().lower()
-        if setting in ("0", "false", "no", "off"):
+        if setting in SWITCHED_OFF:
             return False
-        if setting in ("1", "true", "yes", "on"):
+        if setting in SWITCHED_ON:
             return True
         need, available = verify_memory(self.model)
         if available is not None and need > available / 2:
@@ -367,7 +369,7 @@ def load(ref: str, dtype: str | torch.dtype = "float32", device: str | None = No
 
 def _switched_on(variable: str) -> bool:
     """An on-by-default switch: on unless the environment variable is 0/false/no/off."""
-    return os.environ.get(variable, "1").strip().lower() not in ("0", "false", "no", "off")
+    return os.environ.get(variable, "1").strip().lower() not in SWITCHED_OFF
 
 
 def invariant_from_environment() -> bool:
