@@ -67,6 +67,25 @@ def test_a_tree_pass_on_the_fixed_cache_matches_each_branch_alone():
     torch.testing.assert_close(out[3], _fresh(target.model, prompt + [12])[-1], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kind", ["fixed", "growing"])
+def test_a_trees_accepted_path_kept_in_the_cache_reads_as_if_fed_in_order(kind, small_growth):
+    """After a tree pass the engine keeps the accepted path's keys (``keep``) instead of feeding it again: the next
+    pass must see exactly the context a fresh forward over the committed tokens sees."""
+    target = loaded(make_model(seed=4))
+    kv = FixedKV(capacity=8) if kind == "fixed" else TorchKV()
+    prompt = [5, 9, 3, 5]
+    nodes, parents = [10, 11, 12, 13, 14], [-1, -1, 1, 2, 0]  # the path 11 -> 12 -> 13 sits after a sibling
+    with torch.inference_mode():
+        target.forward(kv, prompt[:-1], last_only=True)
+        target.forward(kv, prompt[-1:] + nodes, parents=parents)
+        kv.keep(len(prompt), [len(prompt) + i for i in (1, 2, 3)])
+        assert len(kv) == len(prompt) + 3
+        out = target.forward(kv, [20, 21]).logits
+        kv.keep(len(kv), [])  # nothing accepted: nothing moves
+    torch.testing.assert_close(out, _fresh(target.model, prompt + [11, 12, 13, 20, 21])[-2:], atol=1e-5, rtol=1e-5)
+    assert len(kv) == len(prompt) + 5
+
+
 def test_unpacked_copy_shares_the_weights_and_drops_the_packing():
     model = make_model(seed=1)
     packed = pack_linear_layers(model)  # 0 where this torch build cannot pack: the copy is then a plain copy
@@ -128,7 +147,7 @@ def test_verify_passes_run_the_compiled_verify_program_and_match_a_fresh_forward
     model, fast = store
     verify = fast.verify
     assert verify is not None and verify.widths == VERIFY_WIDTHS and verify.path != fast.step.path
-    assert "verify passes of 2-12 tokens" in fast.kernel
+    assert "verify passes and token trees of 2-12 tokens" in fast.kernel
     prompt = [5, 9, 3, 5, 9, 4, 7, 2, 8, 6, 1, 3, 5, 9, 3, 5, 9, 4, 7, 2, 8]
     fresh = _fresh(model, prompt)
     calls = []
@@ -136,9 +155,9 @@ def test_verify_passes_run_the_compiled_verify_program_and_match_a_fresh_forward
     class Counted:  # the verify program, counting the widths it ran
         widths = verify.widths
 
-        def __call__(self, kv, tokens):
+        def __call__(self, kv, tokens, parents=None):
             calls.append(len(tokens))
-            return verify(kv, tokens)
+            return verify(kv, tokens, parents)
 
     monkeypatch.setattr(fast, "verify", Counted())
     kv = fast.new_kv()
@@ -165,6 +184,41 @@ def test_verify_passes_run_the_compiled_verify_program_and_match_a_fresh_forward
     calls.clear()
     assert _greedy(fast, NgramDrafter(), prompt[:6]) == expected  # compiled steps and compiled verify passes
     assert any(width > 1 for width in calls), "no verify pass ran compiled"
+
+
+def test_token_trees_run_the_compiled_verify_program_and_match_each_branch_alone(store, monkeypatch):
+    from test_eagle import LAYERS
+
+    model, fast = store
+    verify = fast.verify
+    calls = []
+
+    class Counted:  # the verify program, counting what it ran
+        widths = verify.widths
+
+        def __call__(self, kv, tokens, parents=None):
+            calls.append((len(tokens), parents))
+            return verify(kv, tokens, parents)
+
+    monkeypatch.setattr(fast, "verify", Counted())
+    prompt = [5, 9, 3, 5, 9, 4, 7, 2, 8, 6]
+    nodes, parents = [10, 11, 12, 13, 14, 15], [-1, 0, 1, -1, 3, 0]  # two roots, the first forks after one node
+    paths = [[10], [10, 11], [10, 11, 12], [13], [13, 14], [10, 15]]
+    kv = FixedKV(capacity=8)
+    reference = loaded(model)
+    with torch.inference_mode():
+        fast.forward(kv, prompt[:-2], last_only=True)  # eager: lays out the buffers (8 positions)
+        tree = fast.forward(kv, prompt[-2:] + nodes, parents=parents, feature_layers=LAYERS)  # grows them to 16
+        kv.truncate(len(prompt))  # the nodes dropped, as the engine does after a tree step
+        after = fast.forward(kv, [20, 21]).logits  # written over the nodes' columns
+        hidden = [reference.forward(reference.new_kv(), prompt + path, feature_layers=LAYERS).hidden[-1]
+                  for path in paths]
+    assert calls == [(8, parents), (2, None)] and kv.capacity == 16
+    torch.testing.assert_close(tree.logits[:2], _fresh(model, prompt)[-2:], atol=1e-5, rtol=1e-5)
+    for i, path in enumerate(paths):
+        torch.testing.assert_close(tree.logits[2 + i], _fresh(model, prompt + path)[-1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(tree.hidden[2 + i], hidden[i], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(after, _fresh(model, prompt + [20, 21])[-2:], atol=1e-5, rtol=1e-5)
 
 
 def test_verify_passes_stay_eager_when_switched_off(store, monkeypatch):
@@ -225,9 +279,9 @@ def test_the_compiled_step_gives_hidden_states_and_eagle_keeps_plain_greedy_outp
     class Counted:  # the step, counting its calls
         widths = step.widths
 
-        def __call__(self, kv, tokens):
+        def __call__(self, kv, tokens, parents=None):
             calls.append(tokens)
-            return step(kv, tokens)
+            return step(kv, tokens, parents)
 
     fast.step = Counted()
     try:  # the controller's k = 0 steps run the compiled step, and the head drafts from the features it returns

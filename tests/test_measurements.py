@@ -218,7 +218,7 @@ def test_a_compiled_program_arriving_mid_process_starts_another_curve_at_the_nex
 
 
 def test_a_tree_drafter_times_tree_passes_into_a_curve_of_its_own(tiny_dir, store):
-    """Tree passes run eagerly where chain passes of the same width may run compiled: a decoder that drafts trees
+    """Tree passes may run eagerly where chain passes of the same width run compiled: a decoder that drafts trees
     keeps its own curve (and stored record), and its calibration times tree-shaped passes."""
     from verispec import NgramDrafter, SpeculativeDecoder
 

@@ -107,6 +107,25 @@ def test_engine_tree_greedy_equals_plain_greedy(tiny_target, k):
                 assert got.stats.accepted > 0 and got.stats.verify_steps < 40
 
 
+def test_a_tree_steps_accepted_path_stays_cached_and_is_not_fed_again(tiny_target, monkeypatch):
+    prompt = [5, 9, 3, 5, 9, 4, 7]
+    plain = SpeculativeDecoder(tiny_target).generate(prompt, max_new_tokens=30)
+    fed = []
+    forward = tiny_target.forward
+
+    def recording(kv, tokens, parents=None, **kw):
+        if parents is not None:
+            fed.append(len(tokens) - len(parents))
+        return forward(kv, tokens, parents=parents, **kw)
+
+    monkeypatch.setattr(tiny_target, "forward", recording)
+    decoder = SpeculativeDecoder(tiny_target, OracleTreeDrafter(prompt + plain.token_ids, tiny_target.vocab_size),
+                                 k=6, k_policy="fixed")
+    out = decoder.generate(prompt, max_new_tokens=30)
+    assert out.token_ids == plain.token_ids and out.stats.accepted > 0
+    assert set(fed) == {1}  # only the pending token, whatever the last tree accepted
+
+
 def test_sampled_trees_follow_the_target_distribution(tiny_target):
     """Trees are verified at any temperature: the oracle's random trees (the plain greedy path plus random
     siblings) at temperature 1 against the exact joint distribution of the first three tokens."""

@@ -172,7 +172,8 @@ class SpeculativeDecoder:
         self.typical = (typical_epsilon, typical_delta)
         self.reuse_prefix = reuse_prefix
         self._trees = bool(drafter is not None and drafter.tree_depth)  # its caches are asked for tree passes
-        # tree passes cost what they cost (eager where chains run compiled): a tree drafter's curve is its own
+        # tree passes cost what they cost (a tree may run eagerly where a chain as wide runs compiled, on some
+        # backends always): a tree drafter's curve is its own
         curves = functools.partial(shared_cost_curve, target, trees=self._trees)
         self.controller = Controller(curves(), policy=k_policy, source=curves)
         self._cache: KVCache | None = None
@@ -456,9 +457,15 @@ class SpeculativeDecoder:
             path, next_token = self._verify_tree(state, draft, p)
             n, accepted = len(path), [draft.tokens[i] for i in path]
             kept_rows = list(range(len(uncached))) + [len(uncached) + i for i in path]
-            # the accepted nodes' keys sit between rejected siblings: drop every node and feed the accepted path
-            # again with the next step's pass (no extra forward; only the cache API's crop)
-            self._keep(state, past, uncached, [])
+            # the accepted nodes' keys sit between rejected siblings: move them to follow the committed tokens
+            # where the cache can (KVCache.keep), else drop every node and feed the path again with the next pass
+            keep = getattr(state.cache, "keep", None)
+            if keep is not None:
+                start = past + len(uncached)
+                keep(start, [start + i for i in path])
+                state.cached_tokens.extend([*uncached, *accepted])
+            else:
+                self._keep(state, past, uncached, [])
         else:
             n, next_token = self._verify_chain(state, draft, p)
             accepted = draft.tokens[:n]

@@ -253,9 +253,9 @@ class LoadedModel:
             return self.forward_batch([(kv, tokens)], feature_layers=feature_layers, last_only=last_only)[0]
         n, fixed = len(tokens), isinstance(kv, FixedKV)
         compiled = self.step if n == 1 else self.verify
-        if (fixed and parents is None and compiled is not None and compiled.widths[0] <= n <= compiled.widths[1]
-                and _initialized(kv)):
-            logits, hidden = compiled(kv, [int(t) for t in tokens])
+        if (fixed and compiled is not None and compiled.widths[0] <= n <= compiled.widths[1] and _initialized(kv)
+                and (parents is None or not self.width_invariant)):
+            logits, hidden = compiled(kv, [int(t) for t in tokens], None if parents is None else list(parents))
             return TargetPass(logits[-1:] if last_only else logits,
                               select_layers(hidden, tuple(feature_layers)) if feature_layers else None)
         with kv.eager(n) if fixed else nullcontext():
@@ -282,7 +282,7 @@ class LoadedModel:
         """The kernel the linear layers run on ("oneDNN-packed", "F.linear (MKL)", ...), for reports."""
         compiled = "; one-token steps compiled (AOTInductor)" if self.step is not None else ""
         if self.verify is not None:
-            compiled += f", verify passes of {self.verify.widths[0]}-{self.verify.widths[1]} tokens too"
+            compiled += f", verify passes and token trees of {self.verify.widths[0]}-{self.verify.widths[1]} tokens too"
         if self.packed_layers:
             return "oneDNN-packed" + ("; width-invariant attention" if self.width_invariant else "") + compiled
         kernel = linear_kernel(self.dtype, pack=False)

@@ -84,8 +84,27 @@ class TorchKV:
     def truncate(self, length: int) -> None:
         truncate(self.cache, length)
 
+    def keep(self, start: int, positions: list[int]) -> None:
+        """Keep the first ``start`` positions and then ``positions`` (ascending, each >= ``start``), drop the rest."""
+        compact(self.cache, start, positions)
+        self.truncate(start + len(positions))
+
     def close(self) -> None:
         self.cache = new_cache()
+
+
+def compact(cache: Cache, start: int, positions: list[int]) -> None:
+    """Move the cached ``positions`` (ascending, each at or past ``start``) to follow the first ``start`` ones,
+    in every layer (its public ``keys`` and ``values``, indexed by position); the caller then truncates to
+    ``start + len(positions)``. A token tree's accepted path stays cached this way, its nodes' keys computed at
+    the positions they now hold, instead of being fed again with the next pass."""
+    if not positions or positions == list(range(start, start + len(positions))):
+        return
+    for layer in cache.layers:
+        index = torch.tensor(positions, device=layer.keys.device)
+        end = start + len(positions)
+        layer.keys[:, :, start:end] = layer.keys.index_select(2, index)
+        layer.values[:, :, start:end] = layer.values.index_select(2, index)
 
 
 def truncate(cache: Cache, length: int) -> None:

@@ -7,9 +7,9 @@ C++ GEMM kernels over weights it packs once, the norms, rotary and attention fus
 that calls them, so no Python runs per layer. Measured on the 2-core AMD EPYC Zen 5 with the default model: 15.3 ms
 a step against 22.2 ms eager (docs/kernels.md). Verify passes of 2-12 tokens run a second program of the same kind
 whose width is dynamic too (``VERIFY_WIDTHS``): on the AMD EPYC Zen 4 a 5-token pass took 25 ms compiled against 42
-eager, 12 tokens 48 against 51, 16 tokens 61 against 60. Prefills, token trees and wider passes stay eager over the
-same cache; all are checked against a fresh forward over the whole sequence in tests/test_compiled.py and
-tests/test_e2e_compiled.py.
+eager, 12 tokens 48 against 51, 16 tokens 61 against 60. Token trees of 2-12 tokens run it too (positions and mask
+are its inputs). Prefills and wider passes stay eager over the same cache; all are checked against a fresh
+forward over the whole sequence in tests/test_compiled.py and tests/test_e2e_compiled.py.
 
 Compiling takes about two minutes a program for the default model on 2 cores, so both are stored on disk
 (``verispec.backends.hf.compile_store``, keyed by the weights, widths, CPU and software) and a later process loads
@@ -36,6 +36,8 @@ from torch import nn
 from transformers import AttentionInterface, Cache, StaticLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ...tree import tree_inputs
+from .cache import compact
 from .masks import for_layers
 
 log = logging.getLogger(__name__)
@@ -153,6 +155,26 @@ class FixedKV:
         if config is not None:
             mask = for_layers(config, mask, positions, columns)
         return mask
+
+    def keep(self, start: int, positions: list[int]) -> None:
+        """Keep the first ``start`` positions and then ``positions`` (ascending, each >= ``start``), drop the rest."""
+        compact(self.cache, start, positions)
+        self.truncate(start + len(positions))
+
+    def tree_mask(self, fed: int, parents: list[int], dtype: torch.dtype, device: torch.device, config=None):
+        """(position ids ``[1, fed + nodes]``, mask ``[1, 1, fed + nodes, columns]``) of a pass that feeds ``fed``
+        tokens and then a token tree (``verispec.tree.tree_inputs``) after the cached ones, over all of the buffer:
+        the columns past the pass are hidden like the stale ones ``mask`` hides."""
+        past, width = self.length, fed + len(parents)
+        positions, tree = tree_inputs(past, fed, list(parents), dtype, device)
+        columns = self._columns or self.capacity
+        mask = tree.new_full((1, 1, width, columns), torch.finfo(dtype).min)
+        mask[..., : past + width] = tree
+        if config is not None:
+            keys = torch.cat([torch.arange(past, device=device), positions[0],
+                              torch.arange(past + width, columns, device=device)])
+            mask = for_layers(config, mask, positions[0], keys)
+        return positions, mask
 
     def close(self) -> None:
         self.cache = Cache(layer_class_to_replicate=self._new_layer)
@@ -290,18 +312,23 @@ class CompiledStep:
             raise RuntimeError(f"the compiled pass written to {path} does not load")
         return cls(runner, model, time.perf_counter() - t0, loaded=False, path=path, widths=widths)
 
-    def __call__(self, kv: FixedKV, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, kv: FixedKV, tokens: list[int], parents: list[int] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run ``tokens`` (as many as ``widths`` allows) after ``kv``'s cached positions and cache them; returns their
         logits ``[n, vocab]`` and every layer's hidden state ``[layers + 1, 1, n, hidden]`` (index it as
-        transformers' ``hidden_states``)."""
+        transformers' ``hidden_states``). With ``parents`` the last ``len(parents)`` tokens are a token tree
+        (``verispec.tree``): the program takes positions and a mask as inputs, so a tree runs it as a chain does."""
         n = len(tokens)
         if not self.widths[0] <= n <= self.widths[1]:
             raise ValueError(f"{self.what} cannot run a pass of {n} tokens")
         kv.reserve(n)
         layers = kv.cache.layers
-        logits, hidden = self._runner(torch.tensor([list(tokens)], device=self.device),
-                                      torch.arange(kv.length, kv.length + n, device=self.device)[None],
-                                      kv.mask(n, self.dtype, self.device, self._config),
+        if parents is None:
+            positions = torch.arange(kv.length, kv.length + n, device=self.device)[None]
+            mask = kv.mask(n, self.dtype, self.device, self._config)
+        else:
+            positions, mask = kv.tree_mask(n - len(parents), parents, self.dtype, self.device, self._config)
+        logits, hidden = self._runner(torch.tensor([list(tokens)], device=self.device), positions, mask,
                                       torch.tensor(kv.length, device=self.device),
                                       [layer.keys for layer in layers], [layer.values for layer in layers])
         kv.length += n
