@@ -229,7 +229,7 @@ def test_load_makes_speculation_shrink():
     ctrl.share_passes(lambda w: 1 + w, other_tokens=1.0)  # one other plain sequence: still worth it
     assert ctrl.verify_length(4, None, deterministic=True).n > 0
     # drafting that costs time: draft_budget itself says 0 under load
-    ctrl.draft.observe(1, 0.002)
+    ctrl.draft_seconds_per_token.add(0.002)
     ctrl.start_request()
     ctrl.share_passes(None)
     assert ctrl.draft_budget(4).n > 0

@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 from statistical_helpers import ALPHA, joint_p_value
 from verispec import InvalidRequest, ModelDrafter, NgramDrafter, SamplingParams, SpeculativeDecoder
 from verispec.analysis import expected_tokens
-from verispec.controller import Acceptance, Controller, CostCurve, DraftCost
+from verispec.controller import Acceptance, Controller, CostCurve, RunningMean
 
 
 class FixedCosts(CostCurve):
@@ -29,12 +29,11 @@ class FixedCosts(CostCurve):
         return self.base * (1 + self.slope * (width - 1))
 
 
-def controller(slope: float, acceptance: float, draft_seconds_per_token: float = 0.0, base: float = 0.01,
-               **kwargs) -> Controller:
-    c = Controller(FixedCosts(slope, base), **kwargs)
+def controller(slope: float, acceptance: float, draft_seconds_per_token: float = 0.0, **kwargs) -> Controller:
+    c = Controller(FixedCosts(slope), **kwargs)
     c.history = Acceptance(prior=acceptance, weight=1e9)  # a known acceptance that observations cannot move
     c.start_request()
-    c.draft = DraftCost.given(draft_seconds_per_token)
+    c.draft_seconds_per_token = RunningMean(draft_seconds_per_token, 1e9)
     return c
 
 
@@ -70,59 +69,6 @@ def test_a_requests_first_proposal_is_not_a_per_token_draft_cost():
     c.start_request()
     c.observe_draft(2, 1.0)
     assert c.draft_cost(1) == pytest.approx(0.001)
-
-
-def test_draft_cost_is_a_fixed_part_plus_a_part_per_token():
-    cost = DraftCost()
-    assert cost(3) == 0.0  # nothing timed yet
-    cost.observe(1, 0.004)
-    assert cost(1) == pytest.approx(0.004) and cost(2) == pytest.approx(0.008)  # one length: all of it per token
-    for _ in range(5):
-        cost.observe(1, 0.004)
-        cost.observe(3, 0.006)
-    assert cost.line() == (pytest.approx(0.003), pytest.approx(0.001))
-    assert cost(2) == pytest.approx(0.005) and cost(0) == 0.0
-    cost.observe(3, 1.0)  # a stall counts as at most 3x the mean
-    assert cost(3) < 0.009
-    falling = DraftCost()  # longer proposals measured cheaper (noise): never a negative fixed part
-    for _ in range(3):
-        falling.observe(1, 0.004)
-        falling.observe(2, 0.010)
-    assert falling.line()[0] >= 0.0 and falling(1) > 0.0
-
-
-def test_the_controller_learns_a_drafters_fixed_cost_and_then_drafts_longer():
-    """Proposals cost 3 ms + 1.1 ms a token (the EAGLE head on the compiled target): priced per token from one
-    length (4.1 ms each), one token looks best; one token more is tried until the fixed part is known, and then the
-    controller drafts the length that pays most under the true cost."""
-    passes = {1: 0.017, 2: 0.0217, 3: 0.023, 4: 0.0243, 5: 0.0256, 6: 0.0269, 7: 0.0282}  # the Zen 4's curve
-
-    class Measured(FixedCosts):
-        def __call__(self, width):
-            return passes[width]
-
-    c = Controller(Measured(0.0))
-    c.history = Acceptance(prior=0.55, weight=1e9)
-    c.start_request()
-    c.state.drafted = True
-
-    def true_cost(n):
-        return 0.003 + 0.0011 * n
-
-    def best_length(cost):
-        rates = {n: expected_tokens([0.55] * n) / (cost(n) + passes[1 + n]) for n in range(1, 7)}
-        return max(rates, key=rates.get)
-
-    assert best_length(lambda n: true_cost(1) * n) == 1 and best_length(true_cost) >= 3
-    c.observe_draft(1, true_cost(1))
-    asked = []
-    for _ in range(12):
-        n = c.draft_budget(6).n
-        asked.append(n)
-        c.observe_draft(n, true_cost(n))
-    assert asked[:3] == [1, 1, 2]  # once one length is known, one token more
-    assert asked[-1] == best_length(true_cost)
-    assert c.draft.line() == (pytest.approx(0.003), pytest.approx(0.0011))
 
 
 def test_acceptance_counts_only_the_positions_reached():

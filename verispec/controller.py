@@ -222,96 +222,15 @@ class CostCurve:
             # Theil-Sen: the weighted median of the slopes between pairs of widths, then of the intercepts. A width
             # measured once during a stall (a stored curve had 142 ms at width 12 between 30 and 35 ms at 11 and 13)
             # moves a median little, where it tilted a least-squares line enough to make every draft look dear
-            slope, intercept = _theil_sen(wide)
+            pairs = [((tj - ti) / (wj - wi), min(ci, cj)) for i, (wi, ti, ci) in enumerate(wide)
+                     for wj, tj, cj in wide[i + 1:]]
+            slope = max(0.0, _weighted_median(pairs))
+            intercept = _weighted_median([(t - slope * w, c) for w, t, c in wide])
             return base, 0.0, intercept, slope
         if len(wide) == 1:
             w0, t0, _ = wide[0]
             return base, 1.0, base, (t0 - base) / (w0 - 1)
         return base, 1.0, base, base * self.prior_slope
-
-
-class DraftCost:
-    """Seconds a drafter takes to propose n tokens: a fixed part plus a part per token, fitted to a running mean
-    per proposal length (a Theil-Sen line, each length weighted by how often it was measured, at most 20).
-
-    The fixed part matters: an EAGLE head first reads the features of the tokens the last step accepted, a draft
-    model first catches up on them, and only then does each further token cost one small step. Priced per token
-    from the mean, one EAGLE token on the compiled target looked as dear as the whole proposal (4.07 ms, where each
-    further token costs ~1.1 ms), so the chain drafted one token in 77% of its steps where two or three paid more.
-    With one length measured, the line goes through zero (every second per token: what a longer draft costs at
-    most); ``explore`` then has the controller ask for one token more than the rule chose until a second length
-    has ``EXPLORE_AFTER`` measurements, which costs one head step at a time and nothing in the output (the controller
-    still verifies only what pays)."""
-
-    EXPLORE_AFTER = 3
-
-    def __init__(self, smoothing: float = 0.1) -> None:
-        self.smoothing = smoothing
-        self._means: dict[int, RunningMean] = {}
-        self._line: tuple[float, float] | None = None  # (fixed seconds, seconds per token)
-
-    @classmethod
-    def given(cls, per_token: float, fixed: float = 0.0) -> "DraftCost":
-        """A cost that is given, not measured (tests and experiments): observations cannot move it."""
-        cost = cls()
-        cost._means = {n: RunningMean(fixed + per_token * n, 1e9) for n in (1, 2)}
-        return cost
-
-    def observe(self, proposed: int, seconds: float) -> None:
-        if proposed < 1:
-            return
-        self._line = None
-        mean = self._means.get(proposed)
-        if mean is None:
-            self._means[proposed] = RunningMean(seconds, 1.0, self.smoothing)
-        else:
-            mean.add(min(seconds, 3 * mean.value))  # one stall is not the drafter's cost
-
-    @property
-    def count(self) -> float:
-        return sum(m.count for m in self._means.values())
-
-    def measured(self) -> dict[int, float]:
-        return {n: m.value for n, m in sorted(self._means.items())}
-
-    def line(self) -> tuple[float, float]:
-        """(fixed seconds, seconds per token); (0, 0) before any proposal was timed."""
-        if self._line is None:
-            points = [(n, m.value, min(m.count, 20.0)) for n, m in self._means.items()]
-            if not points:
-                self._line = (0.0, 0.0)
-            elif len(points) == 1:
-                n, seconds, _ = points[0]
-                self._line = (0.0, seconds / n)
-            else:
-                slope, intercept = _theil_sen(points)
-                if intercept < 0:  # the line through zero that fits best: all of it per token
-                    slope = sum(t * c for _, t, c in points) / sum(n * c for n, _, c in points)
-                    intercept = 0.0
-                self._line = (intercept, slope)
-        return self._line
-
-    def __call__(self, n: int) -> float:
-        if n <= 0:
-            return 0.0
-        fixed, per_token = self.line()
-        return fixed + per_token * n
-
-    def explore(self, n: int) -> bool:
-        """Whether to ask for n + 1 tokens where the rule chose n: while fewer than two proposal lengths have
-        ``EXPLORE_AFTER`` measurements (the fixed part is not known yet), once n has them and n + 1 has not."""
-        known = {length for length, m in self._means.items() if m.count >= self.EXPLORE_AFTER}
-        return len(known) < 2 and n in known and n + 1 not in known
-
-
-def _theil_sen(points: list[tuple[float, float, float]]) -> tuple[float, float]:
-    """(slope, intercept) of weighted (x, y, weight) points: the weighted median of the slopes between pairs of
-    distinct x (never below 0), then of the intercepts. One noisy point moves a median little, where it tilts a
-    least-squares line."""
-    pairs = [((yj - yi) / (xj - xi), min(ci, cj)) for i, (xi, yi, ci) in enumerate(points)
-             for xj, yj, cj in points[i + 1:] if xj != xi]
-    slope = max(0.0, _weighted_median(pairs))
-    return slope, _weighted_median([(y - slope * x, c) for x, y, c in points])
 
 
 def _weighted_median(values: list[tuple[float, float]]) -> float:
@@ -475,7 +394,7 @@ class Controller:
         # computes in all, and the tokens the others commit with it (both 0 extra when the pass is ours alone)
         self.width_of: Callable[[int], int] | None = None
         self.other_tokens = 0.0
-        self.draft = DraftCost()  # the drafter's seconds by proposal length, across requests
+        self.draft_seconds_per_token = RunningMean(0.0, 0.0, 0.1)  # across requests
         self.state = self.start_request()
 
     # ------------------------------------------------------------------ lifecycle
@@ -512,7 +431,7 @@ class Controller:
         return self.costs(self.width_of(width) if self.width_of is not None else width)
 
     def draft_cost(self, n: int) -> float:
-        return self.draft(n)
+        return self.draft_seconds_per_token.value * n if self.draft_seconds_per_token.count else 0.0
 
     def drafting_is_cheap(self, k: int, fed: int = 1) -> bool:
         return self.draft_cost(k) < self.cheap_draft * self.pass_cost(fed)
@@ -586,11 +505,7 @@ class Controller:
             best, _ = self._best([acc.at(i) for i in range(k_max)], fed, draft_cost=False)
             return Decision(k_max, best.predicted_tokens, best.predicted_seconds)
         best, plain = self._best([acc.at(i) for i in range(k_max)], fed, draft_cost=True)
-        decision = self._choose(best, plain, fed)
-        if 0 < decision.n < k_max and not decision.probe and self.draft.explore(decision.n):
-            # one token more than the rule chose, to learn the drafter's fixed cost (DraftCost)
-            return Decision(decision.n + 1, decision.predicted_tokens, decision.predicted_seconds)
-        return decision
+        return self._choose(best, plain, fed)
 
     def verify_length(self, length: int, confidence: list[float] | None, deterministic: bool,
                       fed: int = 1) -> Decision:
@@ -623,7 +538,7 @@ class Controller:
         # a request's first proposal also reads the whole prompt (an EAGLE head, a draft model's prefill): a
         # one-time cost, not what each further draft token costs
         if proposed and self.state.drafted:
-            self.draft.observe(proposed, seconds)
+            self.draft_seconds_per_token.add(seconds / proposed)
         self.state.drafted = self.state.drafted or bool(proposed)
 
     def observe_step(self, width: int, seconds: float) -> None:
