@@ -134,11 +134,19 @@ def test_tree_pass_and_hidden_states_equal_the_transformers_backends(ov_target, 
     torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
     assert got.hidden.shape == want.hidden.shape == (8, 3, hf.model.config.hidden_size)
     torch.testing.assert_close(got.hidden, want.hidden, atol=1e-4, rtol=1e-4)
-    # the engine drops a tree's nodes after verifying it and feeds the accepted path again
-    ov_kv.truncate(12)
-    hf_kv.truncate(12)
+    # the engine keeps a tree's accepted path (here the second root's chain, nodes 3 and 4) and drops the rest
+    for kv in (ov_kv, hf_kv):
+        kv.keep(12, [12 + 3, 12 + 4])
+    assert len(ov_kv) == len(hf_kv) == 14
     torch.testing.assert_close(ov_target.forward(ov_kv, [8, 12]).logits, hf.forward(hf_kv, [8, 12]).logits,
                                atol=1e-4, rtol=1e-4)
+    fresh = hf.forward(hf.new_kv(), seq[:12] + [10, 11, 8, 12]).logits[-2:]
+    torch.testing.assert_close(ov_target.forward(ov_target.new_kv(), seq[:12] + [10, 11, 8, 12]).logits[-2:], fresh,
+                               atol=1e-4, rtol=1e-4)
+    ov_kv.truncate(14)
+    torch.testing.assert_close(ov_target.forward(ov_kv, [8, 12]).logits, fresh, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="cannot keep"):
+        ov_kv.keep(12, [11])
     assert ov_target.forward(ov_target.new_kv(), seq[:3], last_only=True, feature_layers=(1,)).hidden is not None
 
 

@@ -6,7 +6,8 @@ attention mask itself and returns every layer's hidden states beside the logits.
 rejected positions stay in the state but are masked out of attention while the positions fed to the model
 (``position_ids``) stay logical, so the next pass sees exactly the kept prefix. When masked positions outgrow the
 live ones the state is compacted (one gather, amortized over many steps). A token tree is the same mask with each
-node seeing its ancestors only (``verispec.tree``); hidden states (EAGLE heads) are read from the second output.
+node seeing its ancestors only (``verispec.tree``); its accepted path stays alive after it (``OpenVINOKV.keep``);
+hidden states (EAGLE heads) are read from the second output.
 """
 
 from __future__ import annotations
@@ -52,6 +53,16 @@ class OpenVINOKV:
             raise ValueError(f"cannot keep {length} positions of a cache holding {len(self.alive)}")
         self.mask[self.alive[length:]] = MASKED
         del self.alive[length:]
+
+    def keep(self, start: int, positions: list[int]) -> None:
+        """Keep the first ``start`` positions and then ``positions`` (ascending, each >= ``start``; a token tree's
+        accepted path), drop the rest: only which physical positions are alive changes, nothing is copied (the kept
+        nodes' keys were computed at the positions they now hold)."""
+        if positions and (positions[0] < start or positions[-1] >= len(self.alive)):
+            raise ValueError(f"cannot keep positions {positions} after {start} of a cache holding {len(self.alive)}")
+        kept = self.alive[:start] + [self.alive[p] for p in positions]
+        self.mask[sorted(set(self.alive[start:]) - set(kept))] = MASKED
+        self.alive = kept
 
     def close(self) -> None:
         self.request = None
