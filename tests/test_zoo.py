@@ -106,6 +106,8 @@ def test_the_compiled_step_gives_greedy_decoding_with_no_cache(family):
     assert fast.verify is not None  # the verify program compiles for every family too (sliding-window masks included)
     spec = SpeculativeDecoder(fast, NgramDrafter(), k=3, k_policy="fixed")  # compiled steps and compiled verify passes
     assert spec.generate(PROMPT, max_new_tokens=NEW).token_ids == expected
+    trees = SpeculativeDecoder(fast, NgramDrafter(branches=3), k=4, k_policy="fixed")  # trees on the verify program
+    assert trees.generate(PROMPT, max_new_tokens=NEW).token_ids == expected
     # the same step loaded again from the compile cache, after other families' steps were loaded in this process
     # (in another process the sliding-window masks came in another order, swapped, before they were sorted)
     again = zoo_target(family)
