@@ -58,7 +58,9 @@ def test_the_gguf_is_the_model_and_rollback_matches_a_forward_with_no_cache(pair
     whole = reference(input_ids=torch.tensor([TOKENS])).logits[0]
     plain = target.forward(target.new_kv(), TOKENS).logits
     n = compared(family)
-    torch.testing.assert_close(plain[:n], whole[:n], atol=5e-3, rtol=2e-3)
+    # llama.cpp's CPU kernels round differently from torch's: on an AVX2-only AMD EPYC one Gemma 3 logit in a million
+    # differed by 5.4e-3 (a clean-clone CI run, 2026-11-27), elsewhere all stayed under 5e-3
+    torch.testing.assert_close(plain[:n], whole[:n], atol=1e-2, rtol=2e-3)
     assert_rollback_matches(target, target.new_kv(), TOKENS, plain)
 
 
