@@ -100,9 +100,10 @@ def compact(cache: Cache, start: int, positions: list[int]) -> None:
     the positions they now hold, instead of being fed again with the next pass."""
     if not positions or positions == list(range(start, start + len(positions))):
         return
+    end, index = start + len(positions), None
     for layer in cache.layers:
-        index = torch.tensor(positions, device=layer.keys.device)
-        end = start + len(positions)
+        if index is None or index.device != layer.keys.device:  # one index for every layer (on their device)
+            index = torch.tensor(positions, device=layer.keys.device)
         layer.keys[:, :, start:end] = layer.keys.index_select(2, index)
         layer.values[:, :, start:end] = layer.values.index_select(2, index)
 
