@@ -228,6 +228,19 @@ def test_head_precision_auto_is_bfloat16_only_where_the_cpu_multiplies_it_native
         EagleDrafter(small_target, trained_head_dir[0], precision="float16")
 
 
+def test_a_head_converted_to_another_precision_leaves_the_targets_embedding_alone(tiny_target):
+    """The head borrows the target's embedding without owning it: converting an attached head (an explicit
+    precision on a caller's head) must not convert the target's embedding in place, which changed its decoding."""
+    embedding = tiny_target.embedding_model.get_input_embeddings().weight
+    before = embedding.detach().clone()
+    head = random_head(tiny_target, 20)
+    drafter = EagleDrafter(tiny_target, head, precision="bfloat16")
+    assert drafter.head.fc.weight.dtype == torch.bfloat16 and drafter.head.embed is not None
+    assert "embed" not in dict(head.named_children()) and not any(n.startswith("embed.") for n in head.state_dict())
+    weight = tiny_target.embedding_model.get_input_embeddings().weight
+    assert weight.dtype == torch.float32 and torch.equal(weight, before)
+
+
 def test_eagle_sampling_at_temperature_1_with_an_untrained_head(tiny_target):
     """Mostly rejected drafts: the correction token comes from norm(max(p - q, 0)) nearly every step."""
     decoder = SpeculativeDecoder(tiny_target, EagleDrafter(tiny_target, random_head(tiny_target, 20)), k=3, k_policy="fixed")

@@ -166,7 +166,8 @@ class EagleHead(nn.Module):
                 f"{self.config.target_fingerprint}), but the target has fingerprint {fp}. A head only drafts for the "
                 "target it was trained on: train one for this target with `verispec train-eagle --target REF`"
             )
-        self.embed = target_model.get_input_embeddings()
+        # borrowed, not registered: the head's own .to(dtype) must never convert the target's embedding in place
+        object.__setattr__(self, "embed", target_model.get_input_embeddings())
         weight = target_model.get_output_embeddings().weight
         self.lm_head_d = weight.detach()[self.d2t.to(weight.device)].to(self.fuse.weight.dtype)
         self._lm_head_packed = None
