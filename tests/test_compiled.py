@@ -417,3 +417,75 @@ def test_a_server_compiles_in_the_background_switches_and_the_next_starts_compil
     failing.start()
     failing.join(timeout=300)
     assert failing.state == "failed"
+
+
+def test_the_compiled_eagle_head_steps_like_the_torch_head_and_is_stored_under_its_weights(store):
+    """The head's draft step as an AOTInductor program (``verispec.eagle.compiled``): g, logits (context-vocabulary
+    rows included) and the cached keys and values equal the torch head's step after step, whether the program or the
+    torch head (a first step, or more pairs than the program takes) ran it; stored under the head's weights, so
+    the same weights load it and other weights never do."""
+    from test_eagle import random_head
+
+    from verispec.eagle import compiled as compiled_head
+    from verispec.eagle.head import HeadCache
+
+    _, fast = store
+    head = random_head(fast, 20)
+    built = compiled_head.CompiledHeadSteps.load_or_build(head, fast.embedding_model, "tiny")
+    assert built.loaded is False and built.path.exists() and built.path.parent == compile_store.folder()
+    extra = fast.embedding_model.get_output_embeddings().weight.detach()[:3]
+    hidden = head.config.hidden_size
+    caches = HeadCache(), HeadCache()
+    feeds = [(torch.tensor([3, 4, 5, 6]), torch.randn(4, hidden)),  # first step: the torch head
+             (torch.tensor([7]), torch.randn(1, hidden)), (torch.tensor([8, 9, 10]), torch.randn(3, hidden)),
+             (torch.arange(1, compiled_head.MAX_ROWS + 2) % 30, torch.randn(compiled_head.MAX_ROWS + 1, hidden)),
+             (torch.tensor([11]), torch.randn(1, hidden))]
+    calls = []
+    runner = built._runner
+    built._runner = lambda *args: calls.append(args[0].shape[0]) or runner(*args)
+    with torch.inference_mode():
+        for tokens, features in feeds:
+            g_t, logits_t = head.step_logits(tokens, features, caches[0], extra)
+            g_c, logits_c = built.step_logits(tokens, features, caches[1], extra)
+            assert logits_c.shape == logits_t.shape == (1, 20 + 3)
+            torch.testing.assert_close(g_c, g_t, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(logits_c, logits_t, atol=1e-4, rtol=1e-4)
+    assert calls == [1, 3, 1]  # the first step and the 33 pairs ran the torch head
+    assert len(caches[1]) == len(caches[0]) == 4 + 1 + 3 + (compiled_head.MAX_ROWS + 1) + 1
+    torch.testing.assert_close(caches[1].k, caches[0].k, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(caches[1].v, caches[0].v, atol=1e-4, rtol=1e-4)
+    again = compiled_head.CompiledHeadSteps.load_or_build(random_head(fast, 20), fast.embedding_model,
+                                                          cached_only=True)
+    assert again is not None and again.loaded is True and again.path == built.path
+    assert compiled_head.CompiledHeadSteps.load_or_build(random_head(fast, 20, seed=1), fast.embedding_model,
+                                                         cached_only=True) is None
+    with pytest.raises(InvalidRequest, match="float32"):
+        compiled_head.CompiledHeadSteps.load_or_build(random_head(fast, 20).to(torch.bfloat16), fast.embedding_model)
+
+
+def test_eagle_drafts_through_the_compiled_head_where_the_target_runs_compiled_with_plain_greedy_output(store):
+    """``engine=auto`` takes the stored head program where the target runs compiled, the torch head where it runs
+    eagerly; ``engine=compiled`` builds one; greedy output is plain decoding's either way."""
+    from test_eagle import random_head
+
+    from verispec import EagleDrafter
+
+    model, fast = store
+    eager = loaded(model)
+    prompt = [5, 9, 3, 5, 9, 4, 7]
+    expected = _greedy(eager, None, prompt)
+    assert EagleDrafter(eager, random_head(eager, 20, seed=3)).engine == "torch"
+    assert EagleDrafter(fast, random_head(fast, 20, seed=3)).engine == "torch"  # nothing stored for these weights
+    drafter = EagleDrafter(fast, random_head(fast, 20, seed=3), engine="compiled")  # builds it
+    assert drafter.engine == "compiled" and drafter.steps.loaded is False
+    auto = EagleDrafter(fast, random_head(fast, 20, seed=3))
+    assert auto.engine == "compiled" and auto.steps.loaded is True
+    calls = []
+    runner = auto.steps._runner
+    auto.steps._runner = lambda *args: calls.append(1) or runner(*args)
+    assert _greedy(fast, auto, prompt) == expected
+    assert calls, "no draft step ran the compiled head"
+    assert _greedy(fast, drafter, prompt) == expected
+    assert _greedy(eager, EagleDrafter(eager, random_head(eager, 20, seed=3), engine="compiled"), prompt) == expected
+    with pytest.raises(InvalidRequest, match="float32"):
+        EagleDrafter(fast, random_head(fast, 20, seed=3), engine="compiled", precision="bfloat16")

@@ -17,7 +17,7 @@ from .bench import add_analyze_parser, add_parsers as add_bench_parsers
 from .bench_serve import add_bench_serve_parser
 from .serve import add_serve_parser
 from .train import add_train_parser
-from ..errors import InvalidRequest, VerispecError
+from ..errors import InvalidRequest, ModelNotFound, VerispecError
 from ..backends import BUILTINS, DEFAULT_MODEL
 
 # Raw repetitive text: the n-gram drafter proposes at every tested position and the target's next-token
@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     com = sub.add_parser("compile", help="compile a model's decoding passes ahead of time into the compile cache",
                          description="Compile the one-token decoding step of a transformers model (float32, CPU) "
                                      "and its verify passes of 2-12 tokens (one program, built where memory allows; "
-                                     "VERISPEC_COMPILED_VERIFY=1/0 always/never) with AOTInductor and store them in "
+                                     "VERISPEC_COMPILED_VERIFY=1/0 always/never), and the draft step of the EAGLE head "
+                                     "shipped for it (float32 heads), with AOTInductor and store them in "
                                      "the compile cache, keyed by the weights, CPU and software; later processes "
                                      "load them in seconds (--compile auto, the default, uses them). Prints where "
                                      "they are and what they cost. Needs a C++ compiler.")
@@ -164,6 +165,9 @@ def cmd_compile(args) -> int:
         result["verify"] = {"widths": list(verify.widths), "compiled": not verify.loaded,
                             "seconds": round(verify.seconds, 1), "path": str(verify.path),
                             "bytes": verify.path.stat().st_size}
+    head = _compile_eagle_head(target)
+    result["eagle_head"] = head and {"compiled": not head.loaded, "seconds": round(head.seconds, 1),
+                                     "path": str(head.path), "bytes": head.path.stat().st_size}
     if args.json:
         print(json.dumps(result))
     else:
@@ -177,7 +181,37 @@ def cmd_compile(args) -> int:
         else:
             print(f"{args.target}: verify passes stay eager (a failed compile warns above; -v says when memory is "
                   f"short; {COMPILED_VERIFY_ENV}=0 turns them off)")
+        if head is not None:
+            how = "compiled and stored" if not head.loaded else "already stored; loaded"
+            print(f"{args.target}: the shipped EAGLE head's draft step {how} in {head.seconds:.1f} s: {head.path} "
+                  f"({result['eagle_head']['bytes'] / 1e6:.0f} MB)")
     return 0
+
+
+def _compile_eagle_head(target):
+    """The compiled draft step of the EAGLE head shipped for ``target`` (``verispec.eagle.compiled``), loaded or built;
+    None where no head ships for it, where the drafter would run the head in bfloat16 (a CPU with bfloat16 dot
+    products: the compiled program is float32), or where compiling fails (warned: the torch head drafts)."""
+    import torch
+
+    from ..drafters.precision import head_dtype
+    from ..eagle.compiled import CompiledHeadSteps
+    from ..eagle.head import EagleHead
+    from ..eagle.weights import resolve_head
+
+    try:
+        folder = resolve_head(target.name, None, target.backend)
+    except ModelNotFound:
+        return None
+    if head_dtype("auto", target) != torch.float32:
+        return None
+    head = EagleHead.load(folder).attach(target.embedding_model)
+    try:
+        return CompiledHeadSteps.load_or_build(head, target.embedding_model, target.name)
+    except Exception as exc:  # noqa: BLE001 - the target's passes are compiled; the head drafts in torch
+        logging.getLogger(__name__).warning("compiling the EAGLE head failed (%s: %s); it drafts in torch",
+                                            type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+        return None
 
 
 def cmd_models(args) -> int:
@@ -232,7 +266,8 @@ def print_compiled_steps() -> None:
           f"file to build it again)")
     for r in found:
         width = r["key"].get("width", 1)
-        what = "one-token step" if width == 1 else f"verify {width} tokens"
+        what = ("one-token step" if width == 1 else width if not str(width)[0].isdigit()
+                else f"verify {width} tokens")
         print(f"  {r['model']:18} {r['key'].get('dtype', '')} {what} · built {r['built']} in {r['compile_seconds']} s "
               f"· {r['bytes'] / 1e9:.2f} GB · {Path(r['path']).name}")
 

@@ -34,6 +34,7 @@ distribution exactly.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Sequence
 
@@ -52,8 +53,10 @@ from .suffix import SuffixDrafter
 from .registry import DrafterSpec, Option, register
 from .vocabulary import ContextVocabulary
 
+log = logging.getLogger(__name__)
 
-ENGINES = ("auto", "torch", "openvino", "openvino-fp32")
+
+ENGINES = ("auto", "torch", "compiled", "openvino", "openvino-fp32")
 
 
 class EagleDrafter(DrafterBase):
@@ -76,13 +79,18 @@ class EagleDrafter(DrafterBase):
         self.name = "eagle+lookup" if lookup else "eagle+suffix" if suffix else "eagle"
         if engine not in ENGINES:
             raise InvalidRequest(f"eagle engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-        if engine == "auto":
+        chosen = engine == "auto"
+        if chosen:
             engine = "openvino" if target.backend == "openvino" else "torch"
         if engine.startswith("openvino") and precision not in ("auto", "float32"):
             raise InvalidRequest(f"the eagle head's OpenVINO graph is converted from float32 weights; "
                                  f"--eagle-precision {precision} is for --eagle-engine torch")
+        if engine == "compiled" and precision not in ("auto", "float32"):
+            raise InvalidRequest(f"the compiled eagle head runs float32 weights; --eagle-precision {precision} is for "
+                                 "--eagle-engine torch")
         # the torch head's precision (``verispec.drafters.precision``); an OpenVINO graph is converted from float32
-        resolved = head_dtype(precision, target) if engine == "torch" else target.dtype
+        resolved = (head_dtype(precision, target) if engine == "torch" else torch.float32 if engine == "compiled"
+                    else target.dtype)
         if not isinstance(head, EagleHead):
             folder = resolve_head(target.name, head, target.backend)
             if (folder / CONFIG).is_file():  # before the weights load (a folder without one: load says so)
@@ -97,7 +105,8 @@ class EagleDrafter(DrafterBase):
         self.context_vocab = context_vocab
         self.vocab = ContextVocabulary(self.head.d2t, target.embedding_model.get_output_embeddings().weight.detach(),
                                        target.vocab_size, self.head.lm_head_d.dtype)
-        # what runs the head's chain steps: the torch head, or its graph on OpenVINO (``verispec.eagle.openvino``)
+        # what runs the head's chain steps: the torch head, its compiled program (``verispec.eagle.compiled``) or its
+        # graph on OpenVINO (``verispec.eagle.openvino``)
         self.steps = self.head
         if engine.startswith("openvino"):
             from ..eagle.openvino import HeadSteps
@@ -106,6 +115,10 @@ class EagleDrafter(DrafterBase):
             # OpenVINO core, so that both graphs share its executor
             self.steps = HeadSteps(self.head, target.embedding_model, 1, "fp32" if engine == "openvino-fp32" else "int8",
                                    core=getattr(target, "ov_core", None))
+        elif engine == "compiled" or (chosen and _compiles(target, self.head)):
+            # auto: a program stored earlier (``verispec compile``), where the target runs compiled too
+            compiled = compiled_steps(self.head, target, cached_only=engine != "compiled")
+            self.steps, engine = (self.head, "torch") if compiled is None else (compiled, "compiled")
         self.engine = engine
         self._cache = HeadCache()
         self._tokens: list[int] = []  # the cache holds the pairs of positions 0..len(cache)-1 of these tokens
@@ -248,6 +261,35 @@ class EagleDrafter(DrafterBase):
     # observe(): nothing to learn; the next propose() realigns the cache with the committed context
 
 
+def _compiles(target: TargetModel, head: EagleHead) -> bool:
+    """Would ``engine=auto`` look for the head's compiled program: a float32 head on CPU drafting for a transformers
+    target whose own one-token step runs compiled (``--compile off`` keeps every part eager)."""
+    weight = head.fuse.weight
+    return (target.backend == "transformers" and getattr(target, "step", None) is not None
+            and weight.dtype == torch.float32 and weight.device.type == "cpu")
+
+
+def compiled_steps(head: EagleHead, target: TargetModel, cached_only: bool = False):
+    """The head's ``CompiledHeadSteps``, loaded (or, unless ``cached_only``, built) once per head object and shared
+    by the drafters that share the head; None where none is stored (``cached_only``) or compiling failed (warned)."""
+    from ..eagle.compiled import CompiledHeadSteps
+
+    steps = getattr(head, "_compiled_steps", None)
+    if steps is None:
+        try:
+            steps = CompiledHeadSteps.load_or_build(head, target.embedding_model, target.name,
+                                                    cached_only=cached_only)
+        except InvalidRequest:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any compiler failure means: the torch head drafts
+            log.warning("compiling the eagle head failed (%s: %s); the torch head drafts", type(exc).__name__,
+                        str(exc).splitlines()[0] if str(exc) else "")
+            return None
+        if steps is not None:
+            object.__setattr__(head, "_compiled_steps", steps)
+    return steps
+
+
 def _merge_chain(tree: Draft, chain: list[int]) -> Draft:
     """The tree with a chain of tokens from the pending token added, sharing the nodes it already has."""
     tokens, parents = list(tree.tokens), list(tree.parents or [])
@@ -304,8 +346,10 @@ register(DrafterSpec(
              Option("width", int, 4, "children per expanded node and nodes expanded per depth in the eagle tree "
                     "(default: 4)"),
              Option("engine", str, "auto", "what runs the eagle head's chain steps: auto (openvino on the openvino "
-                    "backend, torch elsewhere), torch, openvino (an OpenVINO graph of the head with int8 weights, "
-                    "one thread) or openvino-fp32", choices=ENGINES),
+                    "backend; compiled where the target runs compiled and `verispec compile` stored the head's "
+                    "program; torch elsewhere), torch, compiled (an AOTInductor program of a float32 head, compiled "
+                    "once, ~1 min), openvino (an OpenVINO graph of the head with int8 weights, one thread) or "
+                    "openvino-fp32", choices=ENGINES),
              Option("precision", str, "auto", "dtype of the torch eagle head: auto (bfloat16 on a CPU with native "
                     "bfloat16 dot products under a float32 target, else the target's dtype), float32 or bfloat16; "
                     "drafts only, the output is the target's either way", choices=HEAD_DTYPES)),

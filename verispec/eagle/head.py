@@ -278,6 +278,37 @@ class EagleHead(nn.Module):
         return head.to(dtype).eval()
 
 
+class StepGraph(nn.Module):
+    """A head's draft step as a function of plain tensors, what the graph compilers take (``verispec.eagle.openvino``
+    converts it to OpenVINO, ``verispec.eagle.compiled`` to an AOTInductor program): embeddings ``emb`` and features
+    ``feat`` of T new pairs at ``positions`` after P cached ones (``past_k``, ``past_v`` [1, kv_heads, P, head_dim]),
+    ``visible`` [T, P + T] (bool), ``last`` [1] -> (g [T, H], the T pairs' keys and values, out_norm(g) of row
+    ``last`` [1, H], its draft-vocabulary logits [1, V_d]). ``head`` is an unpacked copy (``plain_copy``)."""
+
+    def __init__(self, head: EagleHead) -> None:
+        super().__init__()
+        self.head = head
+        self.lm_head = nn.Parameter(head.lm_head_d.detach().clone(), requires_grad=False)
+
+    def forward(self, emb, feat, positions, past_k, past_v, visible, last):
+        h = self.head
+        x = h.pair_inputs(emb, feat)[None]
+        q, k, v = h.qkv(x, positions)
+        g = h.finish(x, q, torch.cat([past_k, k], 2), torch.cat([past_v, v], 2), visible[None, None])[0]
+        n = h.out_norm(g.index_select(0, last))
+        return g, k, v, n, n @ self.lm_head.T
+
+
+def plain_copy(head: EagleHead, embedding_model) -> EagleHead:
+    """A float32 copy of ``head`` attached to ``embedding_model`` with plain ``nn.Linear`` layers: oneDNN's packed
+    linears neither trace nor export."""
+    plain = EagleHead(head.config)
+    plain.load_state_dict({k: v for k, v in head.state_dict().items() if not k.startswith("embed.")}, strict=False)
+    plain.train()  # attach() packs a head in eval mode
+    plain.attach(embedding_model)
+    return plain.eval()
+
+
 def ttt_mask(length: int, step: int, device=None) -> torch.Tensor:
     """Which keys a query of unrolled step ``step`` at position i sees, over keys [step 0 | step 1 | ... | step s]
     (``length`` positions each): step-0 keys at positions <= i - s (true features), and the step-r key at

@@ -27,34 +27,15 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from torch import nn
 
 from ..backends.openvino.export import import_openvino
-from .head import EagleHead, HeadCache
+from .head import EagleHead, HeadCache, StepGraph, plain_copy
 
 log = logging.getLogger(__name__)
 
 
 ROWS = (1, 8)  # the fixed numbers of new pairs: a draft token; the pairs a verify pass accepted (up to 8)
 CACHE_STEP = 64
-
-
-class _Step(nn.Module):
-    """What is converted: embeddings and features of T new pairs after P cached ones -> (g [T, H], keys and values
-    of the T pairs, out_norm(g) of row ``last`` [1, H], its draft-vocabulary logits [1, V_d])."""
-
-    def __init__(self, head: EagleHead) -> None:
-        super().__init__()
-        self.head = head
-        self.lm_head = nn.Parameter(head.lm_head_d.detach().clone(), requires_grad=False)
-
-    def forward(self, emb, feat, positions, past_k, past_v, visible, last):
-        h = self.head
-        x = h.pair_inputs(emb, feat)[None]
-        q, k, v = h.qkv(x, positions)
-        g = h.finish(x, q, torch.cat([past_k, k], 2), torch.cat([past_v, v], 2), visible[None, None])[0]
-        n = h.out_norm(g.index_select(0, last))
-        return g, k, v, n, n @ self.lm_head.T
 
 
 GRAPH_XML = "head_step.xml"
@@ -99,7 +80,7 @@ def _convert(plain: EagleHead, weights: str):
                torch.ones(2, cached + 2, dtype=torch.bool), torch.tensor([1]))
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the tracer's deprecation and its notes on shapes it records
-        model = ov.convert_model(_Step(plain).eval(), example_input=example)
+        model = ov.convert_model(StepGraph(plain).eval(), example_input=example)
     h, kv = c.hidden_size, [1, c.num_kv_heads, -1, c.head_dim]
     model.reshape(dict(zip(model.inputs, ([-1, h], [-1, h], [-1], kv, kv, [-1, -1], [1]))))
     if weights != "int8":
@@ -161,13 +142,7 @@ class HeadSteps:
                             exc)
                 shutil.rmtree(stored.parent, ignore_errors=True)
         if model is None:
-            plain = EagleHead(c)  # an unpacked copy: oneDNN's packed linears do not trace
-            plain.load_state_dict({k: v for k, v in head.state_dict().items() if not k.startswith("embed.")},
-                                  strict=False)
-            plain.train()  # attach() packs a head in eval mode
-            plain.attach(embedding_model)
-            plain.eval()
-            model = _convert(plain, weights)
+            model = _convert(plain_copy(head, embedding_model), weights)
             _store(ov, model, stored)
         properties = {"INFERENCE_NUM_THREADS": threads, "NUM_STREAMS": 1, "INFERENCE_PRECISION_HINT": "f32",
                       "PERFORMANCE_HINT": "LATENCY"}
