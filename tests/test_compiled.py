@@ -489,3 +489,11 @@ def test_eagle_drafts_through_the_compiled_head_where_the_target_runs_compiled_w
     assert _greedy(eager, EagleDrafter(eager, random_head(eager, 20, seed=3), engine="compiled"), prompt) == expected
     with pytest.raises(InvalidRequest, match="float32"):
         EagleDrafter(fast, random_head(fast, 20, seed=3), engine="compiled", precision="bfloat16")
+    # a server compiling its target in the background: the drafter built while the target ran eagerly takes the
+    # stored head program at the first request after the target's own step is there
+    switching = loaded(model)
+    waiting = EagleDrafter(switching, random_head(switching, 20, seed=3))
+    assert waiting.engine == "torch"
+    assert _greedy(switching, waiting, prompt) == expected and waiting.engine == "torch"
+    assert switching.compile_step(cached_only=True) is True  # what BackgroundCompile does once the child is done
+    assert _greedy(switching, waiting, prompt) == expected and waiting.engine == "compiled"

@@ -35,6 +35,7 @@ distribution exactly.
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 from typing import Sequence
 
@@ -120,6 +121,11 @@ class EagleDrafter(DrafterBase):
             compiled = compiled_steps(self.head, target, cached_only=engine != "compiled")
             self.steps, engine = (self.head, "torch") if compiled is None else (compiled, "compiled")
         self.engine = engine
+        # auto on a target that still runs eagerly (a server compiling it in the background): look again once the
+        # target's own step is there, since the same compile stores the head's program (``verispec compile``)
+        self._target = target
+        self._await_compiled = (chosen and engine == "torch" and target.backend == "transformers"
+                                and getattr(target, "step", False) is None)
         self._cache = HeadCache()
         self._tokens: list[int] = []  # the cache holds the pairs of positions 0..len(cache)-1 of these tokens
         self.reset(SamplingParams(), None)
@@ -127,6 +133,13 @@ class EagleDrafter(DrafterBase):
     def reset(self, sampling: SamplingParams, generator: torch.Generator | None) -> None:
         self.sampling = sampling
         self.generator = generator
+        if self._await_compiled and getattr(self._target, "step", None) is not None:
+            self._await_compiled = False  # one look: the target's switch comes after the head's program is stored
+            if _compiles(self._target, self.head):
+                compiled = compiled_steps(self.head, self._target, cached_only=True)
+                if compiled is not None:
+                    self.steps, self.engine = compiled, "compiled"
+                    log.info("the eagle head's draft steps now run compiled")
         self.vocab.reset()  # the draft vocabulary grows by the request's context tokens
         self._lookup_draft: tuple[int, list[int]] | None = None  # (pending position, tokens) of the last branch
         if self._lookup is not None:
@@ -272,6 +285,14 @@ def _compiles(target: TargetModel, head: EagleHead) -> bool:
 def compiled_steps(head: EagleHead, target: TargetModel, cached_only: bool = False):
     """The head's ``CompiledHeadSteps``, loaded (or, unless ``cached_only``, built) once per head object and shared
     by the drafters that share the head; None where none is stored (``cached_only``) or compiling failed (warned)."""
+    with _COMPILED_LOCK:  # drafters of a server's slots share a head: one of them loads its program
+        return _compiled_steps(head, target, cached_only)
+
+
+_COMPILED_LOCK = threading.Lock()
+
+
+def _compiled_steps(head: EagleHead, target: TargetModel, cached_only: bool):
     from ..eagle.compiled import CompiledHeadSteps
 
     steps = getattr(head, "_compiled_steps", None)

@@ -5,7 +5,9 @@ keep the cores they need and a compiler crash cannot take the server down. The c
 cache (``verispec.backends.hf.compile_store``); this process then loads it (about two seconds, in this thread) and
 sets it on the target. Requests that started before keep their eager caches; the next ones run compiled one-token
 steps. The controller's cost curve of the target is dropped at the switch, because one-token passes got cheaper.
-The next server on the same machine finds the step stored and starts compiled.
+The next server on the same machine finds the step stored and starts compiled. The child also stores the draft
+step of the EAGLE head shipped for the target; EAGLE drafters built before the switch take it at their next request
+(``EagleDrafter.reset``).
 """
 
 from __future__ import annotations
