@@ -56,3 +56,21 @@ def test_a_second_process_loads_the_stored_step(compiled_model):
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
     assert "one-token steps compiled (loaded in" in result.stderr  # from the cache: the fixture stored it
+
+
+def test_the_shipped_eagle_head_drafts_compiled_with_plain_greedy_output(compiled_model):
+    """The shipped head's draft step compiled (``verispec.eagle.compiled``, what ``verispec compile`` stores) on the
+    compiled target: plain decoding's tokens, and drafts accepted (a program that attended wrongly would draft
+    noise)."""
+    from verispec import EagleDrafter
+
+    drafter = EagleDrafter(compiled_model, engine="compiled")
+    assert drafter.engine == "compiled"
+    plain = SpeculativeDecoder(compiled_model)
+    eagle = SpeculativeDecoder(compiled_model, drafter, k=3, k_policy="fixed")
+    accepted = drafted = 0
+    for prompt in PROMPTS:
+        out = eagle.generate(prompt, max_new_tokens=64)
+        assert out.token_ids == plain.generate(prompt, max_new_tokens=64).token_ids, prompt
+        accepted, drafted = accepted + out.stats.accepted, drafted + out.stats.drafted
+    assert drafted and accepted / drafted > 0.3, (accepted, drafted)
