@@ -285,30 +285,26 @@ def _compiles(target: TargetModel, head: EagleHead) -> bool:
 def compiled_steps(head: EagleHead, target: TargetModel, cached_only: bool = False):
     """The head's ``CompiledHeadSteps``, loaded (or, unless ``cached_only``, built) once per head object and shared
     by the drafters that share the head; None where none is stored (``cached_only``) or compiling failed (warned)."""
+    from ..eagle.compiled import CompiledHeadSteps
+
     with _COMPILED_LOCK:  # drafters of a server's slots share a head: one of them loads its program
-        return _compiled_steps(head, target, cached_only)
+        steps = getattr(head, "_compiled_steps", None)
+        if steps is None:
+            try:
+                steps = CompiledHeadSteps.load_or_build(head, target.embedding_model, target.name,
+                                                        cached_only=cached_only)
+            except InvalidRequest:
+                raise
+            except Exception as exc:  # noqa: BLE001 - any compiler failure means: the torch head drafts
+                log.warning("compiling the eagle head failed (%s: %s); the torch head drafts", type(exc).__name__,
+                            str(exc).splitlines()[0] if str(exc) else "")
+                return None
+            if steps is not None:
+                object.__setattr__(head, "_compiled_steps", steps)
+        return steps
 
 
 _COMPILED_LOCK = threading.Lock()
-
-
-def _compiled_steps(head: EagleHead, target: TargetModel, cached_only: bool):
-    from ..eagle.compiled import CompiledHeadSteps
-
-    steps = getattr(head, "_compiled_steps", None)
-    if steps is None:
-        try:
-            steps = CompiledHeadSteps.load_or_build(head, target.embedding_model, target.name,
-                                                    cached_only=cached_only)
-        except InvalidRequest:
-            raise
-        except Exception as exc:  # noqa: BLE001 - any compiler failure means: the torch head drafts
-            log.warning("compiling the eagle head failed (%s: %s); the torch head drafts", type(exc).__name__,
-                        str(exc).splitlines()[0] if str(exc) else "")
-            return None
-        if steps is not None:
-            object.__setattr__(head, "_compiled_steps", steps)
-    return steps
 
 
 def _merge_chain(tree: Draft, chain: list[int]) -> Draft:

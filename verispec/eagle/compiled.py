@@ -50,8 +50,6 @@ def _export(graph: StepGraph):
 class CompiledHeadSteps:
     """``head``'s chain steps through its compiled program (``load_or_build``)."""
 
-    engine = "compiled"
-
     def __init__(self, head: EagleHead, runner, seconds: float, loaded: bool, path) -> None:
         self.head, self._runner = head, runner
         self.seconds, self.loaded, self.path = seconds, loaded, path
