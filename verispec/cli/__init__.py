@@ -191,11 +191,12 @@ def cmd_compile(args) -> int:
 def _compile_eagle_head(target):
     """The compiled draft step of the EAGLE head shipped for ``target`` (``verispec.eagle.compiled``), loaded or built;
     None where no head ships for it, where the drafter would run the head in bfloat16 (a CPU with bfloat16 dot
-    products: the compiled program is float32), or where compiling fails (warned: the torch head drafts)."""
+    products: the compiled program is float32), or where compiling fails (``compiled_steps`` warns: the torch head
+    drafts)."""
     import torch
 
+    from ..drafters.eagle import compiled_steps
     from ..drafters.precision import head_dtype
-    from ..eagle.compiled import CompiledHeadSteps
     from ..eagle.head import EagleHead
     from ..eagle.weights import resolve_head
 
@@ -205,13 +206,7 @@ def _compile_eagle_head(target):
         return None
     if head_dtype("auto", target) != torch.float32:
         return None
-    head = EagleHead.load(folder).attach(target.embedding_model)
-    try:
-        return CompiledHeadSteps.load_or_build(head, target.embedding_model, target.name)
-    except Exception as exc:  # noqa: BLE001 - the target's passes are compiled; the head drafts in torch
-        logging.getLogger(__name__).warning("compiling the EAGLE head failed (%s: %s); it drafts in torch",
-                                            type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-        return None
+    return compiled_steps(EagleHead.load(folder).attach(target.embedding_model), target)
 
 
 def cmd_models(args) -> int:
