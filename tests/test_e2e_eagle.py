@@ -81,3 +81,30 @@ def test_bench_has_an_eagle_method(default_model, tmp_path, capsys):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     eagle = result["overall"]["eagle:k=6"]
     assert eagle["identical"] == 1.0 and eagle["drafted"] > 0 and eagle["mean_accepted_tokens"] > 1.0
+
+
+def test_train_eagle_answers_with_llama_cpp_as_transformers_would(default_model, tmp_path, capsys):
+    """--gen-backend llamacpp: the batch engine on the GGUF weights in F16 writes the answers (3x faster than
+    transformers on a 2-core CPU); they are the target's greedy answers, token for token (F16 rounding may flip a
+    near-tie on some CPU, hence one answer of eight may differ)."""
+    from conftest import require_llama_cpp
+    from verispec.eagle.data import generate_answers, load_meta, load_sequences
+
+    require_llama_cpp()
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in [
+        "Name three rivers in Europe.", "What is a prime number?", "Write a haiku about rain.",
+        "How do I reverse a list in Python?", "Why is the sky blue?", "Give two tips for sleeping well.",
+        "What does a compiler do?", "Describe a cat in one sentence.", "What is 12 times 7?"]))
+    args = ["train-eagle", "--prompts", str(prompts), "--out", str(tmp_path / "head"), "--data", str(tmp_path / "data"),
+            "--samples", "8", "--max-new-tokens", "24", "--gen-backend", "llamacpp", "--gen-batch-size", "4",
+            "--features", "online", "--epochs", "1", "--val-sequences", "1", "--check-prompts", "0",
+            "--init-head", str(SHIPPED["smollm2-135m"]), "--batch-tokens", "512", "--max-minutes", "0.2"]
+    assert main(args) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["steps"] >= 1
+    assert load_meta(tmp_path / "data")["answered_by"] == "llama.cpp F16 batch engine"
+    stored = list(load_sequences(tmp_path / "data"))
+    assert len(stored) == 8
+    plain = generate_answers(default_model, [s.tokens[: s.answer_start].tolist() for s in stored], 24)
+    same = sum(s.tokens[s.answer_start:].tolist() == answer for s, answer in zip(stored, plain))
+    assert same >= 7, f"{same} of 8 llama.cpp answers equal transformers' greedy answers"

@@ -714,3 +714,19 @@ def test_schedule_ends_on_steps_or_minutes_and_signals_stop_a_run_between_steps(
         with pytest.raises(KeyboardInterrupt):  # a second Ctrl-C interrupts at once
             stop._handle(signal.SIGINT, None)
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
+def test_training_uses_bfloat16_only_where_the_device_multiplies_it_natively(monkeypatch):
+    """On a CPU without bfloat16 dot products autocast emulates it (a training step ~20x slower) and answering in
+    bfloat16 is 4x slower: auto picks float32 there."""
+    from verispec.backends.hf import cpu
+    from verispec.cli.train import _gen_dtype
+    from verispec.eagle.runs import bf16_autocast
+
+    for native in (True, False):
+        monkeypatch.setattr(cpu, "bfloat16_dot_products", lambda native=native: native)
+        assert bf16_autocast(None, torch.device("cpu")) is native
+        assert _gen_dtype("auto", "cpu") == ("bfloat16" if native else "float32")
+        assert bf16_autocast(None, torch.device("cuda")) is True and _gen_dtype("auto", "cuda") == "bfloat16"
+    assert bf16_autocast(True, torch.device("cpu")) is True and bf16_autocast(False, torch.device("cuda")) is False
+    assert _gen_dtype("float16", "cpu") == "float16"

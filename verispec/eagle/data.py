@@ -28,7 +28,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -157,12 +157,15 @@ def build_dataset(target: LoadedModel, prompts: list[list[int]], out_dir: str | 
                   max_new_tokens: int = 192, batch_size: int = 16, shard_size: int = 128,
                   progress: bool = True, source: str = "", features: bool = True,
                   max_seconds: float | None = None, temperatures: list[float] | None = None,
-                  seed: int = 0) -> Path:
+                  seed: int = 0, answer: Callable[[list[list[int]], int, float, int], list[list[int]]] | None = None,
+                  answered_by: str = "transformers") -> Path:
     """Let the target answer ``prompts`` (encoded) and cache its hidden states under ``out_dir`` (only the tokens
     with ``features=False``). Resumes: shards already on disk are kept. ``max_seconds``: stop starting new shards
     after that long (the data so far is complete and usable; a later call answers the rest). ``temperatures``: one
     per prompt, 0 for a greedy answer (the default for all), > 0 for an answer sampled at that temperature; sampling
-    is seeded per shard from ``seed``."""
+    is seeded per shard from ``seed``. ``answer(prompts, max_new_tokens, temperature, seed)``: another way to write
+    the answers (default: ``generate_answers`` on ``target``; the CLI's ``--gen-backend llamacpp`` passes llama.cpp's
+    batch engine), ``answered_by`` its name for ``meta.json``; the hidden states are always ``target``'s."""
     from tqdm import tqdm
 
     out = Path(out_dir)
@@ -171,7 +174,7 @@ def build_dataset(target: LoadedModel, prompts: list[list[int]], out_dir: str | 
             "hidden_size": int(target.model.config.hidden_size), "vocab_size": target.vocab_size,
             "max_new_tokens": max_new_tokens, "sequences": len(prompts), "shard_size": shard_size, "source": source,
             "dtype": str(target.dtype).removeprefix("torch."), "features": features,
-            "answer_temperatures": sorted({float(t) for t in temperatures or [0.0]})}
+            "answer_temperatures": sorted({float(t) for t in temperatures or [0.0]}), "answered_by": answered_by}
     meta_path = out / META
     if meta_path.exists():
         old = json.loads(meta_path.read_text())
@@ -211,9 +214,12 @@ def build_dataset(target: LoadedModel, prompts: list[list[int]], out_dir: str | 
             # batches of one temperature, length-sorted (less compute wasted on padding)
             order = sorted(range(len(todo)), key=lambda i: (temps[i], len(shard[todo[i]])))
             chunks = [c for t in sorted(set(temps)) for c in _batches([i for i in order if temps[i] == t], batch_size)]
-            for chunk in chunks:
+            for number, chunk in enumerate(chunks):
                 batch = [shard[todo[i]] for i in chunk]
-                answers = generate_answers(target, batch, max_new_tokens, temps[chunk[0]])
+                if answer is None:
+                    answers = generate_answers(target, batch, max_new_tokens, temps[chunk[0]])
+                else:  # seeded per shard and chunk, so a resumed run draws what an uninterrupted one would
+                    answers = answer(batch, max_new_tokens, temps[chunk[0]], (seed * 1_000_003 + index) * 4096 + number)
                 full = [p + a for p, a in zip(batch, answers)]
                 feats = target_features(target, full, layers) if features else [None] * len(full)
                 for prompt, seq, f in zip(batch, full, feats):

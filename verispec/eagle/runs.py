@@ -28,7 +28,7 @@ from ..errors import InvalidRequest
 CHECKPOINT = "checkpoint.pt"
 # the settings a resumed run must share with the run it continues (others, such as the device, may change)
 SCHEDULE_KEYS = ("epochs", "lr", "warmup_steps", "batch_tokens", "seed", "ttt_steps", "draft_vocab_size",
-                 "val_sequences", "prompt_loss", "num_heads", "layers", "feature_layers", "max_minutes")
+                 "val_sequences", "prompt_loss", "num_heads", "layers", "feature_layers", "max_minutes", "text")
 
 
 def save_checkpoint(folder: str | Path, state: dict) -> Path:
@@ -57,6 +57,20 @@ def load_checkpoint(folder: str | Path, settings: dict) -> dict:
         raise InvalidRequest(f"--resume: {path} was written with other settings ({'; '.join(changed)}); resume with "
                              "the same ones or start afresh in another --out folder")
     return state
+
+
+def bf16_autocast(setting: bool | None, device: torch.device) -> bool:
+    """Whether training runs under bfloat16 autocast: ``setting`` when given; else (auto) on a GPU, and on a CPU only
+    where it multiplies bfloat16 natively. Elsewhere autocast emulates bfloat16 through float32, and a training step
+    is ~20x slower than in float32 (measured on an AVX2 Zen 3: a 4,096 x 576 x 8,192 product with its backward 47 s
+    under autocast against 2.0 s without)."""
+    if setting is not None:
+        return bool(setting)
+    if device.type != "cpu":
+        return True
+    from ..backends.hf.cpu import bfloat16_dot_products
+
+    return bfloat16_dot_products()
 
 
 def scheduled_batches(make_epoch, epochs: int, start_step: int) -> Iterator[tuple[int, int, list]]:

@@ -15,7 +15,7 @@ import math
 import random
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -23,9 +23,10 @@ import torch
 import torch.nn.functional as F
 
 from ..backends.hf import LoadedModel
+from .corpus import load_text
 from .data import Sequence, batch_features, load_meta, load_sequences
 from .head import WEIGHTS, EagleHead, HeadConfig, head_config_for, ttt_mask
-from .runs import Schedule, StopSignals, load_checkpoint, save_checkpoint, scheduled_batches
+from .runs import Schedule, StopSignals, bf16_autocast, load_checkpoint, save_checkpoint, scheduled_batches
 
 
 @dataclass
@@ -44,7 +45,7 @@ class TrainConfig:
     prompt_loss: bool = True  # also learn the target's distribution at prompt positions (its soft labels)
     init_from_layer: int | None = -1  # copy the target's decoder layer (index) into the head; None = random
     feature_layers: list[int] | None = None  # among the cached ones (and the final one); None = all of them
-    bf16_autocast: bool = True
+    bf16_autocast: bool | None = None  # None: on a GPU, and on a CPU with native bfloat16 (runs.bf16_autocast)
     init_head: str | None = None  # continue from this trained head (its weights and draft vocabulary)
     intermediate_size: int | None = None  # the head's MLP width (None: the target's; with init_head: widen it to this)
     device: str = "cpu"  # where the head trains (and token-only data is teacher-forced): cpu, cuda, ...
@@ -131,6 +132,17 @@ def make_batches(sequences: list[Sequence], batch_tokens: int, rng: random.Rando
     return batches
 
 
+def epoch_batches(train: list[Sequence], text: list[Sequence], batch_tokens: int,
+                  rng: random.Random) -> list[list[Sequence]]:
+    """One epoch's batches: the answers', then the text corpus's (token-only, so never in a batch with cached
+    features), shuffled together."""
+    batches = make_batches(train, batch_tokens, rng)
+    if text:
+        batches += make_batches(text, batch_tokens, rng)
+        rng.shuffle(batches)
+    return batches
+
+
 def collate(sequences: list[Sequence], select: list[int] | None = None, prompt_loss: bool = False,
             model=None, layers: list[int] | None = None, device: str | torch.device = "cpu") -> Batch:
     """Pad a batch on ``device``; ``select`` picks the head's feature layers among the cached ones (default: all but
@@ -197,15 +209,17 @@ def default_feature_layers(n_layers: int) -> list[int]:
 
 def train_head(target: LoadedModel, data_dir: str | Path, out_dir: str | Path, config: TrainConfig,
                progress: bool = True, log: Callable[[str], None] = print,
-               should_stop: Callable[[int], bool] | None = None) -> TrainReport:
+               should_stop: Callable[[int], bool] | None = None, text_dirs: list[str | Path] = ()) -> TrainReport:
     """Train a head for ``target`` on the data in ``data_dir``; the best checkpoint (by validation acceptance) is
     written to ``out_dir``, with a resumable ``checkpoint.pt`` beside it (see ``runs.py``). Token-only data is
     teacher-forced through the target batch by batch on ``config.device``, where the target must live too.
+    ``text_dirs``: text corpora (``corpus.py``) teacher-forced the same way, added to the training set only.
     ``should_stop(step)`` (or Ctrl-C / SIGTERM) ends the run after a step with a checkpoint; ``config.resume`` goes on."""
     from tqdm import tqdm
 
     meta = load_meta(data_dir)
     device = torch.device(config.device)
+    config = replace(config, bf16_autocast=bf16_autocast(config.bf16_autocast, device))  # the record says which
     if target.device.type != device.type:
         raise ValueError(f"the target is on {target.device}, training on {device}: load it with device={config.device!r}")
     torch.manual_seed(config.seed)
@@ -218,6 +232,11 @@ def train_head(target: LoadedModel, data_dir: str | Path, out_dir: str | Path, c
     meta = dict(meta, sequences=len(sequences))  # what this run trains and validates on, for the record
     online = sequences[0].features is None
     train, val = validation_split(sequences, min(config.val_sequences, max(1, len(sequences) // 10)), config.seed)
+    text, text_record = load_text(text_dirs, target.name) if text_dirs else ([], {})
+    if text_record:
+        meta["text"] = text_record
+        log(f"text corpus: {text_record['sequences']} sequences, {text_record['tokens']} tokens from "
+            f"{', '.join(text_record['files'])} (training only, teacher-forced per batch)")
     if config.init_head:
         head = EagleHead.load(config.init_head)  # continue training: keep its weights and draft vocabulary
         d2t = head.d2t.clone()
@@ -270,13 +289,13 @@ def train_head(target: LoadedModel, data_dir: str | Path, out_dir: str | Path, c
 
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    batches_per_epoch = len(make_batches(train, config.batch_tokens, random.Random(0)))
+    batches_per_epoch = len(epoch_batches(train, text, config.batch_tokens, random.Random(0)))
     total = max(1, batches_per_epoch * config.epochs)
 
     report = TrainReport(continued_from=continued_from)
     best_score = -1.0
     step, seconds_before = 0, 0.0
-    settings = asdict(config) | {"feature_layers": layers}
+    settings = asdict(config) | {"feature_layers": layers, "text": text_record.get("files") or None}
     if config.resume:
         state = load_checkpoint(out_dir, settings)
         head.load_state_dict(state["weights"])
@@ -307,7 +326,7 @@ def train_head(target: LoadedModel, data_dir: str | Path, out_dir: str | Path, c
     bar = tqdm(total=total, initial=step, desc="training EAGLE head", unit="step", disable=not progress)
     stopped = False
     with StopSignals() as signals:
-        for epoch, index, seqs in scheduled_batches(lambda: make_batches(train, config.batch_tokens, rng),
+        for epoch, index, seqs in scheduled_batches(lambda: epoch_batches(train, text, config.batch_tokens, rng),
                                                     config.epochs, step):
             if schedule.done(step):
                 break
@@ -527,7 +546,8 @@ def training_record(meta: dict, config, report: TrainReport, coverage: float) ->
     """What a trained head's config.json records of its training: data, settings (a dataclass), validation."""
     return {
         "data": {k: meta.get(k) for k in ("source", "sequences", "max_new_tokens", "dtype")}
-        | ({"answer_temperatures": meta["answer_temperatures"]} if "answer_temperatures" in meta else {}),
+        | ({"answer_temperatures": meta["answer_temperatures"]} if "answer_temperatures" in meta else {})
+        | ({"text": meta["text"]} if "text" in meta else {}),
         "config": asdict(config),
         "steps": report.steps,
         "seconds": round(report.seconds, 1),

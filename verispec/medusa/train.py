@@ -20,9 +20,11 @@ import torch
 
 from ..backends.hf import LoadedModel
 from ..eagle.data import Sequence, batch_features, load_meta, load_sequences
-from ..eagle.runs import Schedule, StopSignals, load_checkpoint, save_checkpoint, scheduled_batches
-from ..eagle.train import (TrainReport, draft_vocabulary, make_batches, training_record, validation_split,
-                           vocabulary_coverage)
+from ..eagle.runs import (Schedule, StopSignals, bf16_autocast, load_checkpoint, save_checkpoint,
+                          scheduled_batches)
+from ..eagle.corpus import load_text
+from ..eagle.train import (TrainReport, draft_vocabulary, epoch_batches, make_batches, training_record,
+                           validation_split, vocabulary_coverage)
 from .head import MedusaConfig, MedusaHeads, config_for
 
 
@@ -41,7 +43,7 @@ class MedusaTrainConfig:
     grad_clip: float = 0.5
     seed: int = 0
     prompt_loss: bool = True  # also learn the target's distribution inside prompts
-    bf16_autocast: bool = True
+    bf16_autocast: bool | None = None  # None: on a GPU, and on a CPU with native bfloat16 (runs.bf16_autocast)
     init_heads: str | None = None  # continue from these trained heads (weights and draft vocabulary)
     device: str = "cpu"  # where the heads train (and token-only data is teacher-forced)
     max_minutes: float | None = None  # the schedule ends after this many minutes of training if its steps do not
@@ -90,8 +92,9 @@ def _labels_at(p: torch.Tensor, mask: torch.Tensor, head: int) -> torch.Tensor:
 
 def train_medusa(target: LoadedModel, data_dir: str | Path, out_dir: str | Path, config: MedusaTrainConfig,
                  progress: bool = True, log: Callable[[str], None] = print,
-                 should_stop: Callable[[int], bool] | None = None) -> TrainReport:
-    """Train Medusa heads for ``target`` on the data in ``data_dir``; the best checkpoint (by the estimated greedy
+                 should_stop: Callable[[int], bool] | None = None, text_dirs: list[str | Path] = ()) -> TrainReport:
+    """Train Medusa heads for ``target`` on the data in ``data_dir`` (and the text corpora in ``text_dirs``,
+    ``verispec.eagle.corpus``, training only); the best checkpoint (by the estimated greedy
     tokens per step on validation) is written to ``out_dir``, a resumable ``checkpoint.pt`` beside it. Token-only
     data is teacher-forced through the target per batch on ``config.device`` (see ``verispec.eagle.runs`` for
     ``max_minutes``, ``resume``, ``should_stop`` and Ctrl-C)."""
@@ -99,6 +102,7 @@ def train_medusa(target: LoadedModel, data_dir: str | Path, out_dir: str | Path,
 
     meta = load_meta(data_dir)
     device = torch.device(config.device)
+    config = replace(config, bf16_autocast=bf16_autocast(config.bf16_autocast, device))  # the record says which
     if target.device.type != device.type:
         raise ValueError(f"the target is on {target.device}, training on {device}: load it with device={config.device!r}")
     torch.manual_seed(config.seed)
@@ -111,6 +115,10 @@ def train_medusa(target: LoadedModel, data_dir: str | Path, out_dir: str | Path,
         raise ValueError(f"{data_dir} holds {len(sequences)} sequences; build more data first")
     meta = dict(meta, sequences=len(sequences))
     train, val = validation_split(sequences, min(config.val_sequences, max(1, len(sequences) // 10)), config.seed)
+    text, text_record = load_text(text_dirs, target.name) if text_dirs else ([], {})
+    if text_record:
+        meta["text"] = text_record
+        log(f"text corpus: {text_record['sequences']} sequences, {text_record['tokens']} tokens (training only)")
     model = target.model
     if config.init_heads:
         heads = MedusaHeads.load(config.init_heads)
@@ -134,11 +142,11 @@ def train_medusa(target: LoadedModel, data_dir: str | Path, out_dir: str | Path,
 
     params = [p for p in heads.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    total = max(1, len(make_batches(train, config.batch_tokens, random.Random(0))) * config.epochs)
+    total = max(1, len(epoch_batches(train, text, config.batch_tokens, random.Random(0))) * config.epochs)
     report = TrainReport(continued_from=continued_from)
     best_score = -1.0
     step, seconds_before = 0, 0.0
-    settings = asdict(config)
+    settings = asdict(config) | {"text": text_record.get("files") or None}
     if config.resume:
         state = load_checkpoint(out_dir, settings)
         heads.load_state_dict(state["weights"])
@@ -168,8 +176,8 @@ def train_medusa(target: LoadedModel, data_dir: str | Path, out_dir: str | Path,
     bar = tqdm(total=total, initial=step, desc="training Medusa heads", unit="step", disable=not progress)
     stopped = False
     with StopSignals() as signals:
-        for epoch, _, seqs in scheduled_batches(lambda: make_batches(train, config.batch_tokens, rng), config.epochs,
-                                                step):
+        for epoch, _, seqs in scheduled_batches(lambda: epoch_batches(train, text, config.batch_tokens, rng),
+                                                config.epochs, step):
             if schedule.done(step):
                 break
             if signals.requested or (should_stop is not None and should_stop(step)):
