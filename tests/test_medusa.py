@@ -3,8 +3,10 @@ trees), the exact sampling distribution, checkpoints bound to their target, and 
 
 import json
 import random
+from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
 from statistical_helpers import ALPHA, PROMPT, joint_p_value
@@ -319,3 +321,22 @@ def test_medusa_trains_on_token_only_data_and_a_stopped_run_resumes_exactly(smal
     b = torch.load(tmp_path / "split" / CHECKPOINT, weights_only=False)["weights"]
     assert all(torch.equal(a[k], b[k]) for k in a)
     MedusaHeads.load(tmp_path / "split").attach(small_target.model)
+
+
+def test_heads_are_packed_where_the_cpu_can_with_the_same_logits_and_save_unchanged(small_target, trained_heads,
+                                                                                    tmp_path):
+    from verispec.backends.hf.packing import PackedLinear, packing_available
+
+    if not packing_available(torch.float32):
+        pytest.skip("this CPU cannot run oneDNN's packed float32 kernel (tests/test_packing.py covers the fallback)")
+    heads = MedusaHeads.load(trained_heads[0]).attach(small_target.model)
+    plain = MedusaHeads.load(trained_heads[0]).train().attach(small_target.model).eval()  # not packed
+    assert isinstance(heads.heads[0][0].linear, PackedLinear) and not isinstance(plain.heads[0][0].linear, PackedLinear)
+    assert heads._lm_head_packed is not None and plain._lm_head_packed is None
+    hidden = torch.randn(3, small_target.model.config.hidden_size)
+    with torch.inference_mode():
+        a, b = heads.logits(heads.states(hidden)), plain.logits(plain.states(hidden))
+    assert torch.allclose(a, b, rtol=1e-4, atol=1e-5)  # within the last bits of MKL's result
+    heads.save(tmp_path / "again")
+    saved = safetensors.torch.load_file(tmp_path / "again" / "model.safetensors")
+    assert saved.keys() == safetensors.torch.load_file(Path(trained_heads[0]) / "model.safetensors").keys()

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..backends.hf.packing import PackedLinear, pack_linear_layers, should_pack
 from ..errors import IncompatibleDrafter, ModelNotFound
 from ..eagle.head import target_fingerprint
 
@@ -82,6 +83,9 @@ class MedusaHeads(nn.Module):
                                    for _ in range(config.num_heads))
         self.register_buffer("d2t", torch.arange(config.draft_vocab_size), persistent=True)  # draft id -> target id
         self.lm_head_d: torch.Tensor | None = None  # [draft_vocab, H], the target's rows, never saved
+        # the same rows packed for oneDNN when drafting on a CPU that runs it: 1.3 ms for four heads' logits against
+        # 2.7 ms through MKL on an AVX2 Zen 3 (MKL does poorly with a few rows against a wide weight)
+        self._lm_head_packed = None
 
     def attach(self, target_model) -> "MedusaHeads":
         """Borrow the draft-vocabulary rows of the target's frozen lm_head (refused for another target)."""
@@ -93,6 +97,10 @@ class MedusaHeads(nn.Module):
                 "target they were trained on: train them for this target with `verispec train-medusa --target REF`")
         weight = target_model.get_output_embeddings().weight
         self.lm_head_d = weight.detach()[self.d2t.to(weight.device)].to(self.heads[0][0].linear.weight.dtype)
+        self._lm_head_packed = None
+        if not self.training and should_pack(self.lm_head_d):  # drafting on a CPU: oneDNN's prepacked weights
+            pack_linear_layers(self)
+            object.__setattr__(self, "_lm_head_packed", PackedLinear(self.lm_head_d))  # not a submodule: never saved
         return self
 
     @property
@@ -108,7 +116,7 @@ class MedusaHeads(nn.Module):
         """Draft-vocabulary logits [..., draft_vocab] from head states [..., H]; with ``extra`` (rows of the
         target's lm_head [E, H]) the logits of those tokens too, appended: [..., draft_vocab + E]."""
         states = states.to(self.lm_head_d.dtype)
-        out = states @ self.lm_head_d.T
+        out = states @ self.lm_head_d.T if self._lm_head_packed is None else self._lm_head_packed(states)
         if extra is not None and extra.shape[0]:
             out = torch.cat([out, states @ extra.to(states.dtype).T], dim=-1)
         return out

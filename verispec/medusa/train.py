@@ -130,8 +130,8 @@ def train_medusa(target: LoadedModel, data_dir: str | Path, out_dir: str | Path,
         heads.d2t.copy_(d2t)
         continued_from = {}
     heads.to(device)
+    heads.train()  # before attach: heads loaded for drafting (eval) would pack their weights for inference
     heads.attach(model)  # heads continued from another target's checkpoint are refused here
-    heads.train()
     heads.lm_head_d = heads.lm_head_d.float()
     d2t = heads.d2t
     coverage = vocabulary_coverage(val, d2t.cpu())
