@@ -84,7 +84,7 @@ def test_bench_has_an_eagle_method(default_model, tmp_path, capsys):
 
 
 def test_train_eagle_answers_with_llama_cpp_as_transformers_would(default_model, tmp_path, capsys):
-    """--gen-backend llamacpp: the batch engine on the GGUF weights in F16 writes the answers (3x faster than
+    """--gen-backend llamacpp: the batch engine on the GGUF weights in F16 writes the answers (2-3x faster than
     transformers on a 2-core CPU); they are the target's greedy answers, token for token (F16 rounding may flip a
     near-tie on some CPU, hence one answer of eight may differ)."""
     from conftest import require_llama_cpp

@@ -24,7 +24,7 @@ from typing import Iterator
 import torch
 
 from ..errors import InvalidRequest
-from .data import META, Sequence, _write_shard
+from .data import META, Sequence, write_shard
 
 MIN_PIECE = 16  # shorter document tails are dropped: a few positions of signal for a padded row
 
@@ -97,7 +97,7 @@ def build_text_dataset(tokenizer, target: str, files: list[str | Path], out_dir:
     def flush() -> None:
         nonlocal shard, shards
         if shard:
-            _write_shard(out / f"shard-{shards:05d}.safetensors", shard)
+            write_shard(out / f"shard-{shards:05d}.safetensors", shard)
             shards += 1
             shard = []
 

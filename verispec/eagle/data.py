@@ -225,7 +225,7 @@ def build_dataset(target: LoadedModel, prompts: list[list[int]], out_dir: str | 
                 for prompt, seq, f in zip(batch, full, feats):
                     sequences.append(Sequence(torch.tensor(seq), len(prompt), f))
                 bar.update(len(chunk))
-            _write_shard(path, sequences)
+            write_shard(path, sequences)
     bar.close()
     meta["sequences"] = bar.n  # the answers on disk (fewer than the prompts when --gen-minutes stopped early)
     meta_path.write_text(json.dumps(meta, indent=2))
@@ -245,7 +245,8 @@ def _unanswered(prompts: list[list[int]], answered: list[tuple[int, ...]]) -> li
     return todo
 
 
-def _write_shard(path: Path, sequences: list[Sequence]) -> None:
+def write_shard(path: Path, sequences: list[Sequence]) -> None:
+    """Write ``sequences`` as one shard (the format above), atomically: a shard on disk is always whole."""
     lengths = torch.tensor([0] + [len(s.tokens) for s in sequences])
     tensors = {
         "tokens": torch.cat([s.tokens for s in sequences]).to(torch.int32),
