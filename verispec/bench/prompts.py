@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from itertools import zip_longest
 from pathlib import Path
 
 from ..errors import InvalidRequest
+from ..jsonl import records
 
 MT_BENCH = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 GROUPS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
@@ -48,16 +48,7 @@ def load_questions(path: str | Path | None = None) -> list[Question]:
     path = Path(path)
     if not path.is_file():
         raise InvalidRequest(f"prompt file {path} does not exist")
-    questions = []
-    with path.open(encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise InvalidRequest(f"{path}:{n} is not valid JSON ({exc.msg})") from None
-            questions.append(_question(row, n, path))
+    questions = [_question(row, n, path) for n, row in records(path)]
     if not questions:
         raise InvalidRequest(f"{path} holds no prompts")
     return questions

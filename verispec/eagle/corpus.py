@@ -24,6 +24,7 @@ from typing import Iterator
 import torch
 
 from ..errors import InvalidRequest
+from ..jsonl import records
 from .data import META, Sequence, write_shard
 
 MIN_PIECE = 16  # shorter document tails are dropped: a few positions of signal for a padded row
@@ -40,19 +41,12 @@ def read_documents(path: str | Path) -> Iterator[str]:
         if text.strip():
             yield text
         return
-    with open(path, encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise InvalidRequest(f"{path}:{n} is not valid JSON ({exc})") from exc
-            text = record.get("text", record.get("prompt")) if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                raise InvalidRequest(f"{path}:{n} has no \"text\" string; each line needs {{\"text\": ...}}")
-            if text.strip():
-                yield text
+    for n, record in records(path):
+        text = record.get("text", record.get("prompt")) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            raise InvalidRequest(f"{path}:{n} has no \"text\" string; each line needs {{\"text\": ...}}")
+        if text.strip():
+            yield text
 
 
 def pieces(ids: list[int], seq_tokens: int) -> Iterator[list[int]]:

@@ -34,6 +34,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..errors import InvalidRequest
+from ..jsonl import records
 from ..backends.hf import LoadedModel
 
 META = "meta.json"
@@ -52,18 +53,11 @@ def read_prompts(path: str | Path) -> list[str]:
     if not path.is_file():
         raise InvalidRequest(f"prompt file {path} does not exist; pass a JSONL file with one {{\"prompt\": ...}} per line")
     prompts = []
-    with open(path, encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise InvalidRequest(f"{path}:{n} is not valid JSON ({exc})") from exc
-            text = record.get("prompt") if isinstance(record, dict) else None
-            if not isinstance(text, str) or not text.strip():
-                raise InvalidRequest(f"{path}:{n} has no non-empty \"prompt\" string")
-            prompts.append(text)
+    for n, record in records(path):
+        text = record.get("prompt") if isinstance(record, dict) else None
+        if not isinstance(text, str) or not text.strip():
+            raise InvalidRequest(f"{path}:{n} has no non-empty \"prompt\" string")
+        prompts.append(text)
     if not prompts:
         raise InvalidRequest(f"{path} holds no prompts")
     return prompts
