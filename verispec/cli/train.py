@@ -193,9 +193,10 @@ def _self_distillation(args, kind: str) -> tuple[Path, list[list[int]]]:
     if gen_backend == "llamacpp" and device != "cpu":
         raise InvalidRequest(f"--gen-backend llamacpp answers on the CPU; with --device {device} leave it out "
                              "(transformers answers on the GPU)")
-    gen_dtype = _gen_dtype(args.gen_dtype, device)
-    if gen_backend == "llamacpp":
+    if gen_backend == "llamacpp":  # F16 weights unless float32 is asked for (llama.cpp's own dtypes)
         gen_dtype = "float32" if args.gen_dtype == "float32" else "float16"
+    else:
+        gen_dtype = _gen_dtype(args.gen_dtype, device)
     gen_target = load_model(args.target, dtype="float32" if gen_backend == "llamacpp" else gen_dtype,
                             device=None if device == "cpu" else device)
     layers = _parse_layers(args.layers, gen_target.model.config.num_hidden_layers) if kind == "eagle" else []
@@ -208,7 +209,8 @@ def _self_distillation(args, kind: str) -> tuple[Path, list[list[int]]]:
     online = _online(args)
     settings = dict(target=args.target, prompts=str(Path(args.prompts).resolve()), max_prompt=args.max_prompt_tokens,
                     max_new=args.max_new_tokens, layers=[] if online else layers, seed=args.seed, dtype=gen_dtype,
-                    **({"features": False} if online else {}), **({"backend": gen_backend} if gen_backend != "transformers" else {}))
+                    **({"features": False} if online else {}),
+                    **({"backend": gen_backend} if gen_backend != "transformers" else {}))
     key = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
     data_dir = Path(args.data) if args.data else cache_dir() / f"{kind}-data" / f"{Path(args.target).name}-{key}"
     n = args.answers_per_prompt

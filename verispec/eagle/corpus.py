@@ -25,7 +25,7 @@ import torch
 
 from ..errors import InvalidRequest
 from ..jsonl import records
-from .data import META, Sequence, write_shard
+from .data import META, Sequence, load_meta, load_sequences, write_shard
 
 MIN_PIECE = 16  # shorter document tails are dropped: a few positions of signal for a padded row
 
@@ -84,52 +84,39 @@ def build_text_dataset(tokenizer, target: str, files: list[str | Path], out_dir:
     if out.exists():
         shutil.rmtree(out)  # other files or settings: never mix two corpora's pieces
     out.mkdir(parents=True)
-    shard: list[Sequence] = []
-    shards = tokens = documents = count = 0
-    bar = tqdm(desc="reading text", unit="tok", unit_scale=True, disable=not progress)
+    counts = {"documents": 0, "sequences": 0, "tokens": 0}
 
-    def flush() -> None:
-        nonlocal shard, shards
+    def every_piece() -> Iterator[list[int]]:
+        for f in files:
+            for text in read_documents(f):
+                counts["documents"] += 1
+                yield from pieces(tokenizer(text, add_special_tokens=False)["input_ids"], seq_tokens)
+
+    shard: list[Sequence] = []
+    shards = 0
+    with tqdm(desc="reading text", unit="tok", unit_scale=True, disable=not progress) as bar:
+        for piece in every_piece():
+            if max_tokens is not None and counts["tokens"] + len(piece) > max_tokens:
+                break
+            shard.append(Sequence(torch.tensor(piece), 0, None))
+            counts["sequences"] += 1
+            counts["tokens"] += len(piece)
+            bar.update(len(piece))
+            if len(shard) == shard_size:
+                write_shard(out / f"shard-{shards:05d}.safetensors", shard)
+                shards, shard = shards + 1, []
         if shard:
             write_shard(out / f"shard-{shards:05d}.safetensors", shard)
-            shards += 1
-            shard = []
-
-    done = False
-    for f in files:
-        for text in read_documents(f):
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            documents += 1
-            for piece in pieces(ids, seq_tokens):
-                if max_tokens is not None and tokens + len(piece) > max_tokens:
-                    done = True
-                    break
-                shard.append(Sequence(torch.tensor(piece), 0, None))
-                tokens += len(piece)
-                count += 1
-                bar.update(len(piece))
-                if len(shard) == shard_size:
-                    flush()
-            if done:
-                break
-        if done:
-            break
-    flush()
-    bar.close()
-    if not tokens:
+    if not counts["tokens"]:
         raise InvalidRequest(f"--text {', '.join(map(str, files))}: no document of at least {MIN_PIECE} tokens")
     meta = {"kind": "text", "key": key, "target": target, "files": [str(f) for f in files], "features": False,
-            "layers": [], "seq_tokens": seq_tokens, "max_tokens": max_tokens, "documents": documents,
-            "sequences": count, "tokens": tokens}
+            "layers": [], "seq_tokens": seq_tokens, "max_tokens": max_tokens, **counts}
     meta_path.write_text(json.dumps(meta, indent=2))  # written last: a folder without it is rebuilt
     return out
 
 
-
 def load_text(folders: list[str | Path], target: str) -> tuple[list[Sequence], dict]:
     """The pieces stored in ``folders`` (built by ``build_text_dataset`` for ``target``) and a record of them."""
-    from .data import load_meta, load_sequences
-
     sequences, record = [], {"files": [], "documents": 0, "sequences": 0, "tokens": 0}
     for folder in folders:
         meta = load_meta(folder)
