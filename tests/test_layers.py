@@ -19,13 +19,13 @@ PACKAGE = Path(__file__).resolve().parents[1] / "verispec"
 LAYERS = [
     ("entry points", ["verispec.cli", "verispec.__main__"]),
     ("services", ["verispec.server", "verispec.ray", "verispec.bench", "verispec.audit", "verispec.eagle.train",
-                  "verispec.eagle.data", "verispec.medusa.train"]),
+                  "verispec.eagle.data", "verispec.eagle.corpus", "verispec.medusa.train"]),
     ("the loop", ["verispec.batching", "verispec.engine", "verispec.controller"]),
     ("drafters", ["verispec.drafters", "verispec.eagle", "verispec.medusa", "verispec.compat"]),
     ("backends", ["verispec.backends"]),
     ("pure helpers", ["verispec.verify", "verispec.sampling", "verispec.tree", "verispec.text", "verispec.stats",
                       "verispec.analysis", "verispec.errors", "verispec.features", "verispec.prefix",
-                      "verispec.version"]),
+                      "verispec.version", "verispec.jsonl"]),
 ]
 
 

@@ -250,7 +250,7 @@ def _engine_answers(ref: str, dtype: str, batch: int, longest: int) -> dict:
     """build_dataset's ``answer`` and ``answered_by`` for --gen-backend llamacpp: the target's GGUF weights in F16
     (or F32) answering ``batch`` prompts per pass in verispec's batch engine, plain decoding (no drafter), greedy or
     sampled with a seed per prompt. ``longest``: prompt + answer tokens at most (the rows share one context)."""
-    from .. import SpeculativeDecoder
+    from ..engine import SpeculativeDecoder
     from ..backends import load_model
     from ..batching import BatchEngine
 
