@@ -331,6 +331,19 @@ def test_a_new_package_supersedes_only_the_same_weights_and_kind_of_pass(tmp_pat
     assert other_weights not in compile_store.superseded(new_step, {"weights": "w1", "width": 1})
 
 
+def test_autotuning_is_on_by_default_part_of_the_key_and_a_bad_setting_is_refused(monkeypatch):
+    model = make_model(seed=2)
+    monkeypatch.delenv(compile_store.AUTOTUNE_ENV, raising=False)
+    assert compile_store.options() == {"freezing": True, "max_autotune": True}
+    tuned = compile_store.package_path(compile_store.package_key(model, 1, "src"))
+    monkeypatch.setenv(compile_store.AUTOTUNE_ENV, "0")
+    assert compile_store.options()["max_autotune"] is False
+    assert compile_store.package_path(compile_store.package_key(model, 1, "src")) != tuned  # never mistaken
+    monkeypatch.setenv(compile_store.AUTOTUNE_ENV, "maybe")
+    with pytest.raises(ValueError, match="VERISPEC_COMPILE_AUTOTUNE='maybe'.*use 1"):
+        compile_store.options()
+
+
 def test_a_damaged_package_is_removed_and_never_run(store, caplog, tmp_path, monkeypatch):
     model, fast = store
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
@@ -396,6 +409,7 @@ def test_a_server_compiles_in_the_background_switches_and_the_next_starts_compil
     from verispec.server.config import ServeOptions, build_server_config
 
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))  # the child process stores its step here too
+    monkeypatch.setenv(compile_store.AUTOTUNE_ENV, "0")  # the child builds faster (its kernels are not under test)
     options = ServeOptions(target=str(tiny_dir), drafter="ngram", max_batch=1, compile="auto")
     config = build_server_config(options)
     job, target = config.compile_job, config.target

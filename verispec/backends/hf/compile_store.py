@@ -41,8 +41,21 @@ import torch
 
 FORMAT = 1  # bump when a package's meaning changes: older packages then sit under another key
 OPTIONS = {"freezing": True, "max_autotune": True}  # what inductor compiles the step with
+AUTOTUNE_ENV = "VERISPEC_COMPILE_AUTOTUNE"
 
 log = logging.getLogger(__name__)
+
+
+def options() -> dict:
+    """What inductor compiles with: frozen weights and autotuned GEMM kernels. ``VERISPEC_COMPILE_AUTOTUNE=0``
+    skips the autotuning (inductor's default kernel choices): a build takes about a third of the time and its
+    kernels are slower (measured on the tiny llama of the tests: 44.6 against 120.1 s on 2 cores; on the default
+    model autotuning made the one-token step ~1.9x faster, docs/kernels.md). For tests and quick experiments; the
+    setting is part of the package key, so the two builds are never mistaken for each other."""
+    value = os.environ.get(AUTOTUNE_ENV, "1").strip().lower()
+    if value not in ("0", "1", "false", "true", "no", "yes", "off", "on"):
+        raise ValueError(f"{AUTOTUNE_ENV}={value!r}: use 1 (autotune the kernels, the default) or 0 (skip it)")
+    return {**OPTIONS, "max_autotune": value in ("1", "true", "yes", "on")}
 
 
 def folder() -> Path:
@@ -83,7 +96,7 @@ def package_key(model: torch.nn.Module, width: int, source: str) -> dict:
     return {"format": FORMAT, **machine(), "torch_capability": cpu_info().get("torch_capability"),
             "transformers": transformers.__version__, "python": platform.python_version(),
             "weights": weights_digest(model), "dtype": str(next(model.parameters()).dtype), "width": width,
-            "source": hashlib.sha256(source.encode()).hexdigest()[:24], "options": dict(OPTIONS)}
+            "source": hashlib.sha256(source.encode()).hexdigest()[:24], "options": options()}
 
 
 def package_path(key: dict) -> Path:
@@ -172,7 +185,7 @@ def save(exported, path: Path, key: dict, name: str) -> float:
             warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree deprecations
             # a copy of the options: inductor adds its own keys to the dict it is given
             torch._inductor.aoti_compile_and_package(exported, package_path=str(partial),
-                                                     inductor_configs=dict(OPTIONS))
+                                                     inductor_configs=options())
         seconds = time.perf_counter() - t0
         os.replace(partial, path)
     finally:
