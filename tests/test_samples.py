@@ -83,20 +83,20 @@ def exact_pair(target, sampling):
     return (one[:, None] * one[None, :]).reshape(-1)
 
 
-def pair_p_value(target, decoder_class=SpeculativeDecoder) -> float:
+def pair_p_value(target, decoder_class=SpeculativeDecoder, samples: int = SAMPLES) -> float:
     sampling = SamplingParams(temperature=1.0)
     vocab = target.vocab_size
     decoders = [decoder_class(target, SuffixDrafter(scope="request"), k=3, k_policy="fixed") for _ in range(2)]
     counts = torch.zeros(vocab**4, dtype=torch.float64)
     sibling_drafts = 0
-    for i in range(SAMPLES):
+    for i in range(samples):
         a, b = generate_samples(decoders, PROMPT, seed=1000 + 7 * i, max_new_tokens=6, temperature=1.0)
         x, y = a.token_ids[:2], b.token_ids[:2]
         counts[((x[0] * vocab + x[1]) * vocab + y[0]) * vocab + y[1]] += 1
         sibling_drafts += b.stats.step_drafted[0] > 0  # the second sample's first step: its drafts are the first's
-    assert sibling_drafts > SAMPLES // 2  # the siblings' text is really drafted from
-    _, _, p_value, cells = chi_square(counts, exact_pair(target, sampling) * SAMPLES)
-    assert cells > 40
+    assert sibling_drafts > samples // 2  # the siblings' text is really drafted from
+    _, _, p_value, cells = chi_square(counts, exact_pair(target, sampling) * samples)
+    assert cells > 40 * samples // SAMPLES
     return p_value
 
 
@@ -106,7 +106,7 @@ def test_two_samples_drafting_from_each_other_are_independent_draws_of_the_targe
 
 def test_the_joint_test_fails_when_the_samples_share_a_seed(small_vocab, monkeypatch):
     monkeypatch.setattr(batching, "sample_seeds", lambda seed, n: [seed] * n)
-    assert pair_p_value(small_vocab) < 1e-6
+    assert pair_p_value(small_vocab, samples=SAMPLES // 4) < 1e-6  # a gross failure: a quarter of the samples
 
 
 class TrustingDecoder(SpeculativeDecoder):
@@ -119,4 +119,4 @@ class TrustingDecoder(SpeculativeDecoder):
 
 
 def test_the_joint_test_fails_when_sibling_drafts_are_trusted(small_vocab):
-    assert pair_p_value(small_vocab, TrustingDecoder) < 1e-6
+    assert pair_p_value(small_vocab, TrustingDecoder, samples=SAMPLES // 4) < 1e-6
