@@ -101,11 +101,12 @@ def test_sampled_output_follows_the_exact_joint_distribution(target):
     assert joint_p_value(decoder, SamplingParams(temperature=1.0)) > ALPHA
 
 
-def test_the_compiled_step_gives_greedy_decoding_with_no_cache(family, monkeypatch):
+def test_the_compiled_step_gives_greedy_decoding_with_no_cache(family, monkeypatch, tmp_path):
     # each family's graph compiled without autotuning its GEMMs (~45 s instead of ~2 min a family on 2 cores): what
     # differs between families is the graph (masks, windows, norms), not the kernel choice; test_compiled.py and the
     # real model's e2e test build with autotuning, as users do
     monkeypatch.setenv(compile_store.AUTOTUNE_ENV, "0")
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))  # compiled every run, never stored in the user's cache
     fast = zoo_target(family)
     assert fast.compile_step() is True
     assert json.loads(fast.step.path.with_suffix(".json").read_text())["key"]["options"]["max_autotune"] is False
