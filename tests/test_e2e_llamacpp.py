@@ -77,6 +77,38 @@ def test_speculation_on_f32_weights_is_identical_to_plain_decoding(llama_f32, dr
     assert drafted > 0
 
 
+def test_heads_read_a_long_prompts_last_rows_and_speculation_stays_plain_decoding(llama_f32):
+    """On llama.cpp a row's hidden state costs its logits, so the EAGLE head reads only a prompt's last
+    ``PROMPT_ROWS_LLAMACPP`` rows and Medusa its last one: the rest is prefilled asking for none (a forward of its
+    own), and greedy output stays plain decoding's on F32 weights."""
+    from verispec.bench.prompts import load_questions
+    from verispec.drafters.eagle import PROMPT_ROWS_LLAMACPP
+
+    long = next(q.turns[0] for q in load_questions() if q.group == "summarization")
+    plain = SpeculativeDecoder(llama_f32)
+    expected = plain.generate(long, max_new_tokens=32)
+    assert len(expected.prompt_token_ids) > PROMPT_ROWS_LLAMACPP + 50
+    calls = []
+    forward = llama_f32.forward
+
+    def recording(kv, tokens, **kwargs):
+        calls.append((len(tokens), bool(kwargs.get("feature_layers"))))
+        return forward(kv, tokens, **kwargs)
+
+    for name, rows in (("eagle", PROMPT_ROWS_LLAMACPP), ("medusa", 1)):
+        drafter = make_drafter(name, target=llama_f32)
+        assert drafter.prompt_feature_rows == rows
+        calls.clear()
+        llama_f32.forward = recording
+        try:
+            out = SpeculativeDecoder(llama_f32, drafter, k=4, k_policy="fixed").generate(long, max_new_tokens=32)
+        finally:
+            del llama_f32.forward
+        blind = len(expected.prompt_token_ids) - 1 - rows
+        assert calls[:2] == [(blind, False), (rows, True)], name
+        assert out.token_ids == expected.token_ids and out.stats.drafted > 0, name
+
+
 def test_hidden_states_equal_the_transformers_backends(llama_f32, default_model):
     """The eval callback reads embd, l_out-{i-1} and result_norm: transformers' hidden_states[0], [i], [n_layer]."""
     ids = default_model.tokenizer("The quick brown fox jumps over the lazy dog, then naps in the sun.")["input_ids"]

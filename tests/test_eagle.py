@@ -69,6 +69,87 @@ def test_feature_buffer_appends_truncates_and_grows():
         buf.truncate(601)
 
 
+def test_feature_buffer_skips_a_prompts_first_positions():
+    """Positions prefilled without hidden states: ``view`` holds the rows after them only, rows recorded before a
+    skip are dropped with it (no gap), truncating into the skipped part moves the start back, and a buffer joining a
+    cached prefix takes the donor's start."""
+    rows = torch.arange(40 * 2 * 3, dtype=torch.float32).view(40, 2, 3)
+    buf = FeatureBuffer()
+    buf.skip(10)
+    buf.append(rows[10:15])
+    assert (len(buf), buf.start) == (15, 10) and torch.equal(buf.view(), rows[10:15])
+    buf.append(rows[15:30])  # a second append after the skipped part
+    assert torch.equal(buf.view(), rows[10:30])
+    buf.truncate(12)
+    assert torch.equal(buf.view(), rows[10:12])
+    joined = FeatureBuffer()
+    joined.extend_from(buf, 11)
+    assert (len(joined), joined.start) == (11, 10) and torch.equal(joined.view(), rows[10:11])
+    buf.truncate(4)  # back into the skipped positions: no rows left; the next ones start at 4
+    buf.append(rows[4:9])
+    assert buf.start == 4 and torch.equal(buf.view(), rows[4:9])
+    buf.skip(3)  # after recorded rows: they go too, so the rows seen stay the last positions'
+    buf.append(rows[12:14])
+    assert (len(buf), buf.start) == (14, 12) and torch.equal(buf.view(), rows[12:14])
+    with pytest.raises(ValueError, match="empty"):
+        buf.extend_from(joined, 3)
+
+
+def test_a_head_reading_a_prompts_last_rows_drafts_as_if_the_prompt_began_there(small_target):
+    """With the features of the last positions only, the head starts its cache at the first of them: its rotary
+    positions count from there, and since attention sees only their differences it drafts exactly what a head
+    given the prompt from that position on drafts; the next proposal reads on from that origin."""
+    ids = [5, 9, 3, 5, 9, 4, 7, 11, 3, 8, 14, 2, 6]
+    feats = features_of(small_target, ids)
+    m, first = len(ids) - 1, 7
+    late = EagleDrafter(small_target, random_head(small_target, 20), context_vocab=False, prompt_rows=m - first)
+    fresh = EagleDrafter(small_target, random_head(small_target, 20), context_vocab=False)
+    a = late.propose(ids, 4, features=feats[first:m])
+    b = fresh.propose(ids[first:], 4, features=feats[first:m])
+    assert a.tokens == b.tokens and late._origin == first and len(late._cache) == m - first
+    more = ids + [9, 9]  # two tokens committed: the head reads their pairs on from its origin
+    longer = features_of(small_target, more)
+    assert late.propose(more, 4, features=longer[first : len(more) - 1]).tokens == \
+        fresh.propose(more[first:], 4, features=longer[first : len(more) - 1]).tokens
+    assert late._origin == first
+    # a context that differs before the origin: the cached pairs are dropped and the head starts at the new rows
+    other = [7] + more[1:]
+    late.propose(other, 2, features=longer[10 : len(more) - 1])
+    assert late._origin == 10 and len(late._cache) == len(more) - 1 - 10
+    assert late.propose(other, 2, features=longer[:0]).tokens == []  # no rows at all: nothing to draft from
+    with pytest.raises(InvalidRequest, match="prompt rows"):
+        EagleDrafter(small_target, random_head(small_target, 20), prompt_rows=0)
+    assert EagleDrafter(small_target, random_head(small_target, 20)).prompt_feature_rows is None  # transformers: all
+
+
+def test_greedy_output_is_plain_with_a_prompt_read_from_its_last_rows(small_target, trained_head_dir):
+    """The engine prefills the prompt without hidden states but for the head's last rows (a forward of its own,
+    asking for none), keeps the skipped positions' place in the feature buffer, and decodes plain greedy tokens;
+    a second request sharing the prompt's prefix reuses the cache."""
+    calls = []
+    forward = small_target.forward
+
+    def recording(kv, tokens, **kwargs):
+        calls.append((len(tokens), tuple(kwargs.get("feature_layers") or ())))
+        return forward(kv, tokens, **kwargs)
+
+    drafter = EagleDrafter(small_target, trained_head_dir[0], prompt_rows=3)
+    decoder = SpeculativeDecoder(small_target, drafter, k=3, k_policy="fixed")
+    prompt = PROMPTS[1]
+    small_target.forward = recording
+    try:
+        got = decoder.generate(prompt, max_new_tokens=30)
+    finally:
+        del small_target.forward
+    assert calls[:2] == [(len(prompt) - 1 - 3, ()), (3, LAYERS)]  # the blind part, then the head's rows
+    assert drafter._origin == len(prompt) - 1 - 3 and got.stats.accepted > 0
+    assert got.token_ids == SpeculativeDecoder(small_target).generate(prompt, max_new_tokens=30).token_ids
+    again = decoder.generate(prompt[:-1] + [12, 30, 7], max_new_tokens=20)
+    assert again.stats.reused_prompt_tokens > 0
+    assert again.token_ids == SpeculativeDecoder(small_target).generate(prompt[:-1] + [12, 30, 7],
+                                                                        max_new_tokens=20).token_ids
+
+
 def test_ttt_mask_is_the_drafters_view():
     m = ttt_mask(5, 2)  # keys: [step0 0..4 | step1 0..4 | step2 0..4]
     # query at position 4, depth 2: true keys 0..2, its depth-1 key at 3, its own depth-2 key at 4

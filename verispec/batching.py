@@ -210,7 +210,7 @@ class BatchEngine:
             if best is not None:
                 self.group.copy_prefix(best.cache, state.cache, keep)
                 if layers:
-                    state.features.append(best.features.view()[:keep].clone())
+                    state.features.extend_from(best.features, keep)
         state.cached_tokens = state.tokens[:keep]
         state.stats.reused_prompt_tokens = keep
         self.counters.reused_prompt_tokens += keep

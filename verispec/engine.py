@@ -374,7 +374,14 @@ class SpeculativeDecoder:
         state.stats.reused_prompt_tokens = keep
         feed = ids[keep:-1]
         if feed:
-            out = self.target.forward(state.cache, feed, last_only=True, feature_layers=self.feature_layers)
+            # a drafter that reads only a prompt's last rows (``prompt_feature_rows``): the rest is prefilled
+            # without hidden states, which on llama.cpp would cost every row's logits
+            rows = getattr(self.drafter, "prompt_feature_rows", None) if self.feature_layers else None
+            blind = max(0, len(feed) - rows) if rows is not None else 0
+            if blind:
+                self.target.forward(state.cache, feed[:blind], last_only=True)
+                state.features.skip(blind)
+            out = self.target.forward(state.cache, feed[blind:], last_only=True, feature_layers=self.feature_layers)
             state.cached_tokens.extend(feed)
             if self.feature_layers:
                 state.features.append(out.hidden)

@@ -345,7 +345,7 @@ class LlamaCppModel(BorrowedEmbeddings):
             if names:
                 self._tap.wanted = {n: [] for n in names}
             try:
-                self._decode(kv, tokens, all_logits, rows, finals)
+                self._decode(kv, tokens, all_logits, rows, finals, last_only)
                 if names:
                     hidden = torch.stack([torch.cat(self._tap.wanted[n]) for n in names], dim=1)  # [rows, L, H]
             finally:
@@ -451,9 +451,10 @@ class LlamaCppModel(BorrowedEmbeddings):
         return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(rows, self._n_embd)).copy())
 
     def _decode(self, kv: LlamaKV, tokens: list[int], all_logits: bool, rows: list,
-                finals: list | None = None) -> None:
+                finals: list | None = None, last_only: bool = False) -> None:
         """Feed ``tokens`` in chunks of the batch size; append logits (every row, or the last one) to ``rows``, and
-        with ``finals`` (every row's logits asked for) the final normed states to it."""
+        with ``finals`` (every row's logits asked for) the final normed states to it; with ``last_only`` only the
+        last row's logits are copied out (a prefill that reads every row's state: 150 MB of logits for 770 rows)."""
         llama_cpp, size = self._llama, self._batch.size
         want = 0 if all_logits else len(tokens) - 1  # first row (of all tokens) whose logits we keep
         for start in range(0, len(tokens), size):
@@ -466,9 +467,10 @@ class LlamaCppModel(BorrowedEmbeddings):
                                    f"{kv.length} cached)")
             kv.length += len(chunk)
             if len(chunk) - first:
-                ptr = llama_cpp.llama_get_logits(self._ctx)
-                shape = (len(chunk) - first, self._n_vocab)
-                rows.append(torch.from_numpy(np.ctypeslib.as_array(ptr, shape=shape).copy()))
+                if not last_only or start + size >= len(tokens):
+                    ptr = llama_cpp.llama_get_logits(self._ctx)
+                    logits = np.ctypeslib.as_array(ptr, shape=(len(chunk) - first, self._n_vocab))
+                    rows.append(torch.from_numpy((logits[-1:] if last_only else logits).copy()))
                 if finals is not None:
                     finals.append(self._read_embeddings(len(chunk) - first))
 

@@ -56,9 +56,12 @@ class Drafter(Protocol):
     """What the engine needs from a drafter: three methods and two declared capabilities.
 
     ``feature_layers``: the target's hidden-state layers it reads (indices into transformers' ``hidden_states``,
-    0 = embeddings), () for none. The engine then calls ``propose(context, k, features=F)`` with F
-    [len(context) - 1, L, H]: the target's hidden states at every committed position but the pending one, taken from
-    the prefill and verify passes the engine runs anyway (no extra target forward).
+    0 = embeddings), () for none. The engine then calls ``propose(context, k, features=F)`` with F [n, L, H]: the
+    target's hidden states at the last n committed positions before the pending one (n = len(context) - 1, every
+    position, unless the prompt was prefilled without some), taken from the prefill and verify passes the engine runs
+    anyway (no extra target forward). A drafter may declare ``prompt_feature_rows`` (optional, looked up by the
+    engine): how many of a prompt's last rows it reads, None for all; on llama.cpp, where a row's hidden state costs
+    the row's logits too, the rest of the prompt is prefilled without them.
 
     ``tree_depth``: the depth of the trees it drafts for the current request, None when it drafts chains; read before
     drafting, so the controller can budget nodes instead of chain positions.

@@ -65,7 +65,8 @@ class EagleDrafter(DrafterBase):
 
     def __init__(self, target: TargetModel, head: EagleHead | str | Path | None = None, *, tree: bool = False,
                  depth: int = 4, width: int = 4, context_vocab: bool = True, lookup: bool = False,
-                 engine: str = "auto", suffix: bool = False, precision: str = "auto"):
+                 engine: str = "auto", suffix: bool = False, precision: str = "auto",
+                 prompt_rows: int | str | None = "auto"):
         check_whole("eagle tree depth", depth)
         check_whole("eagle tree width", width)
         self.tree, self.depth, self.width = bool(tree), depth, width
@@ -126,8 +127,10 @@ class EagleDrafter(DrafterBase):
         self._target = target
         self._await_compiled = (chosen and engine == "torch" and target.backend == "transformers"
                                 and getattr(target, "step", False) is None)
+        self.prompt_feature_rows = prompt_feature_rows(prompt_rows, target)
         self._cache = HeadCache()
-        self._tokens: list[int] = []  # the cache holds the pairs of positions 0..len(cache)-1 of these tokens
+        self._tokens: list[int] = []  # the cache holds the pairs of positions origin..origin+len(cache)-1 of these
+        self._origin = 0  # the position of the cache's first pair (after a prompt read from its last rows only)
         self.reset(SamplingParams(), None)
 
     def reset(self, sampling: SamplingParams, generator: torch.Generator | None) -> None:
@@ -167,16 +170,22 @@ class EagleDrafter(DrafterBase):
         if features is None:
             raise InvalidRequest("the eagle drafter reads the target's hidden states; run it through "
                                  "SpeculativeDecoder, which passes them")
-        m = len(context) - 1  # position of the pending token; features cover positions 0..m-1
-        if m < 1 or features.shape[0] < m:
+        m = len(context) - 1  # position of the pending token; features cover positions first..m-1
+        if m < 1 or not features.shape[0]:
             return EMPTY_DRAFT
+        first = m - features.shape[0]
         if self._suffix is not None and self.sampling.greedy:
             copied = self._suffix.propose(context, k)
             if len(copied):
                 return copied  # the head catches up on this step's pairs in its next read
-        # pair i needs t_{i+1}: a cached pair stays valid while tokens 0..i+1 are unchanged
-        keep = max(0, min(len(self._cache), common_prefix_length(self._tokens, context) - 1, m - 1))
-        self._cache.truncate(keep)
+        # pair i needs t_{i+1}: a cached pair stays valid while tokens 0..i+1 are unchanged. The head reads on from
+        # the first invalid pair, or starts again at the first position with features when those before it are gone
+        # (its rotary positions count from its first pair: only their differences matter)
+        keep = min(self._origin + len(self._cache), common_prefix_length(self._tokens, context) - 1, m - 1)
+        if keep < max(first, self._origin):
+            keep, self._origin = first, first
+            self._cache.truncate(0)
+        self._cache.truncate(keep - self._origin)
         head = self.head
         device = features.device
         if self.context_vocab:
@@ -184,15 +193,15 @@ class EagleDrafter(DrafterBase):
                 self.reset(self.sampling, self.generator)
             self.vocab.grow(context)
         new_tokens = torch.tensor(context[keep + 1 : m + 1], device=device)
-        g, logits = self.steps.step_logits(new_tokens, head.fuse_features(features[keep:m]), self._cache,
+        g, logits = self.steps.step_logits(new_tokens, head.fuse_features(features[keep - first :]), self._cache,
                                            self.vocab.extra)
         g, logits = g[-1], logits[-1]  # [H], [draft vocabulary]
         if self.tree:
             branch = self._lookup_branch(context, m, k)
-            draft = self._grow_tree(g, logits, m, k - len(branch))
+            draft = self._grow_tree(g, logits, m - self._origin, k - len(branch))
             if branch:
                 draft = _merge_chain(draft, branch)
-            self._cache.truncate(m)
+            self._cache.truncate(m - self._origin)
             self._tokens = list(context)
             return draft
         tokens: list[int] = []
@@ -212,7 +221,7 @@ class EagleDrafter(DrafterBase):
                 g, logits = self.steps.step_logits(torch.tensor([token], device=device), g[None], self._cache,
                                                    self.vocab.extra)
                 g, logits = g[-1], logits[-1]
-        self._cache.truncate(m)  # drop the drafted pairs: they were built from the head's own features
+        self._cache.truncate(m - self._origin)  # drop the drafted pairs: they were built from the head's own features
         self._tokens = list(context)
         return Draft(tokens, torch.stack(probs) if probs else None, confidence=confidence)
 
@@ -227,6 +236,7 @@ class EagleDrafter(DrafterBase):
         return tokens
 
     def _grow_tree(self, g0: torch.Tensor, logits0: torch.Tensor, m: int, budget: int) -> Draft:
+        """``m``: the pending token's position counted from the head cache's first pair."""
         head, cache, width = self.head, self._cache, self.width
         device = g0.device
         d2t = self.vocab.ids
@@ -272,6 +282,26 @@ class EagleDrafter(DrafterBase):
                      [-1 if nodes[i][1] < 0 else chosen[nodes[i][1]] for i in order])
 
     # observe(): nothing to learn; the next propose() realigns the cache with the committed context
+
+
+PROMPT_ROWS_LLAMACPP = 128  # see prompt_feature_rows
+
+
+def prompt_feature_rows(setting: int | str | None, target: TargetModel) -> int | None:
+    """How many of a prompt's last positions the head reads (None: all). ``auto``: all where hidden states come
+    with the pass anyway (transformers, OpenVINO); ``PROMPT_ROWS_LLAMACPP`` on llama.cpp, whose passes return a
+    row's hidden state only with the row's logits, so reading all of a prompt runs the lm_head over every row
+    (a 300-token prefill cost 1.36x plain there, docs/llamacpp.md)."""
+    if setting == "auto":
+        return PROMPT_ROWS_LLAMACPP if target.backend == "llamacpp" else None
+    if setting is None or setting == "all":
+        return None
+    if isinstance(setting, str) and setting.isdigit():
+        setting = int(setting)
+    if not isinstance(setting, int) or isinstance(setting, bool) or setting < 1:
+        raise InvalidRequest(f"eagle prompt rows must be a whole number of at least 1, 'all' or 'auto'; got "
+                             f"{setting!r}")
+    return setting
 
 
 def _compiles(target: TargetModel, head: EagleHead) -> bool:
@@ -369,7 +399,10 @@ register(DrafterSpec(
                     "openvino-fp32", choices=ENGINES),
              Option("precision", str, "auto", "dtype of the torch eagle head: auto (bfloat16 on a CPU with native "
                     "bfloat16 dot products under a float32 target, else the target's dtype), float32 or bfloat16; "
-                    "drafts only, the output is the target's either way", choices=HEAD_DTYPES)),
+                    "drafts only, the output is the target's either way", choices=HEAD_DTYPES),
+             Option("prompt_rows", str, "auto", "how many of a prompt's last positions the eagle head reads: auto "
+                    f"(all, but the last {PROMPT_ROWS_LLAMACPP} on --backend llamacpp, where a row's hidden state "
+                    "costs its logits too), all, or a number", metavar="N")),
     hidden_states=True,
     inner_layers=lambda target, options: _reads_inner_layers(target, options.get("head")),
     trees=lambda options: bool(options.get("tree")), tree_option="tree",

@@ -48,6 +48,9 @@ class MedusaDrafter(DrafterBase):
         self.heads = heads.to(target.device).attach(target.embedding_model)
         self.feature_layers = (heads.config.final_layer,)
         self.tree, self.width = bool(tree), width
+        # the heads read the last position's state only: on llama.cpp, where a row's state costs its logits, the
+        # rest of a prompt is prefilled without them
+        self.prompt_feature_rows = 1 if target.backend == "llamacpp" else None
         self.context_vocab = context_vocab
         self.vocab = ContextVocabulary(self.heads.d2t, target.embedding_model.get_output_embeddings().weight.detach(),
                                        target.vocab_size, self.heads.lm_head_d.dtype)
@@ -68,13 +71,13 @@ class MedusaDrafter(DrafterBase):
         if features is None:
             raise InvalidRequest("the medusa drafter reads the target's hidden states; run it through "
                                  "SpeculativeDecoder, which passes them")
-        m = len(context) - 1  # position of the pending token; features cover positions 0..m-1
-        if m < 1 or features.shape[0] < m or k < 1:
+        m = len(context) - 1  # position of the pending token; the last feature row is position m-1's
+        if m < 1 or not features.shape[0] or k < 1:
             return EMPTY_DRAFT
         if self.context_vocab:
             self.vocab.grow(context)
         count = self.heads.num_heads if self.tree else min(k, self.heads.num_heads)
-        logits = self.heads.logits(self.heads.states(features[m - 1, 0], count), self.vocab.extra)  # [count, D]
+        logits = self.heads.logits(self.heads.states(features[-1, 0], count), self.vocab.extra)  # [count, D]
         if self.tree:
             return self._tree(logits, k)
         probs = torch.softmax(logits.float(), dim=-1)
