@@ -148,6 +148,18 @@ def test_greedy_output_is_plain_with_a_prompt_read_from_its_last_rows(small_targ
     assert again.stats.reused_prompt_tokens > 0
     assert again.token_ids == SpeculativeDecoder(small_target).generate(prompt[:-1] + [12, 30, 7],
                                                                         max_new_tokens=20).token_ids
+    # the batch engine prefills in chunks of 2 tokens that straddle the head's first row, beside a plain sequence
+    from verispec.batching import BatchEngine
+
+    engine = BatchEngine(small_target, max_batch=2, prefill_chunk=2)
+    heads = SpeculativeDecoder(small_target, EagleDrafter(small_target, trained_head_dir[0], prompt_rows=3), k=3,
+                               k_policy="fixed")
+    other = SpeculativeDecoder(small_target)
+    seqs = [engine.submit(d, d.request(p, max_new_tokens=30)) for d, p in ((other, PROMPTS[0]), (heads, prompt))]
+    while engine.busy:
+        engine.step()
+    assert seqs[1].result.token_ids == got.token_ids and seqs[1].result.stats.drafted > 0
+    assert heads.drafter._origin == len(prompt) - 1 - 3
 
 
 def test_ttt_mask_is_the_drafters_view():

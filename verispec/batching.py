@@ -240,10 +240,7 @@ class BatchEngine:
             # whole when no stream waits on this pass, else one chunk
             chunk = todo if not self.running else todo[: self.prefill_chunk]
             if chunk:
-                out = self.target.forward(state.cache, chunk, last_only=True, feature_layers=decoder.feature_layers)
-                state.cached_tokens.extend(chunk)
-                if decoder.feature_layers:
-                    state.features.append(out.hidden)
+                decoder.prefill_chunk(state, chunk)
                 self.counters.prefill_passes += 1
                 self.counters.prefill_tokens += len(chunk)
             state.stats.prefill_seconds += time.perf_counter() - t0

@@ -374,18 +374,25 @@ class SpeculativeDecoder:
         state.stats.reused_prompt_tokens = keep
         feed = ids[keep:-1]
         if feed:
-            # a drafter that reads only a prompt's last rows (``prompt_feature_rows``): the rest is prefilled
-            # without hidden states, which on llama.cpp would cost every row's logits
-            rows = getattr(self.drafter, "prompt_feature_rows", None) if self.feature_layers else None
-            blind = max(0, len(feed) - rows) if rows is not None else 0
-            if blind:
-                self.target.forward(state.cache, feed[:blind], last_only=True)
-                state.features.skip(blind)
-            out = self.target.forward(state.cache, feed[blind:], last_only=True, feature_layers=self.feature_layers)
-            state.cached_tokens.extend(feed)
-            if self.feature_layers:
-                state.features.append(out.hidden)
+            self.prefill_chunk(state, feed)
         state.stats.prefill_seconds = time.perf_counter() - t0
+
+    def prefill_chunk(self, state: SequenceState, chunk: list[int]) -> None:
+        """Feed ``chunk``, the prompt's next tokens after ``state.cached_tokens``, and record their hidden states
+        for a drafter that reads them. One that reads only a prompt's last rows (``prompt_feature_rows``) gets the
+        others prefilled in a pass asking for none, which on llama.cpp would cost every row's logits."""
+        layers = self.feature_layers
+        rows = getattr(self.drafter, "prompt_feature_rows", None) if layers else None
+        start = len(state.cached_tokens)
+        blind = 0 if rows is None else min(len(chunk), max(0, len(state.tokens) - 1 - rows - start))
+        if blind:
+            self.target.forward(state.cache, chunk[:blind], last_only=True)
+            state.features.skip(blind)
+        if blind < len(chunk):
+            out = self.target.forward(state.cache, chunk[blind:], last_only=True, feature_layers=layers)
+            if layers:
+                state.features.append(out.hidden)
+        state.cached_tokens.extend(chunk)
 
     def _calibrate(self, state: SequenceState, k: int) -> None:
         """Seed the target's cost curve (once per model and process): time an engine step at a few widths up
