@@ -33,7 +33,10 @@ def load(cache: str | None):
         model.wait_compiled()
     finally:
         for k, v in saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     assert model.step is not None and model.verify is not None, f"nothing stored under {cache or 'the default cache'}"
     return model
 

@@ -40,7 +40,7 @@ class FeatureBuffer:
         first = min(other.start, length)
         self.skip(first)
         if length > first:
-            self.append(other._data[first:length].clone())
+            self.append(other._data[first:length])  # append copies into this buffer's own storage
 
     def append(self, rows: torch.Tensor) -> None:
         need = self.length + rows.shape[0]
