@@ -99,13 +99,27 @@ def test_backends_that_cannot_skip_layers_say_so(deep_target):
         make_drafter("layerskip", WholeGraph(), layers="1")
 
 
+def layer_priced_passes(fixed_ms: float = 1.0, layer_ms: float = 0.5):
+    """A stand-in for ``time_passes``: a pass costs ``fixed_ms`` plus ``layer_ms`` a layer run (a 5-token pass 1.5x),
+    so the search's cost model is tested on known timings instead of a noisy clock."""
+    def passes(model, context, widths, repeats):
+        one = fixed_ms + layer_ms * model.num_layers  # a view without layers counts only the ones it runs
+        return {w: one * (1.0 if w == 1 else 1.5) for w in widths}
+    return passes
+
+
 def test_the_search_drops_the_least_needed_layers_and_is_stored(deep_target, tmp_path, monkeypatch):
+    import verispec.drafters.layerskip_search as search
+
+    monkeypatch.setattr(search, "time_passes", layer_priced_passes())
     result = calibrate(deep_target, prompts=("w5 w9 w7", "w3 w12 w30"), new_tokens=12, max_rounds=3, progress=False)
     assert result.layers == 6 and 1 <= len(result.path) <= 3
     assert [len(c.skip) for c in result.path] == list(range(1, len(result.path) + 1))
     for before, after in zip(result.path, result.path[1:]):
         assert set(before.skip) < set(after.skip)  # greedy: each round adds one layer to the set
         assert after.cost_ratio < before.cost_ratio
+    # 6 layers at 0.5 ms and 1 ms fixed: a step is 4 ms, each skipped layer takes 0.5 ms off it
+    assert [c.cost_ratio for c in result.path] == pytest.approx([(4 - 0.5 * n) / 4 for n in range(1, len(result.path) + 1)])
     assert all(0 not in c.skip and 5 not in c.skip for c in result.path)  # the first and last layers stay
     assert all(0 <= c.agreement <= 1 and c.predicted_speedup > 0 for c in result.path)
     best = max(result.path, key=lambda c: c.predicted_speedup)
@@ -116,8 +130,6 @@ def test_the_search_drops_the_least_needed_layers_and_is_stored(deep_target, tmp
     monkeypatch.setenv("VERISPEC_COST_CACHE", str(tmp_path))
     monkeypatch.setattr(type(deep_target), "measurement_key", property(lambda self: {"model": "deep-tiny"}))
     calls = []
-    import verispec.drafters.layerskip_search as search
-
     monkeypatch.setattr(search, "calibrate", lambda target, progress: calls.append(1) or result)
     first = calibrated(deep_target, progress=False)
     second = calibrated(deep_target, progress=False)
@@ -125,6 +137,18 @@ def test_the_search_drops_the_least_needed_layers_and_is_stored(deep_target, tmp
     drafter = LayerSkipDrafter(deep_target)  # "auto": the stored choice
     assert drafter.skipped == result.skip and drafter.calibration == result and calls == [1]
     assert drafter.idle == (result.predicted_speedup <= 1.0)
+
+
+def test_a_clock_that_prices_half_the_layers_above_all_of_them_makes_layers_free_not_negative(deep_target, monkeypatch,
+                                                                                           caplog):
+    import verispec.drafters.layerskip_search as search
+
+    # timing noise on a tiny model: the view without half its layers measured slower than the whole model
+    monkeypatch.setattr(search, "time_passes", layer_priced_passes(fixed_ms=4.0, layer_ms=-0.1))
+    with caplog.at_level("WARNING"):
+        result = calibrate(deep_target, prompts=("w5 w9 w7",), new_tokens=8, max_rounds=2, progress=False)
+    assert [c.cost_ratio for c in result.path] == [1.0] * len(result.path)  # a draft costs a whole step
+    assert all(c.predicted_speedup < 1.0 for c in result.path) and "not predicted to pay" in caplog.text
 
 
 def test_an_automatic_choice_predicted_to_lose_drafts_nothing_and_named_layers_always_draft(deep_target):
