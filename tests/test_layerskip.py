@@ -119,7 +119,8 @@ def test_the_search_drops_the_least_needed_layers_and_is_stored(deep_target, tmp
         assert set(before.skip) < set(after.skip)  # greedy: each round adds one layer to the set
         assert after.cost_ratio < before.cost_ratio
     # 6 layers at 0.5 ms and 1 ms fixed: a step is 4 ms, each skipped layer takes 0.5 ms off it
-    assert [c.cost_ratio for c in result.path] == pytest.approx([(4 - 0.5 * n) / 4 for n in range(1, len(result.path) + 1)])
+    expected = [(4 - 0.5 * n) / 4 for n in range(1, len(result.path) + 1)]
+    assert [c.cost_ratio for c in result.path] == pytest.approx(expected)
     assert all(0 not in c.skip and 5 not in c.skip for c in result.path)  # the first and last layers stay
     assert all(0 <= c.agreement <= 1 and c.predicted_speedup > 0 for c in result.path)
     best = max(result.path, key=lambda c: c.predicted_speedup)
