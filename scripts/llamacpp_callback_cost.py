@@ -2,14 +2,15 @@
 
     python scripts/llamacpp_callback_cost.py [--weights f16]
 
-Loads the default model's weights twice on the llama.cpp backend, without and with ``features=True`` (the Python
-eval callback a four-layer EAGLE head reads its layers through), and times passes of 1, 2 and 6 tokens at 300
-cached tokens, interleaved (median of 30): plain passes, passes that ask for the final normed state alone
-(llama.cpp's embeddings output, no callback: what a ``--layers 30`` head and Medusa read), and passes through the
-callback asking for the shipped head's four layers.
+Loads the default model's weights three times on the llama.cpp backend and times passes of 1, 2 and 6 tokens at
+300 cached tokens, interleaved (median of 30): plain passes; passes that ask for the final normed state alone
+(llama.cpp's embeddings output, no callback: what a ``--layers 30`` head and Medusa read); the shipped four-layer
+head's layers read as llama.cpp's layer inputs (a second copy, since those stay switched on once asked for), and
+through the Python eval callback (a third copy, loaded as on a llama.cpp build without layer inputs).
 """
 
 import argparse
+import os
 import statistics
 import time
 
@@ -24,15 +25,23 @@ def main() -> None:
     ap.add_argument("--weights", default="f16", help="llama.cpp weight format (default: f16; as-is = the Q4_1 file)")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    models = {features: load("smollm2-135m", weights=args.weights, threads=args.threads, features=features)
-              for features in (False, True)}
-    variants = {"plain": (models[False], ()), "final state, no callback": (models[False], FINAL),
-                f"callback, {len(LAYERS)} layers": (models[True], LAYERS)}
+    plain = load("smollm2-135m", weights=args.weights, threads=args.threads)
+    inputs = load("smollm2-135m", weights=args.weights, threads=args.threads)
+    os.environ["VERISPEC_LLAMACPP_LAYER_INPUTS"] = "0"
+    callback = load("smollm2-135m", weights=args.weights, threads=args.threads, features=True)
+    del os.environ["VERISPEC_LLAMACPP_LAYER_INPUTS"]
+    variants = {"plain": (plain, ()), "final state, no callback": (plain, FINAL),
+                f"layer inputs, {len(LAYERS)} layers": (inputs, LAYERS),
+                "plain beside them": (inputs, ()),
+                f"callback, {len(LAYERS)} layers": (callback, LAYERS)}
     caches = {}
     for name, (model, _) in variants.items():
         kv = model.new_kv()
         model.forward(kv, list(range(100, 400)), last_only=True)
         caches[name] = kv
+    # every model holds two sequences of 300 (llama.cpp's unified KV buffer: a pass attends over every used cell)
+    idle = callback.new_kv()
+    callback.forward(idle, list(range(100, 400)), last_only=True)
     for width in (1, 2, 6):
         times = {name: [] for name in variants}
         for _ in range(30):

@@ -4,6 +4,7 @@ to plain decoding on F32 weights, hidden states equal to transformers', rollback
 installs the llamacpp extra and sets VERISPEC_REQUIRE_LLAMACPP=1, so a missing llama-cpp-python fails there)."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -109,19 +110,58 @@ def test_heads_read_a_long_prompts_last_rows_and_speculation_stays_plain_decodin
         assert out.token_ids == expected.token_ids and out.stats.drafted > 0, name
 
 
-def test_hidden_states_equal_the_transformers_backends(llama_f32, default_model):
-    """The eval callback reads embd, l_out-{i-1} and result_norm: transformers' hidden_states[0], [i], [n_layer]."""
+@pytest.fixture(scope="module")
+def llama_f32_callback():
+    """F32 weights with hidden states read by the eval callback, as on a llama.cpp build without layer inputs."""
+    os.environ["VERISPEC_LLAMACPP_LAYER_INPUTS"] = "0"
+    try:
+        model = load_model("smollm2-135m", backend="llamacpp", weights="f32", features=True)
+    finally:
+        del os.environ["VERISPEC_LLAMACPP_LAYER_INPUTS"]
+    assert model._tap is not None and model._inputs is None
+    return model
+
+
+@pytest.mark.parametrize("reader", ["layer inputs", "callback"])
+def test_hidden_states_equal_the_transformers_backends(reader, llama_f32, llama_f32_callback, default_model):
+    """llama.cpp's layer inputs (input of layer i, i < n_layer) and its embeddings output (the final norm), or the
+    eval callback's embd, l_out-{i-1} and result_norm: transformers' hidden_states[0], [i], [n_layer]."""
+    model = llama_f32 if reader == "layer inputs" else llama_f32_callback
+    assert (model._inputs is not None) == (reader == "layer inputs") and model.supports_features
     ids = default_model.tokenizer("The quick brown fox jumps over the lazy dog, then naps in the sun.")["input_ids"]
     layers = (0, 2, 15, 28, 30)
     ref = default_model.forward(default_model.new_kv(), ids, feature_layers=layers)
-    kv = llama_f32.new_kv()
-    head = llama_f32.forward(kv, ids[:5], last_only=True, feature_layers=layers)  # a prefill keeps every row
-    tail = llama_f32.forward(kv, ids[5:], feature_layers=layers)
+    kv = model.new_kv()
+    head = model.forward(kv, ids[:5], last_only=True, feature_layers=layers)  # a prefill keeps every row
+    tail = model.forward(kv, ids[5:], feature_layers=layers)
     hidden = torch.cat([head.hidden, tail.hidden])
     assert hidden.shape == ref.hidden.shape and head.logits.shape[0] == 1
     scale = ref.hidden.abs().amax(dim=(0, 2), keepdim=True)
     assert float(((hidden - ref.hidden).abs() / scale).max()) < 1e-5
     torch.testing.assert_close(tail.logits, ref.logits[5:], atol=1e-3, rtol=0)
+    # inner layers alone: every row without asking for logits (a prefill in chunks, the first with no output row),
+    # the same rows in a batch of two sequences
+    long = (ids * 60)[:600]
+    inner = (15, 2)
+    full = default_model.forward(default_model.new_kv(), long, feature_layers=inner).hidden
+    out = model.forward(model.new_kv(), long, last_only=True, feature_layers=inner)
+    assert out.logits.shape[0] == 1 and out.hidden.shape == full.shape
+    assert float(((out.hidden - full).abs() / full.abs().amax(dim=(0, 2), keepdim=True)).max()) < 1e-5
+    batch = model.forward_batch([(model.new_kv(), long[:7]), (model.new_kv(), long[:3])], feature_layers=inner)
+    torch.testing.assert_close(batch[0].hidden, out.hidden[:7], atol=1e-3, rtol=0)
+    assert batch[1].hidden.shape == (3, 2, 576) and model.forward(model.new_kv(), long[:4]).hidden is None
+
+
+def test_a_four_layer_head_drafts_on_llama_cpp_without_the_callback(llama_f32):
+    """The shipped four-layer head reads layers 2, 15 and 28 as llama.cpp's layer inputs: no eval callback on any
+    pass, and on F32 weights greedy output is plain decoding's token for token."""
+    assert llama_f32._tap is None and llama_f32._inputs is not None
+    drafter = make_drafter("eagle", target=llama_f32, head="fused")
+    assert drafter.feature_layers == (2, 15, 28, 30)
+    expected = SpeculativeDecoder(llama_f32).generate(PROMPTS[0], max_new_tokens=32).token_ids
+    out = SpeculativeDecoder(llama_f32, drafter, k=3, k_policy="fixed").generate(PROMPTS[0], max_new_tokens=32)
+    assert out.stats.drafted > 0 and out.stats.accepted > 0 and out.token_ids == expected
+    assert {2, 15, 28} <= llama_f32._inputs.kept  # kept on: switching them per pass rebuilds llama.cpp's graph
 
 
 def test_rollback_leaves_the_cache_of_a_fresh_prefill(llama_f32):
@@ -161,11 +201,19 @@ def test_audit_passes_on_the_llamacpp_backend(llama_q41):
 def test_what_the_backend_cannot_do_is_a_clear_error(llama_q41, tiny_dir):
     with pytest.raises(InvalidRequest, match="transformers"):
         SpeculativeDecoder(llama_q41, make_drafter("ngram", branches=3))
-    with pytest.raises(InvalidRequest, match="features=True"):
-        llama_q41.forward(llama_q41.new_kv(), [1, 2], feature_layers=(1,))
-    with pytest.raises(InvalidRequest, match="features=True"):
-        make_drafter("eagle", target=llama_q41, head="fused")  # four layers: the callback's
+    with pytest.raises(InvalidRequest, match="outside 0..30"):
+        llama_q41.forward(llama_q41.new_kv(), [1, 2], feature_layers=(31,))
     assert make_drafter("eagle", target=llama_q41).feature_layers == (30,)  # llama.cpp's default: the final state
+    os.environ["VERISPEC_LLAMACPP_LAYER_INPUTS"] = "0"  # as a build without layer inputs, and no callback
+    try:
+        bare = load_model("smollm2-135m", backend="llamacpp")
+    finally:
+        del os.environ["VERISPEC_LLAMACPP_LAYER_INPUTS"]
+    assert not bare.supports_features
+    with pytest.raises(InvalidRequest, match="features=True"):
+        bare.forward(bare.new_kv(), [1, 2], feature_layers=(1,))
+    with pytest.raises(InvalidRequest, match="features=True"):
+        make_drafter("eagle", target=bare, head="fused")  # four layers: the callback's here
     with pytest.raises(ModelNotFound, match="GGUF"):
         load_model(str(tiny_dir), backend="llamacpp")
     with pytest.raises(InvalidRequest, match="--weights"):
@@ -181,7 +229,7 @@ def test_the_final_state_comes_without_the_callback(llama_f32, llama_q41):
     switched on for the passes that ask): equal to what the eval callback reads, so heads on the final state alone
     (Medusa, `train-eagle --layers 30`) run with no Python per graph node."""
     n = llama_q41.final_feature_layer
-    assert n == 30 and not llama_q41.supports_features
+    assert n == 30 and llama_q41._tap is None
     plain_f32 = load_model("smollm2-135m", backend="llamacpp", weights="f32")
     tokens = list(range(300, 340))
     mine = plain_f32.forward(plain_f32.new_kv(), tokens, last_only=True, feature_layers=(n,))
@@ -265,9 +313,10 @@ def test_a_llama_cpp_server_started_with_eagle_runs_the_final_state_head_without
     from verispec.server.config import ServeOptions, build_server_config
 
     config = build_server_config(ServeOptions(target="smollm2-135m", backend="llamacpp", drafter="eagle", max_batch=1))
-    assert not config.target.supports_features  # no eval callback installed
+    assert config.target._tap is None  # no eval callback installed
     assert "eagle" in config.drafters and "medusa" not in config.drafters  # heads only when asked
     assert config.drafters["eagle"]().feature_layers == (30,)
     fused = build_server_config(ServeOptions(target="smollm2-135m", backend="llamacpp", drafter="eagle",
                                              drafter_options={"eagle_head": "fused"}, max_batch=1))
     assert fused.target.supports_features and fused.drafters["eagle"]().feature_layers == (2, 15, 28, 30)
+    assert fused.target._tap is None  # its inner layers come as llama.cpp's layer inputs

@@ -129,6 +129,50 @@ class _FeatureTap:
         return True
 
 
+class _LayerInputs:
+    """llama.cpp's own hidden-state outputs: ``llama_set_embeddings_layer_inp(ctx, layer, on)`` makes a pass keep
+    the input of decoder layer ``layer`` (transformers' ``hidden_states[layer]``) for every row, and
+    ``llama_get_embeddings_layer_inp`` returns it; no eval callback, no Python per graph node. The two functions
+    are in llama.cpp's extension header (for its EAGLE-3 and DFlash drafters) with C++ linkage, so they are found
+    by their mangled names; builds without them fall back to the callback (``features=True``)."""
+
+    SET = "_Z30llama_set_embeddings_layer_inpP13llama_contextjb"
+    GET = "_Z30llama_get_embeddings_layer_inpP13llama_contextj"
+
+    def __init__(self, setter, getter, n_embd: int) -> None:
+        self._set, self._get, self.n_embd = setter, getter, n_embd
+        self.kept: set[int] = set()
+
+    @classmethod
+    def find(cls, llama_cpp, n_embd: int) -> "_LayerInputs | None":
+        if os.environ.get("VERISPEC_LLAMACPP_LAYER_INPUTS", "1") == "0":
+            return None  # the callback instead (for comparisons)
+        lib = getattr(getattr(llama_cpp, "llama_cpp", llama_cpp), "_lib", None)
+        try:
+            setter, getter = getattr(lib, cls.SET), getattr(lib, cls.GET)
+        except (AttributeError, TypeError):
+            return None
+        setter.argtypes, setter.restype = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_bool], None
+        getter.argtypes, getter.restype = [ctypes.c_void_p, ctypes.c_uint32], ctypes.POINTER(ctypes.c_float)
+        return cls(setter, getter, n_embd)
+
+    def keep(self, ctx, layers) -> None:
+        """Make every later pass keep the inputs of ``layers`` (with those already kept). They stay on: switching
+        them per pass rebuilds llama.cpp's graph (measured +5-7 ms a pass), while keeping rows nobody reads costs a
+        copy of a few KB a token."""
+        for layer in layers:
+            if layer not in self.kept:
+                self._set(ctx, layer, True)
+                self.kept.add(layer)
+
+    def read(self, ctx, layer: int, rows: int) -> torch.Tensor:
+        """The last pass's input of ``layer``, its ``rows`` rows (every token of the pass), [rows, n_embd]."""
+        ptr = self._get(ctx, layer)
+        if not ptr:
+            raise RuntimeError(f"llama.cpp returned no input of layer {layer} for a pass that asked for it")
+        return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(rows, self.n_embd)).copy())
+
+
 @dataclass
 class _Batch:
     """A reusable llama_batch with room for ``size`` tokens of one sequence each."""
@@ -214,10 +258,11 @@ class LlamaCppModel(BorrowedEmbeddings):
     def __init__(self, path: Path, tokenizer, name: str, *, weights: str = "as-is", threads: int | None = None,
                  context: int | None = None, sequences: int = DEFAULT_SEQUENCES, batch: int = 512,
                  features: bool = False, embedding_model=None) -> None:
-        """``features=True`` installs the eval callback that returns hidden states at any layer (EAGLE heads; it
-        costs a Python call per graph node, so it is off otherwise). Without it the final normed state
-        (``final_feature_layer``) still comes back, as llama.cpp's embeddings output of the passes that ask for it:
-        heads that read only that layer (Medusa, ``--layers N`` EAGLE heads) need no callback.
+        """Hidden states of any layer come from llama.cpp's layer-input outputs where this build has them
+        (``_LayerInputs``: no callback, nothing paid by passes that ask for none); the final normed state
+        (``final_feature_layer``) from its embeddings output of the passes that ask for it. On a build without
+        layer inputs ``features=True`` installs the eval callback instead (it costs a Python call per graph node on
+        every pass, so it is off otherwise), and without it only the final state comes back.
         ``embedding_model()`` loads a transformers model with the same embeddings and lm_head, which heads
         borrow."""
         llama_cpp = import_llama_cpp()
@@ -240,11 +285,12 @@ class LlamaCppModel(BorrowedEmbeddings):
         self._tap = None
         self.final_feature_layer = int(llama_cpp.llama_model_n_layer(self._model))
         self._n_embd = int(llama_cpp.llama_model_n_embd(self._model))
-        if features:
+        self._inputs = _LayerInputs.find(llama_cpp, self._n_embd)
+        if features and self._inputs is None:
             self._tap = _FeatureTap(self.final_feature_layer)
             self._tap.callback = llama_cpp.ggml_backend_sched_eval_callback(self._tap)
             cparams.cb_eval = self._tap.callback
-        self.supports_features = features
+        self.supports_features = features or self._inputs is not None
         self.sequences = sequences
         self._embedding_model_loader, self._embedding_model = embedding_model, None
         # Flash attention off (llama-cpp-python's default too) and, for F32 weights, an F32 KV cache: then a row's
@@ -335,23 +381,29 @@ class LlamaCppModel(BorrowedEmbeddings):
         if kv.length + len(tokens) > self._n_ctx:
             raise InvalidRequest(f"{kv.length + len(tokens)} positions exceed the llama.cpp context of {self._n_ctx}")
         rows: list[torch.Tensor] = []
-        names = [self._tap.name(i) for i in feature_layers] if feature_layers and not embeddings else []
+        inputs = self._input_layers(feature_layers) if feature_layers and not embeddings else None
+        names = [self._tap.name(i) for i in feature_layers] if feature_layers and not embeddings and inputs is None \
+            else []
+        final = self.final_feature_layer in feature_layers
         # the last layer's rows exist only where logits are asked for
-        all_logits = not last_only or embeddings or (self._tap is not None and
-                                                     self._tap.name(self._tap.n_layer) in names)
-        finals: list[torch.Tensor] | None = [] if embeddings else None
+        all_logits = not last_only or embeddings or (inputs is not None and final) or (
+            self._tap is not None and self._tap.name(self._tap.n_layer) in names)
+        finals: list[torch.Tensor] | None = [] if embeddings or (inputs is not None and final) else None
+        layer_rows = {layer: [] for layer in inputs} if inputs else None
         hidden = None
         with self._lock:
             if names:
                 self._tap.wanted = {n: [] for n in names}
             try:
-                self._decode(kv, tokens, all_logits, rows, finals, last_only)
+                self._decode(kv, tokens, all_logits, rows, finals, last_only, layer_rows)
                 if names:
                     hidden = torch.stack([torch.cat(self._tap.wanted[n]) for n in names], dim=1)  # [rows, L, H]
             finally:
                 if names:
                     self._tap.wanted = {}
-        if finals is not None:
+        if inputs is not None:
+            hidden = self._stack_features(feature_layers, finals, {k: torch.cat(v) for k, v in layer_rows.items()})
+        elif finals is not None:
             hidden = torch.cat(finals)[:, None].expand(-1, len(feature_layers), -1)  # [rows, L, H], L copies
         logits = torch.cat(rows) if len(rows) > 1 else rows[0]
         if last_only:
@@ -365,11 +417,28 @@ class LlamaCppModel(BorrowedEmbeddings):
             return False
         if all(i == self.final_feature_layer for i in feature_layers):
             return True  # with or without the callback: the embeddings output costs no Python per graph node
-        if self._tap is None:
-            raise InvalidRequest(f"this llama.cpp model was loaded without hidden states, so it returns only the final "
-                                 f"one (layer {self.final_feature_layer}), not layers {list(feature_layers)}; load it "
-                                 "with features=True (the CLI does that for --drafter eagle with such a head)")
+        if self._tap is None and self._inputs is None:
+            raise InvalidRequest(f"this llama.cpp build returns no layer inputs (llama_set_embeddings_layer_inp) and the "
+                                 f"model was loaded without the eval callback, so it returns only the final hidden "
+                                 f"state (layer {self.final_feature_layer}), not layers {list(feature_layers)}; load it "
+                                 "with features=True (the CLI does that for --drafter eagle with such a head), or "
+                                 "install a llama-cpp-python whose llama.cpp has layer inputs")
         return False
+
+    def _input_layers(self, feature_layers) -> list[int] | None:
+        """The layers (all but the final state) read as llama.cpp's layer inputs, or None where the callback reads
+        them (a build without layer inputs)."""
+        if self._inputs is None:
+            return None
+        for i in feature_layers:
+            if not 0 <= i <= self.final_feature_layer:
+                raise InvalidRequest(f"hidden-state layer {i} is outside 0..{self.final_feature_layer}")
+        return sorted({i for i in feature_layers if i != self.final_feature_layer})
+
+    def _stack_features(self, feature_layers, finals, inputs: dict[int, torch.Tensor]) -> torch.Tensor:
+        """[rows, L, H] in ``feature_layers``' order from the final states and the layer inputs read."""
+        final = torch.cat(finals) if finals else None
+        return torch.stack([final if i == self.final_feature_layer else inputs[i] for i in feature_layers], dim=1)
 
     def new_kv_group(self, capacity: int) -> LlamaKVGroup:
         if capacity > self.sequences:
@@ -393,7 +462,10 @@ class LlamaCppModel(BorrowedEmbeddings):
             if kv.length + len(tokens) > self._n_ctx:
                 raise InvalidRequest(f"{kv.length + len(tokens)} positions exceed the llama.cpp context of "
                                      f"{self._n_ctx}")
-        names = [self._tap.name(i) for i in feature_layers] if feature_layers and not embeddings else []
+        inputs = self._input_layers(feature_layers) if feature_layers and not embeddings else None
+        names = [self._tap.name(i) for i in feature_layers] if feature_layers and not embeddings and inputs is None \
+            else []
+        final = self.final_feature_layer in feature_layers
         groups, group, size = [], [], 0
         for item in items:  # consecutive items that fit one llama_batch
             if group and size + len(item[1]) > self._batch.size:
@@ -410,7 +482,7 @@ class LlamaCppModel(BorrowedEmbeddings):
                     self._tap.wanted = {n: [] for n in names}
                 try:
                     self._batch.fill_many(llama_cpp, group)
-                    status = self._decode_batch(embeddings)
+                    status = self._decode_batch(embeddings or (inputs is not None and final), inputs or ())
                     if status != 0:
                         raise RuntimeError(f"llama_decode failed with status {status} (a batch of {len(group)} "
                                            "sequences)")
@@ -418,7 +490,11 @@ class LlamaCppModel(BorrowedEmbeddings):
                     ptr = llama_cpp.llama_get_logits(self._ctx)
                     logits = torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(total, self._n_vocab)).copy())
                     hidden = (torch.stack([torch.cat(self._tap.wanted[n]) for n in names], dim=1) if names else None)
-                    if embeddings:
+                    if inputs is not None:
+                        hidden = self._stack_features(
+                            feature_layers, [self._read_embeddings(total)] if final else None,
+                            {layer: self._inputs.read(self._ctx, layer, total) for layer in inputs})
+                    elif embeddings:
                         hidden = self._read_embeddings(total)[:, None].expand(-1, len(feature_layers), -1)
                 finally:
                     if names:
@@ -431,17 +507,22 @@ class LlamaCppModel(BorrowedEmbeddings):
                     start += len(tokens)
         return passes
 
-    def _decode_batch(self, embeddings: bool) -> int:
+    def _decode_batch(self, embeddings: bool, layers=()) -> int:
         """``llama_decode`` of the filled batch; with ``embeddings`` the final normed state of every row that asks
-        for logits is kept too (switched on for this pass only: a plain step copies none)."""
+        for logits is kept too (switched on for this pass only: a plain step copies none), and the inputs of
+        ``layers`` for every row (``_LayerInputs.keep``)."""
         llama_cpp = self._llama
-        if not embeddings:
+        if not embeddings and not layers:
             return llama_cpp.llama_decode(self._ctx, self._batch.raw)
-        llama_cpp.llama_set_embeddings(self._ctx, True)
+        if embeddings:
+            llama_cpp.llama_set_embeddings(self._ctx, True)
+        if layers:
+            self._inputs.keep(self._ctx, layers)
         try:
             return llama_cpp.llama_decode(self._ctx, self._batch.raw)
         finally:
-            llama_cpp.llama_set_embeddings(self._ctx, False)
+            if embeddings:
+                llama_cpp.llama_set_embeddings(self._ctx, False)
 
     def _read_embeddings(self, rows: int) -> torch.Tensor:
         """The last pass's final normed states of its ``rows`` output rows, [rows, n_embd]."""
@@ -451,7 +532,7 @@ class LlamaCppModel(BorrowedEmbeddings):
         return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(rows, self._n_embd)).copy())
 
     def _decode(self, kv: LlamaKV, tokens: list[int], all_logits: bool, rows: list,
-                finals: list | None = None, last_only: bool = False) -> None:
+                finals: list | None = None, last_only: bool = False, layer_rows: dict | None = None) -> None:
         """Feed ``tokens`` in chunks of the batch size; append logits (every row, or the last one) to ``rows``, and
         with ``finals`` (every row's logits asked for) the final normed states to it; with ``last_only`` only the
         last row's logits are copied out (a prefill that reads every row's state: 150 MB of logits for 770 rows)."""
@@ -461,7 +542,7 @@ class LlamaCppModel(BorrowedEmbeddings):
             chunk = tokens[start : start + size]
             first = min(max(0, want - start), len(chunk))  # len(chunk): no logits from this chunk
             self._batch.fill(llama_cpp, chunk, kv.length, kv.seq, first)
-            status = self._decode_batch(finals is not None)
+            status = self._decode_batch(finals is not None, list(layer_rows) if layer_rows else ())
             if status != 0:
                 raise RuntimeError(f"llama_decode failed with status {status} ({len(chunk)} tokens after "
                                    f"{kv.length} cached)")
@@ -473,6 +554,8 @@ class LlamaCppModel(BorrowedEmbeddings):
                     rows.append(torch.from_numpy((logits[-1:] if last_only else logits).copy()))
                 if finals is not None:
                     finals.append(self._read_embeddings(len(chunk) - first))
+            for layer, read in (layer_rows or {}).items():
+                read.append(self._inputs.read(self._ctx, layer, len(chunk)))
 
     # ------------------------------------------------------------ llama.cpp's own tokenizer (for checks)
     def llama_tokenize(self, text: str, add_special: bool = True) -> list[int]:

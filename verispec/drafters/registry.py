@@ -90,8 +90,9 @@ class DrafterSpec:
     ``factory(target, draft_model, **options)`` builds one (a fresh one per sequence: drafters keep per-sequence
     state). Capabilities, declared here and never probed: ``needs_draft_model`` (a second model, given as
     ``draft_model``), ``hidden_states`` (reads the target's hidden states), ``inner_layers`` (given the target's
-    reference and the options, whether it reads layers before the final normed state: a llama.cpp target must then
-    be loaded with ``features=True``, which installs a per-pass callback; the final state comes without),
+    reference and the options, whether it reads layers before the final normed state: a llama.cpp target is then
+    loaded with ``features=True``, which installs a per-pass callback where its llama.cpp has no layer-input
+    outputs; the final state comes without),
     ``trees`` (given its options, whether it drafts trees; None if it never does: trees verify one sequence per pass
     and need a backend with tree attention), ``backends`` (where it runs). A built drafter states the same per
     instance: ``feature_layers`` and ``tree_depth`` (see ``verispec.drafters.base``)."""
@@ -197,7 +198,8 @@ def options_from(args: Any, name: str) -> dict[str, Any]:
 
 def needs_layer_callback(args: Any) -> bool:
     """Whether the drafter named by ``args.drafter``, or one whose options ``args`` set, reads hidden states before
-    the target's final normed state (a llama.cpp target then has to be loaded with ``features=True``)."""
+    the target's final normed state (a llama.cpp target is then loaded with ``features=True``: the eval callback,
+    on a llama.cpp without layer-input outputs)."""
     target = getattr(args, "target", "")
     name = getattr(args, "drafter", NONE)
     if name != NONE:

@@ -193,10 +193,10 @@ def build_server_config(options: ServeOptions) -> ServerConfig:
     a draft model when none is given, one whose weights are not found when it was not asked for by name or
     option (the EAGLE head of a target that ships none), or one whose spec says it is offered only when asked for
     (layerskip: its first use on a model measures which layers to skip for about a minute), or one that drafts trees
-    on a batched server (trees verify one sequence per pass). On llama.cpp, drafters that read hidden states before
-    the final one are offered only when the server starts with one of them (those cost a callback on every pass
-    there); heads on the final state alone (Medusa, final-state EAGLE heads) need none but are offered only when
-    asked for too (each loads a transformers copy of the embeddings)."""
+    on a batched server (trees verify one sequence per pass). On llama.cpp, the hidden states that drafters read before
+    the final one come as llama.cpp's layer inputs (or, on a build without them, through a callback installed when
+    the server starts with such a drafter); heads are offered there only when asked for (each loads a transformers
+    copy of the embeddings)."""
     from ..backends import load_model
 
     # llama.cpp: a KV sequence per batch row (unbatched, each slot's decoders keep theirs for prompt reuse)
@@ -213,10 +213,11 @@ def build_server_config(options: ServeOptions) -> ServerConfig:
     for spec in drafter_specs():
         opts = options_from(options, spec.name)
         asked = spec.name == options.drafter or bool(opts)
-        # on llama.cpp heads load a transformers copy of the embeddings: only those asked for (and the callback's
-        # layers only where the target was loaded with them)
-        unloaded = spec.hidden_states and not target.supports_features and \
-            (not asked or spec.inner_layers(options.target, opts))
+        # on llama.cpp heads load a transformers copy of the embeddings: only those asked for (and inner layers only
+        # where the target returns them: layer inputs, or the callback it was loaded with)
+        borrows = getattr(target, "final_feature_layer", None) is not None
+        unloaded = spec.hidden_states and ((borrows and not asked) or (
+            not target.supports_features and (not asked or spec.inner_layers(options.target, opts))))
         if (spec.needs_draft_model and draft is None) or unloaded \
                 or target.backend not in spec.backends or (not asked and not spec.offered_by_default) \
                 or (options.max_batch > 1 and spec.drafts_trees(opts)):  # trees verify one sequence per pass
