@@ -224,7 +224,7 @@ def test_what_the_backend_cannot_do_is_a_clear_error(llama_q41, tiny_dir):
         load_model("smollm2-135m", backend="vllm")
 
 
-def test_the_final_state_comes_without_the_callback(llama_f32, llama_q41):
+def test_the_final_state_comes_without_the_callback(llama_f32, llama_q41, monkeypatch):
     """A model loaded without features=True still returns hidden_states[n_layer] (llama.cpp's embeddings output,
     switched on for the passes that ask): equal to what the eval callback reads, so heads on the final state alone
     (Medusa, `train-eagle --layers 30`) run with no Python per graph node."""
@@ -242,6 +242,16 @@ def test_the_final_state_comes_without_the_callback(llama_f32, llama_q41):
     batch = plain_f32.forward_batch([(plain_f32.new_kv(), tokens[:7]), (plain_f32.new_kv(), tokens[:3])],
                                     feature_layers=(n,))
     assert torch.equal(batch[0].hidden[:, 0], mine.hidden[:7, 0]) and batch[1].hidden.shape == (3, 1, 576)
+    # switched only where a pass wants otherwise than the one before (a switch rebuilds llama.cpp's graph)
+    plain_f32.forward(kv, [5])  # off (the batch above left it on)
+    switches = []
+    real = plain_f32._llama.llama_set_embeddings
+    monkeypatch.setattr(plain_f32._llama, "llama_set_embeddings", lambda ctx, on: switches.append(on) or real(ctx, on))
+    for token, layers in ((6, (n,)), (7, (n,)), (8, (n,)), (9, ()), (10, ()), (11, (n,))):
+        out = plain_f32.forward(kv, [token], feature_layers=layers)
+        assert (out.hidden is None) == (not layers)
+    assert switches == [True, False, True]
+    monkeypatch.undo()
     # Medusa reads the final state only: it drafts without the callback (F32 weights: passes of any width round
     # alike, so greedy output is plain decoding's token for token), and builds on the as-is file too
     drafter = make_drafter("medusa", target=plain_f32)
