@@ -288,3 +288,12 @@ def test_per_method_target_options_load_their_own_target(tiny_target):
         build_method("hf:greedy:backend=llamacpp", tiny_target, load)
     with pytest.raises(InvalidRequest, match="policy"):
         build_method("llamacpp:policy=fixed", tiny_target, load)
+
+
+def test_the_environment_records_verispec_settings_but_no_token(monkeypatch):
+    from verispec.bench.environment import environment
+
+    monkeypatch.setenv("VERISPEC_LLAMACPP_LAYER_INPUTS", "0")
+    monkeypatch.setenv("VERISPEC_ADMIN_TOKEN", "secret")
+    settings = environment("float32", "cpu")["settings"]
+    assert settings["VERISPEC_LLAMACPP_LAYER_INPUTS"] == "0" and "VERISPEC_ADMIN_TOKEN" not in settings

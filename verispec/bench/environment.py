@@ -43,4 +43,6 @@ def environment(dtype: str, device: str, packed_layers: int = 0, kernel: str | N
         "torch_cpu_capability": cpu["torch_capability"],
         "machine": f"{platform.system()} {platform.release()} {platform.machine()}",
         "hostname": platform.node(),
+        # settings that change what runs (VERISPEC_PACK, VERISPEC_COMPILE_AUTOTUNE, VERISPEC_LLAMACPP_LAYER_INPUTS...)
+        "settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith("VERISPEC_") and "TOKEN" not in k},
     }
