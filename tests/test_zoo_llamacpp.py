@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from conftest import require_llama_cpp
-from verispec import ModelDrafter, NgramDrafter, SpeculativeDecoder
+from verispec import InvalidRequest, ModelDrafter, NgramDrafter, SpeculativeDecoder
 from verispec.drafters import SuffixDrafter
 from verispec.backends.references import DEFAULT_MODEL, resolve
 from zoo import ARCHITECTURES, assert_rollback_matches, batch_engine_outputs, zoo_gguf
@@ -102,3 +102,23 @@ def test_the_batch_engine_gives_each_sequence_its_lone_output(pair):
     prompts = [TOKENS[:11], TOKENS[3:9], [1, 4, 4, 8, 15, 16, 23, 42], TOKENS[:5]]
     expected = [SpeculativeDecoder(target).generate(p, max_new_tokens=16).token_ids for p in prompts]
     assert batch_engine_outputs(target, prompts, 16) == expected
+
+
+@torch.inference_mode()
+def test_inner_hidden_states_come_as_layer_inputs_where_the_architecture_records_them(pair, family):
+    """llama.cpp aborts the process (a GGML_ASSERT) when asked for the layer inputs of an architecture whose graph does
+    not record them, so they are read only for those verified; elsewhere a model without the callback says so."""
+    from verispec.backends.llamacpp_states import LayerInputs
+
+    reference, target = pair
+    assert (target._inputs is not None) == (target.architecture in LayerInputs.ARCHITECTURES)
+    assert target.architecture == {"mistral": "llama", "phi3": "phi3"}.get(family, family)
+    if target._inputs is None:
+        with pytest.raises(InvalidRequest, match=f"this one is {target.architecture}.*features=True"):
+            target.forward(target.new_kv(), TOKENS[:4], feature_layers=(1,))
+        return
+    layers = (0, 1, target.final_feature_layer)
+    ref = reference(input_ids=torch.tensor([TOKENS[:6]]), output_hidden_states=True).hidden_states
+    out = target.forward(target.new_kv(), TOKENS[:6], feature_layers=layers).hidden
+    for j, i in enumerate(layers):
+        torch.testing.assert_close(out[:, j], ref[i][0], atol=1e-4, rtol=1e-4)

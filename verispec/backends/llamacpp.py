@@ -29,7 +29,7 @@ import torch
 from ..errors import InvalidRequest, ModelNotFound
 from . import timing
 from .base import BorrowedEmbeddings, TargetPass
-from .llamacpp_states import FeatureTap, LayerInputs
+from .llamacpp_states import FeatureTap, LayerInputs, architecture
 from .timing import AUTO_CONTEXT, AUTO_PREFILL, AUTO_WIDTHS, auto_score, time_passes  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
@@ -197,7 +197,8 @@ class LlamaCppModel(BorrowedEmbeddings):
         self._tap = None
         self.final_feature_layer = int(llama_cpp.llama_model_n_layer(self._model))
         self._n_embd = int(llama_cpp.llama_model_n_embd(self._model))
-        self._inputs = LayerInputs.find(llama_cpp, self._n_embd)
+        self.architecture = architecture(llama_cpp, self._model)
+        self._inputs = LayerInputs.find(llama_cpp, self._n_embd, self.architecture)
         if features and self._inputs is None:
             self._tap = FeatureTap(self.final_feature_layer)
             self._tap.callback = llama_cpp.ggml_backend_sched_eval_callback(self._tap)
@@ -331,11 +332,12 @@ class LlamaCppModel(BorrowedEmbeddings):
         if all(i == self.final_feature_layer for i in feature_layers):
             return True  # with or without the callback: the embeddings output costs no Python per graph node
         if self._tap is None and self._inputs is None:
-            raise InvalidRequest(f"this llama.cpp build returns no layer inputs (llama_set_embeddings_layer_inp) and the "
-                                 f"model was loaded without the eval callback, so it returns only the final hidden "
-                                 f"state (layer {self.final_feature_layer}), not layers {list(feature_layers)}; load it "
-                                 "with features=True (the CLI does that for --drafter eagle with such a head), or "
-                                 "install a llama-cpp-python whose llama.cpp has layer inputs")
+            raise InvalidRequest(f"llama.cpp gives no layer inputs for this model (verispec reads them for the "
+                                 f"{' and '.join(sorted(LayerInputs.ARCHITECTURES))} architectures, on builds that have "
+                                 f"llama_set_embeddings_layer_inp; this one is {self.architecture or 'unnamed'}) and it "
+                                 f"was loaded without the eval callback, so it returns only the final hidden state "
+                                 f"(layer {self.final_feature_layer}), not layers {list(feature_layers)}; load it with "
+                                 "features=True (the CLI does that for --drafter eagle with such a head)")
         return False
 
     def _input_layers(self, feature_layers) -> list[int] | None:

@@ -69,6 +69,10 @@ class LayerInputs:
     are in llama.cpp's extension header (for its EAGLE-3 and DFlash drafters) with C++ linkage, so they are found
     by their mangled names; builds without them fall back to the callback (``features=True``)."""
 
+    # the architectures whose graphs record their layer inputs, tried here (llama-cpp-python 0.3.36, one zoo family
+    # each in a child process): asking any other for them aborts the process in a GGML_ASSERT (qwen2, gemma3 and
+    # phi3 did), so they keep the callback
+    ARCHITECTURES = frozenset({"llama", "qwen3"})
     SET = "_Z30llama_set_embeddings_layer_inpP13llama_contextjb"
     GET = "_Z30llama_get_embeddings_layer_inpP13llama_contextj"
 
@@ -77,9 +81,12 @@ class LayerInputs:
         self.kept: set[int] = set()
 
     @classmethod
-    def find(cls, llama_cpp, n_embd: int) -> "LayerInputs | None":
-        if os.environ.get("VERISPEC_LLAMACPP_LAYER_INPUTS", "1") == "0":
-            return None  # the callback instead (for comparisons)
+    def find(cls, llama_cpp, n_embd: int, architecture: str) -> "LayerInputs | None":
+        """The reader for a model of ``architecture`` (GGUF ``general.architecture``), or None where it cannot
+        have one: another architecture, a build without the functions, or VERISPEC_LLAMACPP_LAYER_INPUTS=0 (the
+        callback instead, for comparisons)."""
+        if architecture not in cls.ARCHITECTURES or os.environ.get("VERISPEC_LLAMACPP_LAYER_INPUTS", "1") == "0":
+            return None
         lib = getattr(getattr(llama_cpp, "llama_cpp", llama_cpp), "_lib", None)
         try:
             setter, getter = getattr(lib, cls.SET), getattr(lib, cls.GET)
@@ -104,3 +111,10 @@ class LayerInputs:
         if not ptr:
             raise RuntimeError(f"llama.cpp returned no input of layer {layer} for a pass that asked for it")
         return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(rows, self.n_embd)).copy())
+
+
+def architecture(llama_cpp, model) -> str:
+    """A loaded model's GGUF ``general.architecture`` ("llama", "qwen3", ...; "" where it has none)."""
+    buf = ctypes.create_string_buffer(128)
+    n = llama_cpp.llama_model_meta_val_str(model, b"general.architecture", buf, len(buf))
+    return buf.value.decode() if n >= 0 else ""
