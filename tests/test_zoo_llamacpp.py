@@ -112,7 +112,7 @@ def test_inner_hidden_states_come_as_layer_inputs_where_the_architecture_records
 
     reference, target = pair
     assert (target._inputs is not None) == (target.architecture in LayerInputs.ARCHITECTURES)
-    assert target.architecture == {"mistral": "llama", "phi3": "phi3"}.get(family, family)
+    assert target.architecture == {"mistral": "llama"}.get(family, family)
     if target._inputs is None:
         with pytest.raises(InvalidRequest, match=f"this one is {target.architecture}.*features=True"):
             target.forward(target.new_kv(), TOKENS[:4], feature_layers=(1,))
