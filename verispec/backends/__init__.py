@@ -57,10 +57,10 @@ def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", d
 
     ``backend="llamacpp"`` returns a ``verispec.backends.llamacpp.LlamaCppModel`` over the GGUF file (a built-in name
     or a .gguf path), its weights as they are or converted once to ``weights`` (f32, f16, q8_0, ...; ``auto`` measures
-    which is fastest here), run with ``threads`` threads (default: the cores this process may use); hidden states of any
-    layer come from llama.cpp's layer-input outputs (for EAGLE heads; ``features=True`` installs an eval callback
-    instead where the llama.cpp build lacks them, which costs a little on every pass); ``sequences`` is how many KV caches
-    its context holds at once (default 8; a batch of N requests needs N).
+    which is fastest here), run with ``threads`` threads (default: the cores this process may use); hidden states of
+    any layer come from llama.cpp's layer-input outputs (for EAGLE heads; ``features=True`` installs an eval callback
+    instead where the llama.cpp build or the model's architecture lacks them, which costs a little on every pass);
+    ``sequences`` is how many KV caches its context holds at once (default 8; a batch of N requests needs N).
 
     ``compiled`` (transformers, float32, CPU): one-token decoding steps compiled ahead of time (see
     ``verispec.backends.hf.compiled``). ``"on"`` (or True) loads the step an earlier process stored for this model,

@@ -170,10 +170,10 @@ class LlamaCppModel(BorrowedEmbeddings):
     def __init__(self, path: Path, tokenizer, name: str, *, weights: str = "as-is", threads: int | None = None,
                  context: int | None = None, sequences: int = DEFAULT_SEQUENCES, batch: int = 512,
                  features: bool = False, embedding_model=None) -> None:
-        """Hidden states of any layer come from llama.cpp's layer-input outputs where this build has them
-        (``LayerInputs``: no callback, nothing paid by passes that ask for none); the final normed state
-        (``final_feature_layer``) from its embeddings output of the passes that ask for it. On a build without
-        layer inputs ``features=True`` installs the eval callback instead (it costs a Python call per graph node on
+        """Hidden states of any layer come from llama.cpp's layer-input outputs where this build and the model's
+        architecture have them (``LayerInputs``: no callback, next to nothing paid by passes that ask for none); the
+        final normed state (``final_feature_layer``) from its embeddings output of the passes that ask for it.
+        Elsewhere ``features=True`` installs the eval callback instead (it costs a Python call per graph node on
         every pass, so it is off otherwise), and without it only the final state comes back.
         ``embedding_model()`` loads a transformers model with the same embeddings and lm_head, which heads
         borrow."""
