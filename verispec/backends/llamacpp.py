@@ -288,21 +288,16 @@ class LlamaCppModel(BorrowedEmbeddings):
     def forward(self, kv: LlamaKV, tokens, *, parents=None, last_only: bool = False, feature_layers=()) -> TargetPass:
         if parents is not None:
             raise InvalidRequest("the llamacpp backend verifies chains only; token trees need --backend transformers")
-        embeddings = self._embeddings_only(feature_layers)
+        inputs, names, embeddings = self._feature_plan(feature_layers)
         tokens = list(tokens)
         if not tokens:
             raise ValueError("forward needs at least one token")
         if kv.length + len(tokens) > self._n_ctx:
             raise InvalidRequest(f"{kv.length + len(tokens)} positions exceed the llama.cpp context of {self._n_ctx}")
         rows: list[torch.Tensor] = []
-        inputs = self._input_layers(feature_layers) if feature_layers and not embeddings else None
-        names = [self._tap.name(i) for i in feature_layers] if feature_layers and not embeddings and inputs is None \
-            else []
-        final = self.final_feature_layer in feature_layers
         # the last layer's rows exist only where logits are asked for
-        all_logits = not last_only or embeddings or (inputs is not None and final) or (
-            self._tap is not None and self._tap.name(self._tap.n_layer) in names)
-        finals: list[torch.Tensor] | None = [] if embeddings or (inputs is not None and final) else None
+        all_logits = not last_only or self.final_feature_layer in feature_layers
+        finals: list[torch.Tensor] | None = [] if embeddings else None
         layer_rows = {layer: [] for layer in inputs} if inputs else None
         hidden = None
         with self._lock:
@@ -323,6 +318,18 @@ class LlamaCppModel(BorrowedEmbeddings):
         if last_only:
             logits = logits[-1:]
         return TargetPass(logits, hidden)
+
+    def _feature_plan(self, feature_layers) -> tuple[list[int] | None, list[bytes], bool]:
+        """How a pass reads ``feature_layers``: (the layers read as llama.cpp's layer inputs, or None; the tensor
+        names the eval callback copies; whether the final state comes from the embeddings output)."""
+        if not feature_layers:
+            return None, [], False
+        if self._embeddings_only(feature_layers):
+            return None, [], True
+        inputs = self._input_layers(feature_layers)
+        if inputs is not None:
+            return inputs, [], self.final_feature_layer in feature_layers
+        return None, [self._tap.name(i) for i in feature_layers], False
 
     def _embeddings_only(self, feature_layers) -> bool:
         """Whether the features asked for come from llama.cpp's embeddings output (the final normed state, no
@@ -367,7 +374,7 @@ class LlamaCppModel(BorrowedEmbeddings):
 
     def forward_batch(self, items, *, feature_layers=()) -> list[TargetPass]:
         """Several sequences in one ``llama_decode`` (split only where the tokens exceed the batch size)."""
-        embeddings = self._embeddings_only(feature_layers)
+        inputs, names, embeddings = self._feature_plan(feature_layers)
         items = [(kv, list(tokens)) for kv, tokens in items]
         for kv, tokens in items:
             if not tokens:
@@ -377,10 +384,6 @@ class LlamaCppModel(BorrowedEmbeddings):
             if kv.length + len(tokens) > self._n_ctx:
                 raise InvalidRequest(f"{kv.length + len(tokens)} positions exceed the llama.cpp context of "
                                      f"{self._n_ctx}")
-        inputs = self._input_layers(feature_layers) if feature_layers and not embeddings else None
-        names = [self._tap.name(i) for i in feature_layers] if feature_layers and not embeddings and inputs is None \
-            else []
-        final = self.final_feature_layer in feature_layers
         groups, group, size = [], [], 0
         for item in items:  # consecutive items that fit one llama_batch
             if group and size + len(item[1]) > self._batch.size:
@@ -397,7 +400,7 @@ class LlamaCppModel(BorrowedEmbeddings):
                     self._tap.wanted = {n: [] for n in names}
                 try:
                     self._batch.fill_many(llama_cpp, group)
-                    status = self._decode_batch(embeddings or (inputs is not None and final), inputs or ())
+                    status = self._decode_batch(embeddings, inputs or ())
                     if status != 0:
                         raise RuntimeError(f"llama_decode failed with status {status} (a batch of {len(group)} "
                                            "sequences)")
@@ -407,7 +410,7 @@ class LlamaCppModel(BorrowedEmbeddings):
                     hidden = (torch.stack([torch.cat(self._tap.wanted[n]) for n in names], dim=1) if names else None)
                     if inputs is not None:
                         hidden = self._stack_features(
-                            feature_layers, [self._read_embeddings(total)] if final else None,
+                            feature_layers, [self._read_embeddings(total)] if embeddings else None,
                             {layer: self._inputs.read(self._ctx, layer, total) for layer in inputs})
                     elif embeddings:
                         hidden = self._read_embeddings(total)[:, None].expand(-1, len(feature_layers), -1)

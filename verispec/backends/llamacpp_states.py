@@ -1,9 +1,9 @@
 """How a llama.cpp pass gives back hidden states other than the final one (``verispec.backends.llamacpp``).
 
-``LayerInputs``: llama.cpp's own layer-input outputs (no callback), where the build has them. ``FeatureTap``: the
-eval callback that copies named tensors out of a pass as it computes them, a Python call per graph node on every
-pass; the fallback for builds without layer inputs. The final normed state comes from llama.cpp's embeddings output
-in the backend itself.
+``LayerInputs``: llama.cpp's own layer-input outputs (no callback), where the build and the model's architecture
+have them. ``FeatureTap``: the eval callback that copies named tensors out of a pass as it computes them, a Python
+call per graph node on every pass; the fallback elsewhere. The final normed state comes from llama.cpp's embeddings
+output in the backend itself.
 """
 
 from __future__ import annotations
