@@ -318,13 +318,25 @@ def test_weights_auto_times_fp32_and_bf16_once_and_remembers(tiny_dir, tmp_path,
     assert len(timed) == 4  # another thread count is another measurement
 
 
-def test_weights_auto_without_bf16_runs_fp32_untimed(tiny_dir, tmp_path, monkeypatch):
-    from verispec.backends.openvino import model as ov_model
+def test_weights_auto_weighs_fp16_on_every_cpu_and_bf16_only_where_the_cpu_has_it():
+    import openvino as ov
+
+    from verispec.backends.openvino.model import auto_candidates
+
+    has_bf16 = "BF16" in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+    assert auto_candidates() == (("fp32", "fp16", "bf16") if has_bf16 else ("fp32", "fp16"))
+
+
+def test_weights_auto_loads_what_it_chose(tiny_dir, tmp_path, monkeypatch):
+    from verispec.backends import timing
 
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(ov_model, "auto_candidates", lambda: ("fp32",))
+    monkeypatch.setenv("VERISPEC_COST_CACHE", str(tmp_path / "measurements"))
+    timings = {"fp32": {"1": 20.0, "2": 21.0, "prefill": 1.0}, "fp16": {"1": 12.0, "2": 12.5, "prefill": 0.8},
+               "bf16": {"1": 15.0, "2": 15.0, "prefill": 0.9}}
+    monkeypatch.setattr(timing, "time_widths", lambda model: timings[model.weights])
     model = load_model(str(tiny_dir), backend="openvino", weights="auto", threads=1)
-    assert model.weights == "fp32" and model.weight_timings_ms is None and "f32 inference" in model.kernel
+    assert model.weights == "fp16" and "fp16" in model.weight_timings_ms and "f32 inference" in model.kernel
 
 
 def test_bf16_runs_in_bfloat16_where_the_cpu_has_it_and_is_refused_elsewhere(tiny_dir, tmp_path, monkeypatch):

@@ -65,7 +65,7 @@ def add_backend_options(g: argparse._ArgumentGroup) -> None:
                    help="llamacpp backend: the GGUF's weight format; as-is (default) runs the file as shipped, f32/f16/"
                         "q8_0/... convert it once (cached), auto times the candidates on this CPU once and picks the "
                         "fastest for speculation; openvino backend: fp32 (as-is), bf16 (fp32 weights computed in bfloat16, "
-                        "where the CPU has it), fp16, int8 or int4 (NNCF), auto (the faster of fp32 and bf16 here)")
+                        "where the CPU has it), fp16, int8 or int4 (NNCF), auto (the fastest of fp32, fp16 and bf16 here)")
     g.add_argument("--threads", type=int, default=None,
                    help="llamacpp backend: CPU threads (default: the cores this process may use)")
     add_compile_option(g)
