@@ -31,6 +31,18 @@ def test_a_record_is_read_back_under_exactly_its_key(store):
     assert [r["kind"] for r in measurements.records()] == ["thing"]
 
 
+def test_verispec_models_says_what_weights_auto_chose(store, capsys):
+    from verispec.cli import print_measurements
+
+    measurements.save("openvino-weights", {"model": "m", "threads": 2, "candidates": ["fp32", "fp16"]},
+                      {"timings_ms": {"fp32": {"1": 23.0}, "fp16": {"1": 17.4}}, "choice": "fp16"})
+    measurements.save("cost-curve", {"backend": "openvino", "weights": "fp16", "threads": 2}, {"1": 0.017})
+    print_measurements()
+    lines = capsys.readouterr().out.splitlines()
+    assert any("openvino-weights" in ln and "auto chose fp16 of fp32/fp16" in ln for ln in lines)
+    assert not any("cost-curve" in ln and "auto chose" in ln for ln in lines)  # a curve records no choice
+
+
 def test_the_store_can_be_turned_off(store, monkeypatch):
     monkeypatch.setenv(measurements.ENV, "0")
     assert measurements.save("thing", {"a": 1}, 1) is None and measurements.load("thing", {"a": 1}) is None

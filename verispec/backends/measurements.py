@@ -101,7 +101,8 @@ def save(kind: str, key: dict | None, value: Any) -> Path | None:
 
 
 def records() -> list[dict]:
-    """Every stored record (kind, key, saved time, path), newest first."""
+    """Every stored record (kind, key, saved time, path, and ``choice``: what a ``--weights auto`` record chose, else
+    None), newest first."""
     found = []
     base = folder()
     if not base.is_dir():
@@ -111,6 +112,7 @@ def records() -> list[dict]:
             record = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
+        value = record.get("value")
         found.append({"kind": record.get("kind"), "key": record.get("key"), "saved": record.get("saved"),
-                      "path": str(path)})
+                      "path": str(path), "choice": value.get("choice") if isinstance(value, dict) else None})
     return sorted(found, key=lambda r: -(r["saved"] or 0))
