@@ -516,7 +516,8 @@ def choose_weights(source: Path, weights: str, folder: Path, threads: int | None
            "candidates": list(AUTO_CANDIDATES), "v": 2}
     known = measurements.load(AUTO_RECORD, key)
     if known is None:
-        timings = {fmt: time_widths(convert_weights(source, fmt, folder), threads) for fmt in AUTO_CANDIDATES}
+        timings = {fmt: time_widths(convert_weights(source, fmt, folder), threads)
+                   for fmt in timing.candidates_bar(AUTO_CANDIDATES)}
         known = {"timings_ms": timings, "choice": min(timings, key=lambda f: auto_score(timings[f]))}
         measurements.save(AUTO_RECORD, key, known)
     choice = known["choice"]

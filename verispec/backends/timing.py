@@ -18,6 +18,15 @@ AUTO_PREFILL = 256  # prompt tokens auto times a prefill with
 AUTO_CONTEXT = 256  # cached positions when auto times the passes
 
 
+def candidates_bar(candidates):
+    """``candidates`` with a progress bar on a terminal (stderr): ``--weights auto`` loads, converts and times each
+    format once per model and machine, half a minute or more on 2 cores, before the first token."""
+    from tqdm.auto import tqdm
+
+    return tqdm(candidates, desc="--weights auto: timing each format once on this CPU", unit="format", leave=False,
+                disable=None)
+
+
 def auto_score(ms: dict, alpha: float = AUTO_ACCEPTANCE, prompt_per_output: float = AUTO_PROMPT_PER_OUTPUT) -> float:
     """Estimated ms per generated token: decoding at the best measured width (a pass over n + 1 tokens, n drafts,
     commits E(n) = (1 - alpha^(n+1)) / (1 - alpha) tokens when each draft is accepted with probability alpha) plus

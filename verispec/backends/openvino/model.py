@@ -474,7 +474,7 @@ def choose_weights(ref: str, threads: int, kv_precision: str | None, attention: 
     known = measurements.load(AUTO_RECORD, key)
     if known is None:
         timings = {}
-        for fmt in candidates:
+        for fmt in timing.candidates_bar(candidates):
             model = load(ref, fmt, threads, kv_precision, attention)
             timings[fmt] = timing.time_widths(model)
             del model
