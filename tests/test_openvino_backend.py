@@ -577,3 +577,22 @@ def test_static_passes_on_bound_inputs_follow_a_growing_block_table(tiny_dir, ti
     torch.testing.assert_close(torch.cat(got), want, atol=1e-4, rtol=1e-4)
     bound = model._bound[(), 2]
     assert bound.arrays["block_indices"].shape == (4,)  # 119 positions: four blocks of 32
+
+
+def test_static_widths_from_the_command_line(tiny_dir):
+    """--static-widths reaches the backend (generate, audit, serve); it is refused on other backends and when it is
+    not widths, naming the form it takes; the bench's static= reads the same way with +."""
+    from verispec.backends.openvino.model import parse_static_widths
+    from verispec.cli import build_parser
+    from verispec.cli.options import load_args_model
+
+    args = build_parser().parse_args(["generate", "hi", "--backend", "openvino", "--threads", "1",
+                                      "--static-widths", "2,4,6,8,10"])
+    model = load_args_model(args, str(tiny_dir))
+    assert model.static_widths == (2, 4, 6, 8, 10) and "static widths 2/4/6/8/10" in model.kernel
+    assert parse_static_widths("none") == () and parse_static_widths("2+4", "+") == (2, 4)
+    with pytest.raises(InvalidRequest, match=r"whole numbers joined by ',' \(2,4,6\) or none"):
+        parse_static_widths("2;4")
+    plain = build_parser().parse_args(["generate", "hi", "--static-widths", "2,4"])
+    with pytest.raises(InvalidRequest, match="--static-widths applies to --backend openvino only"):
+        load_args_model(plain, str(tiny_dir))

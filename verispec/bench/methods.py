@@ -106,10 +106,12 @@ def build_method(spec: str, target, load: Callable | None, default_k: int = 8, d
         if backend != "openvino":
             raise InvalidRequest(f"{spec!r}: static= names the openvino backend's static pass widths; add "
                                  "backend=openvino")
+        from ..backends.openvino.model import parse_static_widths
+
         try:
-            static = () if static == "none" else tuple(int(w) for w in static.split("+"))
-        except ValueError:
-            raise InvalidRequest(f"{spec!r}: static= takes widths joined by + (static=2+4+6) or none") from None
+            static = parse_static_widths(static, "+")
+        except InvalidRequest as exc:
+            raise InvalidRequest(f"{spec!r}: static=: {exc}") from None
     if compiled is not None:
         if compiled not in ("0", "1", "auto", "on", "off"):
             raise InvalidRequest(f"{spec!r}: compile= takes 0 / off, 1 / on or auto, got {compiled!r}")

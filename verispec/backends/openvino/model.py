@@ -35,6 +35,18 @@ ATTENTION = ("paged", "masked")  # paged attention (default; chains), or the sta
 STATIC_WIDTHS = (1, 2, 4, 6)
 
 
+def parse_static_widths(text: str, sep: str = ",") -> tuple[int, ...]:
+    """``static_widths`` from text: widths joined by ``sep`` ("2,4,6,8,10"), or "none" (every pass on the dynamic
+    graph); the backend checks the widths themselves when it loads."""
+    if text.strip() == "none":
+        return ()
+    try:
+        return tuple(int(w) for w in text.split(sep))
+    except ValueError:
+        raise InvalidRequest(f"static widths are whole numbers joined by {sep!r} (2{sep}4{sep}6) or none, "
+                             f"got {text!r}") from None
+
+
 class OpenVINOKV:
     """One sequence's cache: an infer request's state plus which of its physical positions are alive."""
 
