@@ -596,3 +596,13 @@ def test_static_widths_from_the_command_line(tiny_dir):
     plain = build_parser().parse_args(["generate", "hi", "--static-widths", "2,4"])
     with pytest.raises(InvalidRequest, match="--static-widths applies to --backend openvino only"):
         load_args_model(plain, str(tiny_dir))
+
+
+def test_a_server_runs_the_static_widths_it_is_given(tiny_dir):
+    from verispec.server.config import ServeOptions, build_server_config
+
+    options = ServeOptions.from_mapping({"target": str(tiny_dir), "backend": "openvino", "threads": 1,
+                                         "drafter": "ngram", "static-widths": "2,4,6,8,10"})
+    assert build_server_config(options).target.static_widths == (2, 4, 6, 8, 10)
+    with pytest.raises(InvalidRequest, match="--static-widths applies to --backend openvino only"):
+        build_server_config(ServeOptions(target=str(tiny_dir), drafter="ngram", static_widths="2,4"))

@@ -10,7 +10,6 @@ from ..backends.base import BACKENDS
 from ..backends import WEIGHT_CHOICES
 from ..drafters import drafter_names, drafter_specs, get_spec, make_drafter, options_from
 from ..drafters.registry import NONE, needs_layer_callback
-from ..errors import InvalidRequest
 
 
 def model_options(p: argparse.ArgumentParser, drafter_default: str = "ngram") -> None:
@@ -108,13 +107,9 @@ def load_args_model(args, ref: str, **overrides):
     options = dict(dtype=args.dtype, backend=backend, weights=getattr(args, "weights", "as-is"),
                    threads=getattr(args, "threads", None),
                    features=backend == "llamacpp" and needs_layer_callback(args), compiled=getattr(args, "compile", "off"))
-    static = getattr(args, "static_widths", None)
-    if static is not None:
-        if backend != "openvino":
-            raise InvalidRequest(f"--static-widths applies to --backend openvino only (this is {backend})")
-        from ..backends.openvino.model import parse_static_widths
+    from ..backends.openvino.model import static_widths_option
 
-        options["static_widths"] = parse_static_widths(static)
+    options.update(static_widths_option(getattr(args, "static_widths", None), backend))
     options.update(overrides)
     return load_model(ref, **options)
 

@@ -48,6 +48,7 @@ class ServeOptions:
     backend: str = _option("transformers", str, BACKENDS)
     weights: str = _option("as-is", str, WEIGHT_CHOICES)
     threads: int | None = _option(None, int)
+    static_widths: str | None = _option(None, str)  # openvino: "2,4,6,8,10" or "none" (backends.openvino.model)
     # the command line's default: $VERISPEC_COMPILE, else auto
     compile: str = field(default_factory=default_compile_mode, metadata={"type": str, "choices": COMPILE_MODES})
     host: str = _option("127.0.0.1", str)
@@ -198,11 +199,13 @@ def build_server_config(options: ServeOptions) -> ServerConfig:
     the server starts with such a drafter); heads are offered there only when asked for (each loads a transformers
     copy of the embeddings)."""
     from ..backends import load_model
+    from ..backends.openvino.model import static_widths_option
 
     # llama.cpp: a KV sequence per batch row (unbatched, each slot's decoders keep theirs for prompt reuse)
     # the compiled step runs one-token passes of unbatched sequences only: a batched server never loads it
     load = dict(dtype=options.dtype, backend=options.backend, weights=options.weights, threads=options.threads,
-                compiled=options.compile if options.max_batch == 1 and options.backend == "transformers" else "off")
+                compiled=options.compile if options.max_batch == 1 and options.backend == "transformers" else "off",
+                **static_widths_option(options.static_widths, options.backend))
     if options.backend == "llamacpp":
         load["sequences"] = max(8, options.max_batch + 1, 4 * options.max_concurrency)
     target = load_model(options.target, features=options.backend == "llamacpp" and needs_layer_callback(options),

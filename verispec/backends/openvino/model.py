@@ -47,6 +47,16 @@ def parse_static_widths(text: str, sep: str = ",") -> tuple[int, ...]:
                              f"got {text!r}") from None
 
 
+def static_widths_option(text: str | None, backend: str) -> dict:
+    """``load_model``'s keyword for the ``--static-widths`` option of generate, audit and serve: none when unset;
+    refused on other backends."""
+    if text is None:
+        return {}
+    if backend != "openvino":
+        raise InvalidRequest(f"--static-widths applies to --backend openvino only (this is {backend})")
+    return {"static_widths": parse_static_widths(text)}
+
+
 class OpenVINOKV:
     """One sequence's cache: an infer request's state plus which of its physical positions are alive."""
 
