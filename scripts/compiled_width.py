@@ -4,6 +4,7 @@ docs/kernels.md's notes on compiled verify passes (a static 8-token program; the
     python scripts/compiled_width.py 8                            # one program of static width 8 (2026-11-25)
     python scripts/compiled_width.py 2-16 --example 8 --time 2,5,8,9,12,16   # one program, width dynamic in 2-16
     python scripts/compiled_width.py 1,2,9 --dtype bfloat16       # bfloat16 programs of static widths 1, 2 and 9
+    python scripts/compiled_width.py 1,2,9 --dtype bfloat16 --no-autotune   # the same on oneDNN's packed linears
     python scripts/compiled_width.py 1,1-12 --attention grouped-rows --time 1,2,5,12 --context 300,1500 --stored-step
                                     # one dynamic program from width 1 against one-token programs (and the stored step)
 
@@ -66,6 +67,8 @@ ap.add_argument("--context", default="300", help="cached tokens before the timed
 ap.add_argument("--reuse", action="store_true", help="load the packages --out already holds instead of compiling")
 ap.add_argument("--stored-step", action="store_true",
                 help="time the default model's stored compiled one-token step at width 1 too (verispec compile)")
+ap.add_argument("--no-autotune", action="store_true",
+                help="compile with inductor's default kernel choices (oneDNN's packed linears) instead of autotuning")
 ap.add_argument("--out", default="compiled-width", help="folder for the packages (about 1 GB each)")
 args = ap.parse_args()
 dtype = getattr(torch, args.dtype)
@@ -80,13 +83,15 @@ Path(args.out).mkdir(exist_ok=True)
 runners = {}
 for lo, hi in programs:
     t = time.time()
-    path = str(Path(args.out) / f"w{lo}-{hi}-{args.dtype}-{args.attention}.pt2")
+    tuned = "-untuned" if args.no_autotune else ""
+    path = str(Path(args.out) / f"w{lo}-{hi}-{args.dtype}-{args.attention}{tuned}.pt2")
     if not (args.reuse and Path(path).exists()):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             ep = _export(shadow, lo) if lo == hi else _export(shadow, widths=(lo, hi), example=args.example)
             torch._inductor.aoti_compile_and_package(ep, package_path=path,
-                                                     inductor_configs=dict(compile_store.OPTIONS))
+                                                     inductor_configs={**compile_store.OPTIONS,
+                                                                       "max_autotune": not args.no_autotune})
         print(f"compiled widths {lo}-{hi} in {time.time() - t:.1f} s", flush=True)
     runners[lo, hi] = torch._inductor.aoti_load_package(path)
 stored = None

@@ -43,6 +43,17 @@ def test_verispec_models_says_what_weights_auto_chose(store, capsys):
     assert not any("cost-curve" in ln and "auto chose" in ln for ln in lines)  # a curve records no choice
 
 
+def test_verispec_models_says_what_static_widths_auto_chose(store, capsys):
+    from verispec.cli import print_measurements
+
+    measurements.save("openvino-static-widths", {"weights": "int4", "threads": 2,
+                                                 "candidates": ["2/4/6", "2/4/6/8/10"]},
+                      {"timings_ms": {}, "static_over_dynamic": 0.7, "choice": "2/4/6/8/10"})
+    print_measurements()
+    line, = [ln for ln in capsys.readouterr().out.splitlines() if "openvino-static-widths" in ln]
+    assert "weights int4, threads 2, auto chose 2/4/6/8/10 of 2/4/6 or 2/4/6/8/10" in line
+
+
 def test_the_store_can_be_turned_off(store, monkeypatch):
     monkeypatch.setenv(measurements.ENV, "0")
     assert measurements.save("thing", {"a": 1}, 1) is None and measurements.load("thing", {"a": 1}) is None

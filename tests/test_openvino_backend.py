@@ -3,6 +3,8 @@
 distribution test's premise (per-position probabilities equal to the transformers target's), token trees and hidden
 states equal to the transformers backend's, tree and EAGLE drafters equal to plain decoding."""
 
+import json
+
 import pytest
 import torch
 
@@ -167,7 +169,8 @@ def test_a_decoder_has_the_graphs_its_passes_run_compiled_before_its_first_reque
     tokens run, with the graphs returning its drafter's feature layers (or the stateful graph its token trees run
     on; ~1.3 s each on the real model), when it is built, not in the middle of the first requests that need them."""
     fresh = load_model(str(tiny_dir), backend="openvino", threads=1, min_width=2)
-    assert fresh.static_widths == (2, 4, 6) and set(fresh._paged_requests) == {((), None), ((), 2)}
+    # 2/4/6, and 8/10 where auto measured them cheaper (compiled to be timed, dropped until a decoder runs them)
+    assert fresh.static_widths[:3] == (2, 4, 6) and set(fresh._paged_requests) == {((), None), ((), 2)}
     SpeculativeDecoder(fresh).generate([1, 5, 9], max_new_tokens=4)
     assert set(fresh._paged_requests) == {((), None), ((), 2)}  # plain decoding: nothing more
     SpeculativeDecoder(fresh, make_drafter("ngram", target=fresh), k=3)
@@ -182,9 +185,9 @@ def test_a_decoder_has_the_graphs_its_passes_run_compiled_before_its_first_reque
     assert not any(key[0] == layers for key in ov_target._paged_requests)
     decoder = SpeculativeDecoder(ov_target, EagleDrafter(ov_target, head), k=3)
     compiled = set(ov_target._paged_requests)
-    assert ov_target.static_widths == (1, 2, 4, 6)
+    assert ov_target.static_widths[:4] == (1, 2, 4, 6)
     assert {(layers, w) for w in (None, 1, 2, 4)} <= compiled and (layers, 6) not in compiled
-    decoder.generate([1, 5, 9, 5, 9, 5, 9, 12, 5, 9], max_new_tokens=24)
+    decoder.generate([1, 5, 9, 5, 9, 5, 9, 12, 5, 9, 5, 9], max_new_tokens=24)  # a prefill past every static width
     assert set(ov_target._paged_requests) == compiled
 
 
@@ -296,8 +299,6 @@ def test_refuses_what_it_does_not_take(ov_target):
 
 
 def test_weights_auto_times_fp32_and_bf16_once_and_remembers(tiny_dir, tmp_path, monkeypatch):
-    import json
-
     from verispec.backends import timing
     from verispec.backends.openvino import model as ov_model
 
@@ -486,7 +487,7 @@ def test_one_sequence_passes_run_padded_on_graphs_of_static_shapes_with_the_dyna
     """A one-sequence pass of up to 6 tokens runs padded to the next static width (2, 4, 6) on a graph of static
     shapes, which OpenVINO never re-plans; longer and batched passes run the dynamic graph. Each position gets the
     dynamic graph's logits (bitwise where the load's probe, which compares the two, says so)."""
-    static = load_model(str(tiny_dir), backend="openvino", threads=1, min_width=2)
+    static = load_model(str(tiny_dir), backend="openvino", threads=1, min_width=2, static_widths=(2, 4, 6))
     dynamic = load_model(str(tiny_dir), backend="openvino", threads=1, min_width=2, static_widths=())
     assert static.static_widths == (2, 4, 6) and dynamic.static_widths == ()
     assert "static widths 2/4/6" in static.kernel and "static" not in dynamic.kernel
@@ -591,7 +592,8 @@ def test_static_widths_from_the_command_line(tiny_dir):
     model = load_args_model(args, str(tiny_dir))
     assert model.static_widths == (2, 4, 6, 8, 10) and "static widths 2/4/6/8/10" in model.kernel
     assert parse_static_widths("none") == () and parse_static_widths("2+4", "+") == (2, 4)
-    with pytest.raises(InvalidRequest, match=r"whole numbers joined by ',' \(2,4,6\) or none"):
+    assert parse_static_widths("auto") == "auto" and parse_static_widths("auto", "+") == "auto"
+    with pytest.raises(InvalidRequest, match=r"whole numbers joined by ',' \(2,4,6\), none or auto"):
         parse_static_widths("2;4")
     plain = build_parser().parse_args(["generate", "hi", "--static-widths", "2,4"])
     with pytest.raises(InvalidRequest, match="--static-widths applies to --backend openvino only"):
@@ -606,3 +608,60 @@ def test_a_server_runs_the_static_widths_it_is_given(tiny_dir):
     assert build_server_config(options).target.static_widths == (2, 4, 6, 8, 10)
     with pytest.raises(InvalidRequest, match="--static-widths applies to --backend openvino only"):
         build_server_config(ServeOptions(target=str(tiny_dir), drafter="ngram", static_widths="2,4"))
+
+
+def test_static_widths_auto_keeps_the_extra_graphs_only_where_they_measure_cheaper(tiny_dir, tmp_path, monkeypatch):
+    """--static-widths auto (the default) adds widths 8 and 10 to 1/2/4/6 where passes of 7-10 tokens cost at most
+    0.9x the dynamic graph's on them; the choice is stored per model and CPU and read back without timing again; the
+    graphs compiled to be timed and not chosen are dropped. A stand-in clock gives the timings."""
+    from verispec.backends.openvino import model as ov_model
+
+    monkeypatch.setenv("VERISPEC_COST_CACHE", str(tmp_path / "measurements"))
+    timed = []
+
+    def clock(static_ms):
+        def time_static_widths(self, base, extended):
+            timed.append((base, extended))
+            for width in extended[len(base):]:  # compiled as the real timing compiles them
+                self._paged_request((), width)
+            return {"dynamic": {str(w): 10.0 for w in range(7, 11)},
+                    "static": {str(w): static_ms for w in range(7, 11)}}
+        return time_static_widths
+
+    monkeypatch.setattr(ov_model.OpenVINOModel, "_time_static_widths", clock(8.5))  # 0.85x: kept
+    model = load_model(str(tiny_dir), backend="openvino", threads=1, min_width=2, static_widths="auto")
+    assert timed == [((2, 4, 6), (2, 4, 6, 8, 10))]
+    assert model.static_widths == (2, 4, 6, 8, 10) and "static widths 2/4/6/8/10 (auto)" in model.kernel
+    assert model.static_timings_ms["static"]["7"] == 8.5 and model.pass_width([7]) == 8
+    assert set(model._paged_requests) == {((), None), ((), 2)}  # 8 and 10 compiled again by a decoder that runs them
+    (record,) = (tmp_path / "measurements").glob("openvino-static-widths-*.json")
+    assert json.loads(record.read_text())["value"]["choice"] == "2/4/6/8/10"
+    again = load_model(str(tiny_dir), backend="openvino", threads=1, min_width=2, static_widths="auto")
+    assert again.static_widths == (2, 4, 6, 8, 10) and len(timed) == 1  # remembered
+    for path in (tmp_path / "measurements").glob("*.json"):
+        path.unlink()
+    monkeypatch.setattr(ov_model.OpenVINOModel, "_time_static_widths", clock(9.5))  # 0.95x: not worth two graphs
+    slower = load_model(str(tiny_dir), backend="openvino", threads=1, min_width=2, static_widths="auto")
+    assert slower.static_widths == (2, 4, 6) and len(timed) == 2 and slower.pass_width([7]) == 7
+    assert ((), 8) not in slower._paged_requests and ((), 10) not in slower._paged_requests
+    load_model(str(tiny_dir), backend="openvino", weights="fp32", threads=1)  # auto is the default
+    assert timed[-1] == ((1, 2, 4, 6), (1, 2, 4, 6, 8, 10))  # another min_width, another measurement
+
+
+def test_static_widths_auto_times_both_layouts_and_keeps_the_logits(tiny_dir, tmp_path, monkeypatch):
+    """The real timing: passes of 7-10 tokens on the dynamic graph and on the static ones, each a median of positive
+    milliseconds; whatever it chooses, passes give the dynamic graph's logits."""
+    monkeypatch.setenv("VERISPEC_COST_CACHE", str(tmp_path / "measurements"))
+    model = load_model(str(tiny_dir), backend="openvino", threads=1, min_width=2, static_widths="auto")
+    timings = model.static_timings_ms
+    assert set(timings) == {"dynamic", "static"} and all(set(t) == {"7", "8", "9", "10"} for t in timings.values())
+    assert all(ms > 0 for t in timings.values() for ms in t.values())
+    assert model.static_widths in ((2, 4, 6), (2, 4, 6, 8, 10))
+    dynamic = load_model(str(tiny_dir), backend="openvino", threads=1, min_width=2, static_widths=())
+    seq = _ids(40, seed=5)
+    kv, kv_d = model.new_kv(), dynamic.new_kv()
+    model.forward(kv, seq[:20]), dynamic.forward(kv_d, seq[:20])
+    for width in (7, 9):
+        got, want = model.forward(kv, seq[20:20 + width]).logits, dynamic.forward(kv_d, seq[20:20 + width]).logits
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        kv.truncate(20), kv_d.truncate(20)

@@ -101,8 +101,8 @@ def save(kind: str, key: dict | None, value: Any) -> Path | None:
 
 
 def records() -> list[dict]:
-    """Every stored record (kind, key, saved time, path, and ``choice``: what a ``--weights auto`` record chose, else
-    None), newest first."""
+    """Every stored record (kind, key, saved time, path, and ``choice``: what an auto record (``--weights`` or
+    ``--static-widths``) chose, else None), newest first."""
     found = []
     base = folder()
     if not base.is_dir():

@@ -284,8 +284,10 @@ def print_measurements() -> None:
         saved = datetime.datetime.fromtimestamp(r["saved"] or 0).strftime("%Y-%m-%d %H:%M")
         what = ", ".join(f"{k} {key[k]}" for k in ("backend", "dtype", "weights", "compiled", "threads")
                          if k in key)
-        if r.get("choice"):  # --weights auto: what it runs, and what it weighed
-            weighed = f" of {'/'.join(key['candidates'])}" if key.get("candidates") else ""
+        if r.get("choice"):  # --weights / --static-widths auto: what it runs, and what it weighed
+            candidates = key.get("candidates") or []
+            joiner = " or " if any("/" in str(c) for c in candidates) else "/"  # static widths' choices hold a "/"
+            weighed = f" of {joiner.join(map(str, candidates))}" if candidates else ""
             what += f", auto chose {r['choice']}{weighed}"
         print(f"  {r['kind']:18} {what} · saved {saved} · {Path(r['path']).name}")
 

@@ -118,7 +118,7 @@ def _setup(args):
 
     def load(ref: str, pack: bool | None = None, backend: str | None = None, weights: str | None = None,
              features: bool = False, dtype: str | None = None, compiled: str | None = None,
-             min_width: int | None = None, static_widths: tuple[int, ...] | None = None):
+             min_width: int | None = None, static_widths: tuple[int, ...] | str | None = None):
         backend = backend or getattr(args, "backend", "transformers")
         weights = (weights or getattr(args, "weights", "as-is")) if backend in ("llamacpp", "openvino") else "as-is"
         features = features and backend == "llamacpp"  # transformers always gives hidden states

@@ -68,11 +68,12 @@ def add_backend_options(g: argparse._ArgumentGroup) -> None:
                         "where the CPU has it), fp16, int8 or int4 (NNCF), auto (the fastest of fp32, fp16 and bf16 here)")
     g.add_argument("--threads", type=int, default=None,
                    help="llamacpp backend: CPU threads (default: the cores this process may use)")
-    g.add_argument("--static-widths", default=None, metavar="W,W,...|none",
+    g.add_argument("--static-widths", default=None, metavar="W,W,...|none|auto",
                    help="openvino backend: a one-sequence pass of up to the largest of these widths is padded to the "
-                        "next of them and runs on a graph of static shapes (default 1,2,4,6; none: every pass on the "
-                        "dynamic graph). 2,4,6,8,10 ran suffix drafts 3-7%% faster on an AVX2 EPYC, costing ~3 s "
-                        "more at load and ~250 MB (docs/backends.md)")
+                        "next of them and runs on a graph of static shapes (default auto: 1,2,4,6, and 8,10 too where "
+                        "passes of 7-10 tokens measure cheaper on them, timed once per CPU; none: every pass on the "
+                        "dynamic graph). 8,10 ran suffix drafts 3-13%% faster on AMD EPYC Zen 3 and Zen 4, costing "
+                        "~3 s more at load and ~250 MB (docs/openvino.md)")
     add_compile_option(g)
     add_cost_cache_option(g)
 

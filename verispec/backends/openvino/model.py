@@ -33,17 +33,25 @@ KV_PRECISIONS = ("f32", "f16", "bf16", "u8")
 ATTENTION = ("paged", "masked")  # paged attention (default; chains), or the stateful graph's 4-D mask everywhere
 # one-sequence passes of up to 6 tokens (plain steps, chains of up to 5 drafts) run on graphs of static shapes
 STATIC_WIDTHS = (1, 2, 4, 6)
+# ``static_widths="auto"`` (the default): those, and these too where passes of 7-10 tokens measured cheaper on them
+AUTO_STATIC_EXTRA = (8, 10)
+AUTO_STATIC_GAIN = 0.9  # kept when the extra graphs' passes cost at most this share of the dynamic graph's
+AUTO_STATIC_RECORD = "openvino-static-widths"  # the kind of record the choice is stored as (backends.measurements)
+AUTO_STATIC_ROUNDS = 7  # timed rounds (after one to warm up), both layouts interleaved in each
 
 
-def parse_static_widths(text: str, sep: str = ",") -> tuple[int, ...]:
-    """``static_widths`` from text: widths joined by ``sep`` ("2,4,6,8,10"), or "none" (every pass on the dynamic
-    graph); the backend checks the widths themselves when it loads."""
+def parse_static_widths(text: str, sep: str = ",") -> tuple[int, ...] | str:
+    """``static_widths`` from text: widths joined by ``sep`` ("2,4,6,8,10"), "none" (every pass on the dynamic
+    graph) or "auto" (chosen by measurement on this CPU, ``OpenVINOModel``); the backend checks the widths
+    themselves when it loads."""
     if text.strip() == "none":
         return ()
+    if text.strip() == "auto":
+        return "auto"
     try:
         return tuple(int(w) for w in text.split(sep))
     except ValueError:
-        raise InvalidRequest(f"static widths are whole numbers joined by {sep!r} (2{sep}4{sep}6) or none, "
+        raise InvalidRequest(f"static widths are whole numbers joined by {sep!r} (2{sep}4{sep}6), none or auto, "
                              f"got {text!r}") from None
 
 
@@ -156,7 +164,7 @@ class OpenVINOModel(BorrowedEmbeddings):
     def __init__(self, folder: Path, tokenizer, config, name: str, weights: str, threads: int,
                  kv_precision: str = "f32", eos_token_ids=frozenset(), embedding_model_loader=None,
                  attention: str = "paged", min_width: int | None = None,
-                 static_widths: tuple[int, ...] | None = None) -> None:
+                 static_widths: tuple[int, ...] | str | None = None) -> None:
         if attention not in ATTENTION:
             raise InvalidRequest(f"unknown OpenVINO attention {attention!r}; choose one of {', '.join(ATTENTION)}")
         self.ov = import_openvino()
@@ -198,12 +206,16 @@ class OpenVINOModel(BorrowedEmbeddings):
         # the width of the pass that computed them: greedy speculation is token-identical to plain decoding by
         # construction. fp32's one-token rows differ by ~7e-5 and no argmax was seen to flip: it pads only if asked.
         self.min_width = min_width if self.pool is not None else 1
-        self.static_widths = self._static_widths(static_widths)
+        self._lock = threading.Lock()
+        self.static_widths_auto = static_widths is None or static_widths == "auto"
+        self.static_widths = self._static_widths(None if self.static_widths_auto else static_widths)
+        self.static_timings_ms = None  # what auto measured (or found stored)
+        if self.static_widths_auto:
+            self.static_widths, self.static_timings_ms = self._choose_static_widths()
         for width in self.static_widths[:1]:  # plain decoding's; the others when a decoder prepares (or first used)
             self._paged_request((), width)
         compiled = self._paged_requests[(), None].get_compiled_model() if self.pool else self.masked
         self.inference_precision = compiled.get_property("INFERENCE_PRECISION_HINT").to_string()
-        self._lock = threading.Lock()
         self.width_invariant = self.pool is not None and self._probe_widths()
         if self.min_width > 1 and not self.width_invariant:
             log.warning("on this CPU OpenVINO's %s passes give a position other logits at other widths: greedy "
@@ -216,18 +228,15 @@ class OpenVINOModel(BorrowedEmbeddings):
 
     def _static_widths(self, widths) -> tuple[int, ...]:
         """The pass widths a one-sequence pass is padded up to and run at by a graph of static shapes (none with
-        the stateful graph; default ``STATIC_WIDTHS`` at or above ``min_width``)."""
+        the stateful graph; for None ``STATIC_WIDTHS`` at or above ``min_width``, which auto may add to)."""
         if self.pool is None:
             return ()
         if widths is None:
             widths = tuple(w for w in STATIC_WIDTHS if w >= self.min_width)
-            # the CPU plugin keeps each compiled graph's own copy of the weights in its layout (default model: ~1.05x
-            # the weights file in fp32, ~1.5-2.4x in int8/int4): as many as a quarter of the free memory holds
-            each = 2 * (self.folder / VERISPEC_XML).with_suffix(".bin").stat().st_size
-            fits = available_memory() // 4 // each
+            fits = self._graphs_that_fit()
             if fits < len(widths):
                 log.info("static pass widths %s left out: each graph holds ~%d MB of weights (a quarter of the free "
-                         "memory fits %d)", widths[fits:], each >> 20, fits)
+                         "memory fits %d)", widths[fits:], self._graph_bytes() >> 20, fits)
                 widths = widths[:fits]
         widths = tuple(sorted(set(widths)))
         if any(isinstance(w, bool) or not isinstance(w, int) or not 1 <= w <= 64 for w in widths):
@@ -237,16 +246,104 @@ class OpenVINOModel(BorrowedEmbeddings):
                                  "never runs; drop it or lower min_width")
         return widths
 
+    def _graph_bytes(self) -> int:
+        """About what one more compiled graph holds: the CPU plugin keeps each graph's own copy of the weights in its
+        layout (default model: ~1.05x the weights file in fp32, ~1.5-2.4x in int8/int4)."""
+        return 2 * (self.folder / VERISPEC_XML).with_suffix(".bin").stat().st_size
+
+    def _graphs_that_fit(self) -> int:
+        """How many static graphs a quarter of the free memory holds."""
+        return available_memory() // 4 // self._graph_bytes()
+
+    def _choose_static_widths(self) -> tuple[tuple[int, ...], dict | None]:
+        """``static_widths="auto"`` (the default): ``STATIC_WIDTHS``, plus ``AUTO_STATIC_EXTRA`` where passes of the
+        widths they cover cost at most ``AUTO_STATIC_GAIN`` of the dynamic graph's on this CPU. Why measure: past the
+        widest static graph a pass runs on the dynamic one, which cost about half a step more on an AVX2 EPYC Zen 3
+        (suffix drafts up to 10 tokens on static graphs ran 3-7% faster there) and 1.5x a static pass on a Zen 4
+        (10-13% faster there), while a static width 8 measured no gain on a Zen 5, and each graph costs ~1.3 s to
+        compile and its own copy of the weights. Stored per model, format, CPU, threads and versions
+        (``verispec.backends.measurements``), so a machine times it once (a few seconds); left out, unmeasured,
+        where the extra graphs would not fit in a quarter of the free memory."""
+        from openvino import get_version
+
+        from .. import measurements
+
+        base = self.static_widths
+        extra = tuple(w for w in AUTO_STATIC_EXTRA if w > max(base, default=0))
+        extended = base + extra
+        if self.pool is None or not extra:
+            return base, None
+        if self._graphs_that_fit() < len(extended):
+            log.info("static widths auto: keeping %s (the graphs for %s would not fit in a quarter of the free memory)",
+                     "/".join(map(str, base)), "/".join(map(str, extra)))
+            return base, None
+        names = ["/".join(map(str, base)), "/".join(map(str, extended))]
+        key = {**measurements.machine(), "model": self.folder.name, "weights": self.weights, "threads": self.threads,
+               "kv": self.kv_precision, "min_width": self.min_width, "openvino": get_version(), "candidates": names,
+               "v": 1}
+        known = measurements.load(AUTO_STATIC_RECORD, key)
+        if known is None:
+            log.warning("--static-widths auto: timing passes of %d-%d tokens on static graphs against the dynamic one "
+                        "(once on this CPU, a few seconds) ...", max(base, default=0) + 1, extended[-1])
+            timings = self._time_static_widths(base, extended)
+            gain = sum(timings["static"].values()) / sum(timings["dynamic"].values())
+            known = {"timings_ms": timings, "static_over_dynamic": round(gain, 3),
+                     "choice": names[1] if gain <= AUTO_STATIC_GAIN else names[0]}
+            measurements.save(AUTO_STATIC_RECORD, key, known)
+        choice = tuple(int(w) for w in known["choice"].split("/")) if known["choice"] else ()
+        for width in extra:  # compiled to be timed: like every static graph, compiled again by a decoder that runs it
+            self._bound.pop(((), width), None)
+            self._paged_requests.pop(((), width), None)
+        log.info("static widths auto -> %s (passes on static graphs %.2fx the dynamic graph's)", known["choice"],
+                 known["static_over_dynamic"])
+        return choice, known["timings_ms"]
+
+    def _time_static_widths(self, base: tuple[int, ...], extended: tuple[int, ...]) -> dict[str, dict[str, float]]:
+        """Median ms of passes of each width ``extended`` covers past ``base`` after ``timing.AUTO_CONTEXT`` cached
+        positions (fewer where the context is shorter), on the dynamic graph (``base``) and on the static ones
+        (``extended``), interleaved per round."""
+        import statistics
+        import time
+
+        from ..timing import AUTO_CONTEXT
+
+        widths = range(max(base, default=0) + 1, extended[-1] + 1)
+        context = min(AUTO_CONTEXT, (self.context_length or AUTO_CONTEXT << 1) - extended[-1])
+        for width in extended[len(base):]:  # the graphs the extra widths run on (the base ones are not timed)
+            self._paged_request((), width)
+        kv = self.new_kv()
+        vocab = self.vocab_size
+        times: dict[str, dict[int, list[float]]] = {name: {w: [] for w in widths} for name in ("dynamic", "static")}
+        try:
+            self.static_widths = base
+            self.forward(kv, [(7 * i) % vocab for i in range(context)], last_only=True)
+            for r in range(AUTO_STATIC_ROUNDS + 1):
+                for name, layout in (("dynamic", base), ("static", extended))[:: 1 if r % 2 else -1]:
+                    self.static_widths = layout
+                    for w in widths:
+                        t0 = time.perf_counter()
+                        self.forward(kv, [(11 * i + r) % vocab for i in range(w)])
+                        kv.truncate(context)
+                        if r:
+                            times[name][w].append(1000 * (time.perf_counter() - t0))
+        finally:
+            self.static_widths = base
+            kv.close()
+        return {name: {str(w): round(statistics.median(v), 3) for w, v in by_width.items()}
+                for name, by_width in times.items()}
+
     def _bucket(self, n: int) -> int | None:
         """The static width a one-sequence pass of ``n`` tokens runs at, or None (the dynamic graph)."""
         n = max(n, self.min_width)
         return next((w for w in self.static_widths if w >= n), None)
 
     def _probe_widths(self) -> bool:
-        """Whether an 8-token pass gives each position the very logits that one-token steps (padded to
-        ``min_width``) give it, on this CPU and build: checked at load (9 passes)."""
+        """Whether a pass of 8 tokens (or one past the widest static graph: the dynamic graph runs it) gives each
+        position the very logits that one-token steps (padded to ``min_width``) give it, on this CPU and build:
+        checked at load (9-12 passes)."""
         start = max(self.static_widths, default=3) + 1  # a prefill on the dynamic graph (no static one compiled)
-        ids = [(7 * i + 3) % self.vocab_size for i in range(start + 8)]
+        wide = max(8, start)
+        ids = [(7 * i + 3) % self.vocab_size for i in range(start + wide)]
         kv = self.new_kv()
         self.forward(kv, ids[:start], last_only=True)
         wide = self.forward(kv, ids[start:]).logits
@@ -295,7 +392,8 @@ class OpenVINOModel(BorrowedEmbeddings):
                 f"inference, {self.kv_precision} KV cache, {self.attention} attention"
                 f"{', passes of 2+ tokens' if self.min_width > 1 else ''}"
                 f"{', width-invariant' if self.width_invariant else ''}"
-                f"{', static widths ' + '/'.join(map(str, self.static_widths)) if self.static_widths else ''}, "
+                f"{', static widths ' + '/'.join(map(str, self.static_widths)) if self.static_widths else ''}"
+                f"{' (auto)' if self.static_widths_auto else ''}, "
                 f"{self.threads} threads)")
 
     @property
@@ -515,14 +613,15 @@ def default_kv(weights: str) -> str:
 
 def load(ref: str, weights: str = "fp32", threads: int | None = None, kv_precision: str | None = None,
          attention: str = "paged", min_width: int | None = None,
-         static_widths: tuple[int, ...] | None = None) -> OpenVINOModel:
+         static_widths: tuple[int, ...] | str | None = None) -> OpenVINOModel:
     """A model reference exported once to OpenVINO (see ``verispec.load_model``); ``weights="auto"`` times fp32,
     fp16 and bf16 (where the CPU has it) once and runs the fastest for speculation. ``kv_precision`` defaults to
     ``default_kv(weights)``; ``attention="masked"`` runs the stateful graph for every pass (paged attention, the
     default, runs chains and batches; token trees run the stateful graph either way); ``min_width`` 2 pads one-token
     passes so that greedy speculation is bitwise identical to plain decoding (default: on for every format but
     fp32; see ``OpenVINOModel``); ``static_widths`` are the widths one-sequence passes are padded up to and run on
-    graphs of static shapes (default ``STATIC_WIDTHS``; ``()``: the dynamic graph runs every pass)."""
+    graphs of static shapes (default, or ``"auto"``: ``STATIC_WIDTHS``, and ``AUTO_STATIC_EXTRA`` too where they
+    measure cheaper on this CPU; ``()``: the dynamic graph runs every pass)."""
     from transformers import AutoConfig, AutoTokenizer
 
     from ..hf import _eos_ids
