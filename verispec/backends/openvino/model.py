@@ -291,9 +291,10 @@ class OpenVINOModel(BorrowedEmbeddings):
                      "choice": names[1] if gain <= AUTO_STATIC_GAIN else names[0]}
             measurements.save(AUTO_STATIC_RECORD, key, known)
         choice = tuple(int(w) for w in known["choice"].split("/")) if known["choice"] else ()
-        for width in extra:  # compiled to be timed: like every static graph, compiled again by a decoder that runs it
-            self._bound.pop(((), width), None)
-            self._paged_requests.pop(((), width), None)
+        for width in extra:
+            if width not in choice:  # compiled to be timed, not kept: its copy of the weights goes
+                self._bound.pop(((), width), None)
+                self._paged_requests.pop(((), width), None)
         log.info("static widths auto -> %s (passes on static graphs %.2fx the dynamic graph's)", known["choice"],
                  known["static_over_dynamic"])
         return choice, known["timings_ms"]
