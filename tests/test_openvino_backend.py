@@ -646,6 +646,11 @@ def test_static_widths_auto_keeps_the_extra_graphs_only_where_they_measure_cheap
     assert ((), 8) not in slower._paged_requests and ((), 10) not in slower._paged_requests
     load_model(str(tiny_dir), backend="openvino", weights="fp32", threads=1)  # auto is the default
     assert timed[-1] == ((1, 2, 4, 6), (1, 2, 4, 6, 8, 10))  # another min_width, another measurement
+    wide = load_model(str(tiny_dir), backend="openvino", threads=1, min_width=9)  # 8 would never run: 10 alone
+    assert timed[-1] == ((), (10,)) and wide.static_widths in ((), (10,))
+    monkeypatch.setattr(ov_model.OpenVINOModel, "_graphs_that_fit", lambda self: 3)  # 2/4/6 fit, 8/10 would not
+    tight = load_model(str(tiny_dir), backend="openvino", threads=1, min_width=3)
+    assert tight.static_widths == (4, 6) and len(timed) == 4 and tight.static_timings_ms is None  # not measured
 
 
 def test_static_widths_auto_times_both_layouts_and_keeps_the_logits(tiny_dir, tmp_path, monkeypatch):

@@ -269,7 +269,7 @@ class OpenVINOModel(BorrowedEmbeddings):
         from .. import measurements
 
         base = self.static_widths
-        extra = tuple(w for w in AUTO_STATIC_EXTRA if w > max(base, default=0))
+        extra = tuple(w for w in AUTO_STATIC_EXTRA if w > max(base, default=0) and w >= self.min_width)
         extended = base + extra
         if self.pool is None or not extra:
             return base, None
