@@ -582,7 +582,7 @@ def test_static_passes_on_bound_inputs_follow_a_growing_block_table(tiny_dir, ti
 def test_static_widths_from_the_command_line(tiny_dir):
     """--static-widths reaches the backend (generate, audit, serve); it is refused on other backends and when it is
     not widths, naming the form it takes; the bench's static= reads the same way with +."""
-    from verispec.backends.openvino.model import parse_static_widths
+    from verispec.backends.openvino.widths import parse_static_widths
     from verispec.cli import build_parser
     from verispec.cli.options import load_args_model
 
@@ -614,20 +614,21 @@ def test_static_widths_auto_keeps_the_extra_graphs_only_where_they_measure_cheap
     0.9x the dynamic graph's on them; the choice is stored per model and CPU and read back without timing again; the
     graphs compiled to be timed and not chosen are dropped. A stand-in clock gives the timings."""
     from verispec.backends.openvino import model as ov_model
+    from verispec.backends.openvino import widths
 
     monkeypatch.setenv("VERISPEC_COST_CACHE", str(tmp_path / "measurements"))
     timed = []
 
     def clock(static_ms):
-        def time_static_widths(self, base, extended):
+        def time_static_widths(model, base, extended):
             timed.append((base, extended))
             for width in extended[len(base):]:  # compiled as the real timing compiles them
-                self._paged_request((), width)
+                model._paged_request((), width)
             return {"dynamic": {str(w): 10.0 for w in range(7, 11)},
                     "static": {str(w): static_ms for w in range(7, 11)}}
         return time_static_widths
 
-    monkeypatch.setattr(ov_model.OpenVINOModel, "_time_static_widths", clock(8.5))  # 0.85x: kept
+    monkeypatch.setattr(widths, "time_static_widths", clock(8.5))  # 0.85x: kept
     model = load_model(str(tiny_dir), backend="openvino", threads=1, min_width=2, static_widths="auto")
     assert timed == [((2, 4, 6), (2, 4, 6, 8, 10))]
     assert model.static_widths == (2, 4, 6, 8, 10) and "static widths 2/4/6/8/10 (auto)" in model.kernel
@@ -640,7 +641,7 @@ def test_static_widths_auto_keeps_the_extra_graphs_only_where_they_measure_cheap
     assert set(again._paged_requests) == {((), None), ((), 2)}  # nothing timed: 8 and 10 compiled when a decoder needs
     for path in (tmp_path / "measurements").glob("*.json"):
         path.unlink()
-    monkeypatch.setattr(ov_model.OpenVINOModel, "_time_static_widths", clock(9.5))  # 0.95x: not worth two graphs
+    monkeypatch.setattr(widths, "time_static_widths", clock(9.5))  # 0.95x: not worth two graphs
     slower = load_model(str(tiny_dir), backend="openvino", threads=1, min_width=2, static_widths="auto")
     assert slower.static_widths == (2, 4, 6) and len(timed) == 2 and slower.pass_width([7]) == 7
     assert ((), 8) not in slower._paged_requests and ((), 10) not in slower._paged_requests

@@ -106,7 +106,7 @@ def build_method(spec: str, target, load: Callable | None, default_k: int = 8, d
         if backend != "openvino":
             raise InvalidRequest(f"{spec!r}: static= names the openvino backend's static pass widths; add "
                                  "backend=openvino")
-        from ..backends.openvino.model import parse_static_widths
+        from ..backends.openvino.widths import parse_static_widths
 
         try:
             static = parse_static_widths(static, "+")

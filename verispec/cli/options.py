@@ -108,7 +108,7 @@ def load_args_model(args, ref: str, **overrides):
     options = dict(dtype=args.dtype, backend=backend, weights=getattr(args, "weights", "as-is"),
                    threads=getattr(args, "threads", None),
                    features=backend == "llamacpp" and needs_layer_callback(args), compiled=getattr(args, "compile", "off"))
-    from ..backends.openvino.model import static_widths_option
+    from ..backends.openvino.widths import static_widths_option
 
     options.update(static_widths_option(getattr(args, "static_widths", None), backend))
     options.update(overrides)

@@ -199,7 +199,7 @@ def build_server_config(options: ServeOptions) -> ServerConfig:
     the server starts with such a drafter); heads are offered there only when asked for (each loads a transformers
     copy of the embeddings)."""
     from ..backends import load_model
-    from ..backends.openvino.model import static_widths_option
+    from ..backends.openvino.widths import static_widths_option
 
     # llama.cpp: a KV sequence per batch row (unbatched, each slot's decoders keep theirs for prompt reuse)
     # the compiled step runs one-token passes of unbatched sequences only: a batched server never loads it

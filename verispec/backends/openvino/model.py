@@ -25,46 +25,13 @@ from ...tree import tree_inputs
 from ..base import BorrowedEmbeddings, TargetPass
 from .export import VERISPEC_XML, export_dir, import_openvino, inference_precision
 from .paged import BlockPool, BoundInputs, PagedKV, paged_model, pass_inputs, static_shapes
+from .widths import STATIC_WIDTHS, choose_static_widths
 
 log = logging.getLogger(__name__)
 MASKED = np.float32(np.finfo(np.float32).min)  # the additive mask's value for a position not attended to
 
 KV_PRECISIONS = ("f32", "f16", "bf16", "u8")
 ATTENTION = ("paged", "masked")  # paged attention (default; chains), or the stateful graph's 4-D mask everywhere
-# one-sequence passes of up to 6 tokens (plain steps, chains of up to 5 drafts) run on graphs of static shapes
-STATIC_WIDTHS = (1, 2, 4, 6)
-# ``static_widths="auto"`` (the default): those, and these too where passes of 7-10 tokens measured cheaper on them
-AUTO_STATIC_EXTRA = (8, 10)
-AUTO_STATIC_GAIN = 0.9  # kept when the extra graphs' passes cost at most this share of the dynamic graph's
-AUTO_STATIC_RECORD = "openvino-static-widths"  # the kind of record the choice is stored as (backends.measurements)
-AUTO_STATIC_ROUNDS = 7  # timed rounds (after one to warm up), both layouts interleaved in each
-
-
-def parse_static_widths(text: str, sep: str = ",") -> tuple[int, ...] | str:
-    """``static_widths`` from text: widths joined by ``sep`` ("2,4,6,8,10"), "none" (every pass on the dynamic
-    graph) or "auto" (chosen by measurement on this CPU, ``OpenVINOModel``); the backend checks the widths
-    themselves when it loads."""
-    if text.strip() == "none":
-        return ()
-    if text.strip() == "auto":
-        return "auto"
-    try:
-        return tuple(int(w) for w in text.split(sep))
-    except ValueError:
-        raise InvalidRequest(f"static widths are whole numbers joined by {sep!r} (2{sep}4{sep}6), none or auto, "
-                             f"got {text!r}") from None
-
-
-def static_widths_option(text: str | None, backend: str) -> dict:
-    """``load_model``'s keyword for the ``--static-widths`` option of generate, audit and serve: none when unset;
-    refused on other backends."""
-    if text is None:
-        return {}
-    if backend != "openvino":
-        raise InvalidRequest(f"--static-widths applies to --backend openvino only (this is {backend})")
-    return {"static_widths": parse_static_widths(text)}
-
-
 class OpenVINOKV:
     """One sequence's cache: an infer request's state plus which of its physical positions are alive."""
 
@@ -211,7 +178,7 @@ class OpenVINOModel(BorrowedEmbeddings):
         self.static_widths = self._static_widths(None if self.static_widths_auto else static_widths)
         self.static_timings_ms = None  # what auto measured (or found stored)
         if self.static_widths_auto:
-            self.static_widths, self.static_timings_ms = self._choose_static_widths()
+            self.static_widths, self.static_timings_ms = choose_static_widths(self)
         for width in self.static_widths[:1]:  # plain decoding's; the others when a decoder prepares (or first used)
             self._paged_request((), width)
         compiled = self._paged_requests[(), None].get_compiled_model() if self.pool else self.masked
@@ -254,84 +221,6 @@ class OpenVINOModel(BorrowedEmbeddings):
     def _graphs_that_fit(self) -> int:
         """How many static graphs a quarter of the free memory holds."""
         return available_memory() // 4 // self._graph_bytes()
-
-    def _choose_static_widths(self) -> tuple[tuple[int, ...], dict | None]:
-        """``static_widths="auto"`` (the default): ``STATIC_WIDTHS``, plus ``AUTO_STATIC_EXTRA`` where passes of the
-        widths they cover cost at most ``AUTO_STATIC_GAIN`` of the dynamic graph's on this CPU. Why measure: past the
-        widest static graph a pass runs on the dynamic one, which cost about half a step more on an AVX2 EPYC Zen 3
-        (suffix drafts up to 10 tokens on static graphs ran 3-7% faster there) and 1.5x a static pass on a Zen 4
-        (10-13% faster there), while a static width 8 measured no gain on a Zen 5, and each graph costs ~1.3 s to
-        compile and its own copy of the weights. Stored per model, format, CPU, threads and versions
-        (``verispec.backends.measurements``), so a machine times it once (a few seconds); left out, unmeasured,
-        where the extra graphs would not fit in a quarter of the free memory."""
-        from openvino import get_version
-
-        from .. import measurements
-
-        base = self.static_widths
-        extra = tuple(w for w in AUTO_STATIC_EXTRA if w > max(base, default=0) and w >= self.min_width)
-        extended = base + extra
-        if self.pool is None or not extra:
-            return base, None
-        if self._graphs_that_fit() < len(extended):
-            log.info("static widths auto: keeping %s (the graphs for %s would not fit in a quarter of the free memory)",
-                     "/".join(map(str, base)), "/".join(map(str, extra)))
-            return base, None
-        names = ["/".join(map(str, base)), "/".join(map(str, extended))]
-        key = {**measurements.machine(), "model": self.folder.name, "weights": self.weights, "threads": self.threads,
-               "kv": self.kv_precision, "min_width": self.min_width, "openvino": get_version(), "candidates": names,
-               "v": 1}
-        known = measurements.load(AUTO_STATIC_RECORD, key)
-        if known is None:
-            log.warning("--static-widths auto: timing passes of %d-%d tokens on static graphs against the dynamic one "
-                        "(once on this CPU, a few seconds) ...", max(base, default=0) + 1, extended[-1])
-            timings = self._time_static_widths(base, extended)
-            gain = sum(timings["static"].values()) / sum(timings["dynamic"].values())
-            known = {"timings_ms": timings, "static_over_dynamic": round(gain, 3),
-                     "choice": names[1] if gain <= AUTO_STATIC_GAIN else names[0]}
-            measurements.save(AUTO_STATIC_RECORD, key, known)
-        choice = tuple(int(w) for w in known["choice"].split("/")) if known["choice"] else ()
-        for width in extra:
-            if width not in choice:  # compiled to be timed, not kept: its copy of the weights goes
-                self._bound.pop(((), width), None)
-                self._paged_requests.pop(((), width), None)
-        log.info("static widths auto -> %s (passes on static graphs %.2fx the dynamic graph's)", known["choice"],
-                 known["static_over_dynamic"])
-        return choice, known["timings_ms"]
-
-    def _time_static_widths(self, base: tuple[int, ...], extended: tuple[int, ...]) -> dict[str, dict[str, float]]:
-        """Median ms of passes of each width ``extended`` covers past ``base`` after ``timing.AUTO_CONTEXT`` cached
-        positions (fewer where the context is shorter), on the dynamic graph (``base``) and on the static ones
-        (``extended``), interleaved per round."""
-        import statistics
-        import time
-
-        from ..timing import AUTO_CONTEXT
-
-        widths = range(max(base, default=0) + 1, extended[-1] + 1)
-        context = min(AUTO_CONTEXT, (self.context_length or AUTO_CONTEXT << 1) - extended[-1])
-        for width in extended[len(base):]:  # the graphs the extra widths run on (the base ones are not timed)
-            self._paged_request((), width)
-        kv = self.new_kv()
-        vocab = self.vocab_size
-        times: dict[str, dict[int, list[float]]] = {name: {w: [] for w in widths} for name in ("dynamic", "static")}
-        try:
-            self.static_widths = base
-            self.forward(kv, [(7 * i) % vocab for i in range(context)], last_only=True)
-            for r in range(AUTO_STATIC_ROUNDS + 1):
-                for name, layout in (("dynamic", base), ("static", extended))[:: 1 if r % 2 else -1]:
-                    self.static_widths = layout
-                    for w in widths:
-                        t0 = time.perf_counter()
-                        self.forward(kv, [(11 * i + r) % vocab for i in range(w)])
-                        kv.truncate(context)
-                        if r:
-                            times[name][w].append(1000 * (time.perf_counter() - t0))
-        finally:
-            self.static_widths = base
-            kv.close()
-        return {name: {str(w): round(statistics.median(v), 3) for w, v in by_width.items()}
-                for name, by_width in times.items()}
 
     def _bucket(self, n: int) -> int | None:
         """The static width a one-sequence pass of ``n`` tokens runs at, or None (the dynamic graph)."""
@@ -621,7 +510,7 @@ def load(ref: str, weights: str = "fp32", threads: int | None = None, kv_precisi
     default, runs chains and batches; token trees run the stateful graph either way); ``min_width`` 2 pads one-token
     passes so that greedy speculation is bitwise identical to plain decoding (default: on for every format but
     fp32; see ``OpenVINOModel``); ``static_widths`` are the widths one-sequence passes are padded up to and run on
-    graphs of static shapes (default, or ``"auto"``: ``STATIC_WIDTHS``, and ``AUTO_STATIC_EXTRA`` too where they
+    graphs of static shapes (default, or ``"auto"``: ``STATIC_WIDTHS``, and ``widths.AUTO_STATIC_EXTRA`` too where they
     measure cheaper on this CPU; ``()``: the dynamic graph runs every pass)."""
     from transformers import AutoConfig, AutoTokenizer
 
