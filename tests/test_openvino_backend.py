@@ -171,7 +171,9 @@ def test_a_decoder_has_the_graphs_its_passes_run_compiled_before_its_first_reque
     fresh = load_model(str(tiny_dir), backend="openvino", threads=1, min_width=2, static_widths=(2, 4, 6))
     assert set(fresh._paged_requests) == {((), None), ((), 2)}
     SpeculativeDecoder(fresh).generate([1, 5, 9], max_new_tokens=4)
+    SpeculativeDecoder(fresh).generate([1, 5, 9, 7, 3, 8], max_new_tokens=4)  # a 5-token prefill: dynamic, no compile
     assert set(fresh._paged_requests) == {((), None), ((), 2)}  # plain decoding: nothing more
+    assert fresh.pass_width([5]) == 5  # what the controller prices: the graph that runs it
     SpeculativeDecoder(fresh, make_drafter("ngram", target=fresh), k=3)
     assert set(fresh._paged_requests) == {((), None), ((), 2), ((), 4)}
     assert fresh._masked is None  # token trees' stateful graph: compiled for the first decoder that drafts trees

@@ -316,6 +316,8 @@ class OpenVINOModel(BorrowedEmbeddings):
         either way (the paged graph takes ragged rows in one pass; the stateful graph runs rows one after another,
         one infer request each) but a row of one token padded to ``min_width``."""
         bucket = self._bucket(widths[0]) if len(widths) == 1 else None
+        if ((), bucket) not in self._paged_requests:  # not compiled: ``_paged`` runs it on the dynamic graph
+            bucket = None
         return bucket if bucket is not None else sum(max(w, self.min_width) for w in widths)
 
     def forward(self, kv: "OpenVINOKV | PagedKV", tokens, *, parents=None, last_only: bool = False,
@@ -396,19 +398,25 @@ class OpenVINOModel(BorrowedEmbeddings):
 
     def _paged(self, items, last_only: bool, feature_layers) -> list[TargetPass]:
         """One pass of the paged graph over every item's new tokens (one sequence each): a single sequence whose
-        tokens fit a static width runs padded to it on that width's static graph."""
+        tokens fit a static width runs padded to it on that width's static graph, once compiled (``prepare``; the
+        load compiles the narrowest); until then on the dynamic graph, so a short prompt's prefill never waits for a
+        compile (~1.3 s) nor keeps a graph its decoder would not run."""
+        layers = tuple(feature_layers)
         with self._lock:
             width = self._bucket(len(items[0][1])) if len(items) == 1 else None
+            if (width is not None and (layers, width) not in self._paged_requests
+                    and (layers, None) in self._paged_requests):
+                width = None  # a static graph nobody prepared (a short prompt's prefill): the dynamic one, no compile
             inputs, rows, offsets, picks = pass_inputs(items, last_only, width or self.min_width, width is not None)
-            request = self._paged_request(tuple(feature_layers), width)
+            request = self._paged_request(layers, width)
             if width is None:
                 out = request.infer(inputs, share_inputs=True, share_outputs=True)
                 logits = out["logits"]  # the infer request's own memory: each item copies only the rows it asked for
                 hidden = out["hidden_states"] if feature_layers else None
             else:  # a static graph: its inputs bound once (paged.BoundInputs)
-                bound = self._bound.get((tuple(feature_layers), width))
+                bound = self._bound.get((layers, width))
                 if bound is None or bound.request is not request:
-                    bound = self._bound[tuple(feature_layers), width] = BoundInputs(self.ov, request)
+                    bound = self._bound[layers, width] = BoundInputs(self.ov, request)
                 bound.run(inputs)
                 logits = bound.output("logits")
                 hidden = bound.output("hidden_states") if feature_layers else None
