@@ -73,8 +73,8 @@ def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", d
     logits bitwise the same at every pass width, so greedy speculation equals plain decoding by construction; default
     2 for every weight format but fp32 (see ``verispec.backends.openvino.model``). ``static_widths`` (openvino): a
     one-sequence pass of up to that many tokens is padded to the next of them and run on a graph of static shapes
-    (default ``STATIC_WIDTHS`` there: 1, 2, 4, 6 from ``min_width`` up; ``()`` runs every pass on the dynamic
-    graph; ``"auto"`` adds 8 and 10 where they measure cheaper on this CPU)."""
+    (default, or ``"auto"``: 1, 2, 4, 6 from ``min_width`` up, and 8 and 10 where they measure cheaper on this CPU,
+    ``verispec.backends.openvino.widths``; ``()`` runs every pass on the dynamic graph)."""
     if backend not in BACKENDS:
         raise InvalidRequest(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if min_width is not None and backend != "openvino":
