@@ -72,7 +72,7 @@ def add_backend_options(g: argparse._ArgumentGroup) -> None:
                    help="openvino backend: a one-sequence pass of up to the largest of these widths is padded to the "
                         "next of them and runs on a graph of static shapes (default auto: 1,2,4,6, and 8,10 too where "
                         "passes of 7-10 tokens measure cheaper on them, timed once per CPU; none: every pass on the "
-                        "dynamic graph). 8,10 ran suffix drafts 3-13%% faster on AMD EPYC Zen 3 and Zen 4, costing "
+                        "dynamic graph). 8,10 ran suffix drafts 3-14%% faster on AMD EPYC Zen 3 and Zen 4, costing "
                         "~3 s more at load and ~250 MB (docs/openvino.md)")
     add_compile_option(g)
     add_cost_cache_option(g)

@@ -48,7 +48,7 @@ class ServeOptions:
     backend: str = _option("transformers", str, BACKENDS)
     weights: str = _option("as-is", str, WEIGHT_CHOICES)
     threads: int | None = _option(None, int)
-    static_widths: str | None = _option(None, str)  # openvino: "2,4,6,8,10", "none" or "auto" (backends.openvino.model)
+    static_widths: str | None = _option(None, str)  # openvino: "2,4,6,8,10", "none" or "auto" (backends.openvino.widths)
     # the command line's default: $VERISPEC_COMPILE, else auto
     compile: str = field(default_factory=default_compile_mode, metadata={"type": str, "choices": COMPILE_MODES})
     host: str = _option("127.0.0.1", str)
