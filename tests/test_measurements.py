@@ -240,6 +240,78 @@ def test_a_compiled_program_arriving_mid_process_starts_another_curve_at_the_nex
     assert shared_cost_curve(target) is eager
 
 
+def test_a_program_arriving_mid_request_is_followed_at_the_next_step_and_loading_times_nothing(store, tiny_dir):
+    """While a program loads in the background (``programs_loading``), passes share the cores with the loader: the
+    engine neither calibrates nor observes them (on a 2-core CPU they had been stored ~4x dear, and the next process
+    drafted nothing). Once the program is in, the decoder takes its curve at the next step, mid-request, and
+    calibrates that curve there; the output is plain decoding's."""
+    from verispec import NgramDrafter, SpeculativeDecoder
+
+    target = load_model(str(tiny_dir))
+    now = {"loading": True, "arrived": False}
+
+    class Loading(type(target)):
+        @property
+        def cost_state(self):
+            return (False, now["arrived"])
+
+        @property
+        def measurement_key(self):
+            return {**super().measurement_key, "compiled_verify": now["arrived"]}
+
+        @property
+        def programs_loading(self):
+            return now["loading"]
+
+    target.__class__ = Loading
+    widths, forward = [], target.forward
+
+    def passes(kv, tokens, **kw):
+        widths.append(len(tokens))
+        if len(widths) == 4:  # the prefill and three steps ran while it loaded; it is in before this pass ends
+            now.update(loading=False, arrived=True)
+        return forward(kv, tokens, **kw)
+
+    target.forward = passes
+    try:
+        decoder = SpeculativeDecoder(target, NgramDrafter(), k=3)
+        loading_curve = decoder.controller.costs
+        out = decoder.generate([5, 6, 7, 5, 6, 7, 5], max_new_tokens=12)
+    finally:
+        del target.forward
+        target.__class__ = Loading.__mro__[1]
+    plain = SpeculativeDecoder(load_model(str(tiny_dir)), None).generate([5, 6, 7, 5, 6, 7, 5], max_new_tokens=12)
+    assert out.token_ids == plain.token_ids
+    assert not loading_curve.measured()  # nothing calibrated at the start, no pass observed while loading
+    now["arrived"] = True
+    target.__class__ = Loading
+    try:
+        arrived = shared_cost_curve(target)
+    finally:
+        target.__class__ = Loading.__mro__[1]
+    assert decoder.controller.costs is arrived and arrived is not loading_curve
+    assert out.stats.calibration_seconds > 0
+    assert widths[4:11] == [1, 1, 2, 4, 1, 2, 4]  # the warm-up pass, then widths 1, 2 and 1 + k twice
+    assert set(arrived.measured()) >= {1, 2, 4}
+
+
+def test_calibration_times_only_the_widths_a_stored_curve_lacks(store, tiny_dir):
+    """A stored curve passes on only the widths its process confirmed, so the next process may find some missing:
+    it times those alone (it had timed every width again, ~1.5 s of a one-shot `verispec generate` here)."""
+    from verispec import NgramDrafter, SpeculativeDecoder
+
+    target = load_model(str(tiny_dir))
+    decoder = SpeculativeDecoder(target, NgramDrafter(), k=4)
+    decoder.controller.costs.seed({1: 0.004, 5: 0.009})  # as read from an earlier process's record
+    widths, forward = [], target.forward
+    target.forward = lambda kv, tokens, **kw: widths.append(len(tokens)) or forward(kv, tokens, **kw)
+    try:
+        decoder.generate([5, 6, 7, 5, 6, 7, 5], max_new_tokens=4)
+    finally:
+        del target.forward
+    assert widths[1:6] == [1, 2, 3, 2, 3]  # after the prefill: the warm-up pass, then widths 2 and 3 twice
+
+
 def test_a_tree_drafter_times_tree_passes_into_a_curve_of_its_own(tiny_dir, store):
     """Tree passes may run eagerly where chain passes of the same width run compiled: a decoder that drafts trees
     keeps its own curve (and stored record), and its calibration times tree-shaped passes."""
@@ -270,3 +342,19 @@ def test_a_tree_drafter_times_tree_passes_into_a_curve_of_its_own(tiny_dir, stor
     assert all(parents is None for n, parents in calibration if n == 1)
     save_cost_curve(tree.controller.costs, force=True)
     assert any('"trees"' in p.read_text() for p in store.glob(f"{COST_RECORD}-*.json"))
+
+
+def test_a_transformers_model_says_a_program_is_loading_while_its_loader_runs(tiny_dir):
+    import threading
+
+    target = load_model(str(tiny_dir))
+    assert not target.programs_loading
+    release = threading.Event()
+    target._verify_thread = threading.Thread(target=release.wait)
+    target._verify_thread.start()
+    try:
+        assert target.programs_loading
+    finally:
+        release.set()
+        target._verify_thread.join()
+    assert not target.programs_loading

@@ -367,8 +367,8 @@ class Controller:
     """Chooses the draft length per step for one drafter over one target (see the module docstring).
 
     ``costs``: the target's step time by width (shared by every decoder of the model in this process);
-    ``source``, where given, is asked for it again at the start of each request (``shared_cost_curve``: the curve of
-    the target's passes as they run now, which changes when a compiled program arrives).
+    ``source``, where given, is asked for it again at every step (``follow_source``; ``shared_cost_curve``: the
+    curve of the target's passes as they run now, which changes when a compiled program arrives, mid-request too).
     ``policy``: ``cost`` (the rule) or ``fixed`` (verify every draft token the drafter offers, up to k: for
     experiments and for comparison)."""
 
@@ -406,9 +406,19 @@ class Controller:
     def costs(self, curve: CostCurve) -> None:  # a curve given by hand stays: ``source`` no longer replaces it
         self._costs, self.source = curve, None
 
+    def follow_source(self) -> bool:
+        """Take the curve ``source`` gives now; True when it is another one (a compiled program arrived: the passes
+        from here on cost what it costs, and timing them into the old curve would mix two engines)."""
+        if self.source is None:
+            return False
+        curve = self.source()
+        if curve is self._costs:
+            return False
+        self._costs = curve
+        return True
+
     def start_request(self) -> RequestState:
-        if self.source is not None:
-            self._costs = self.source()
+        self.follow_source()
         acceptance = self.history.copy(self.request_weight)
         self.state = RequestState(acceptance, probe_interval=self.first_probe_interval)
         return self.state

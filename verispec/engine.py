@@ -108,6 +108,7 @@ class StepPlan:
     uncached: list[int]  # committed tokens not in the cache yet: the pending token, after a tree step its path too
     planned_at: float  # perf_counter() when planning ended (the pass and verification are timed from here)
     proposed: int = -1  # the drafter's tokens at the head of the draft (-1: all); the rest fill the pass's padding
+    contended: bool = False  # a program was loading in the background when the pass began (its time is not a cost)
 
     @property
     def tokens(self) -> list[int]:
@@ -394,14 +395,22 @@ class SpeculativeDecoder:
                 state.features.append(out.hidden)
         state.cached_tokens.extend(chunk)
 
+    def _loading(self) -> bool:
+        """Whether the target loads a program in the background now (``TargetModel.programs_loading``)."""
+        return getattr(self.target, "programs_loading", False)
+
     def _calibrate(self, state: SequenceState, k: int) -> None:
-        """Seed the target's cost curve (once per model and process): time an engine step at a few widths up
-        to k + 1 on this request's context, twice, then crop the cache back (a tree drafter's passes as trees: a
+        """Seed the target's cost curve (once per model, pass state and process): time an engine step at the widths
+        of 1, 2, 1 + k // 2 and 1 + k that the curve lacks (a stored curve passes on only the widths its process
+        confirmed) on this request's context, twice, then crop the cache back (a tree drafter's passes as trees: a
         chain of nodes after the pending tokens). Each width's faster time enters the curve as provisional
-        (``CostCurve.seed(..., stored=False)``): the steps confirm or replace it."""
+        (``CostCurve.seed(..., stored=False)``): the steps confirm or replace it. Nothing is timed while the target
+        loads a program that will change its passes (``programs_loading``): ``_step`` calibrates the new curve when
+        the program is in, and timing passes that compete with the loader for the cores measured them ~4x dear."""
         curve = self.controller.costs
-        widths = sorted({1, 2, 1 + max(1, k // 2), 1 + k})
-        if self.controller.policy != COST or all(w in curve.measured() for w in widths):
+        known = curve.measured()
+        widths = [w for w in sorted({1, 2, 1 + max(1, k // 2), 1 + k}) if w not in known]
+        if self.controller.policy != COST or not widths or self._loading():
             return
         start = time.perf_counter()
         past = len(state.cached_tokens)
@@ -416,15 +425,16 @@ class SpeculativeDecoder:
             state.cache.truncate(past)
             if i:  # a pass is only ever slowed down by what else runs: the faster of the two times is the cost
                 timed[len(feed)] = min(timed.get(len(feed), float("inf")), time.perf_counter() - t0)
-        known = curve.measured()
         curve.seed({w: t for w, t in timed.items() if w not in known}, stored=False)
         curve.changed = True
-        state.stats.calibration_seconds = time.perf_counter() - start
+        state.stats.calibration_seconds += time.perf_counter() - start
         save_cost_curve(curve, force=True)
 
     def _step(self, state: SequenceState, k: int) -> tuple[list[int], int, int]:
         """One propose -> verify -> roll back -> observe step; returns (tokens to commit, draft depth, accepted draft
         tokens). The batch engine runs the same two halves around a pass shared by many sequences."""
+        if self.drafter is not None and self.controller.follow_source():  # a compiled program came in: its curve
+            self._calibrate(state, k)
         plan = self.plan(state, k)
         out = self.target.forward(state.cache, plan.tokens, parents=plan.draft.parents,
                                   feature_layers=self.feature_layers)
@@ -438,6 +448,7 @@ class SpeculativeDecoder:
         uncached = state.tokens[len(state.cached_tokens):]  # the pending token (after a tree step, the accepted path)
         draft: Draft = EMPTY_DRAFT
         if self.drafter is not None:
+            self.controller.follow_source()
             budget = self._draft_budget(state, k, len(uncached))
             if budget > 0:
                 draft = self._propose(state, budget)
@@ -449,7 +460,7 @@ class SpeculativeDecoder:
         proposed = len(draft)
         if alone and self.fill_padding and self.drafter is not None and draft.parents is None and draft.probs is None:
             draft = self._fill(state, draft, len(uncached))
-        plan = StepPlan(draft, uncached, time.perf_counter(), proposed)
+        plan = StepPlan(draft, uncached, time.perf_counter(), proposed, self._loading())
         self._record_plan(state, plan, t0)
         return plan
 
@@ -589,7 +600,9 @@ class SpeculativeDecoder:
         """What the controller learns from a settled step (the pass's cost, the verdict on the drafter's own
         ``draft``), and its statistics."""
         seconds = time.perf_counter() - plan.planned_at
-        if shared_pass_seconds is None:
+        # a pass timed while a program loads in the background shared the cores with the loader (~4x dear on 2):
+        # not what passes cost, in this curve or the next process's
+        if shared_pass_seconds is None and not (plan.contended or self._loading()):
             self.controller.observe_step(len(plan.tokens), seconds)
         if self.drafter is not None:
             self.controller.observe_verdict(draft.depth, accepted, draft.confidence)

@@ -141,6 +141,12 @@ class TargetModel(Protocol):
         return None
 
     @property
+    def programs_loading(self) -> bool:
+        """Optional: whether a program that will change how passes run (``cost_state``) is loading in the background
+        now; the engine does not time passes for a curve that is about to be left. No such attribute: False."""
+        return False
+
+    @property
     def measurement_key(self) -> dict | None:
         """Everything a pass's cost depends on (weights, format, dtype, threads, CPU, versions): the key its measured
         costs are stored under for later processes (``verispec.backends.measurements``); None: never stored."""

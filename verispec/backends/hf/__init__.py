@@ -91,6 +91,10 @@ class LoadedModel:
         return (self.step is not None, self.verify is not None)
 
     @property
+    def programs_loading(self) -> bool:
+        return self._verify_thread is not None and self._verify_thread.is_alive()
+
+    @property
     def measurement_key(self) -> dict | None:
         """What a pass's cost depends on here (``verispec.backends.measurements``); None for a model that was not
         loaded from a folder or the hub (its costs are never stored)."""
