@@ -317,12 +317,13 @@ def test_a_new_package_supersedes_only_the_same_weights_and_kind_of_pass(tmp_pat
     folder = compile_store.folder()
     folder.mkdir(parents=True)
 
-    def stored(name, weights, width):
-        (folder / f"{name}.pt2").write_bytes(b"package")
+    def stored(name, weights, width, suffix=".so"):
+        (folder / f"{name}{suffix}").write_bytes(b"library")
         (folder / f"{name}.json").write_text(json.dumps({"built": name, "key": {"weights": weights, "width": width}}))
-        return folder / f"{name}.pt2"
+        return folder / f"{name}{suffix}"
 
-    old_step, old_verify = stored("step-a", "w1", 1), stored("step-b", "w1", "2-16")
+    old_step = stored("step-a", "w1", 1, suffix=compile_store.LEGACY_SUFFIX)  # a format-1 package: removed too
+    old_verify = stored("step-b", "w1", "2-16")
     other_weights = stored("step-c", "w2", "2-16")
     new_verify = stored("step-d", "w1", "2-12")
     assert compile_store.superseded(new_verify, {"weights": "w1", "width": "2-12"}) == [old_verify]

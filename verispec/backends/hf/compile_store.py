@@ -1,29 +1,31 @@
-"""Compiled passes on disk (the one-token step, the verify program): AOTInductor packages keyed by everything that
+"""Compiled passes on disk (the one-token step, the verify program): AOTInductor libraries keyed by everything that
 changes the compiled code.
 
-A package (``torch._inductor.aoti_compile_and_package``) holds the step's C++ kernels, its wrapper and the frozen
-weights in one ``.pt2`` file; loading one takes about two seconds where compiling takes a minute or more. torch's
-own on-disk caches do not serve here: with frozen weights inductor's FX graph cache keys a parameter by its shape
-and dtype only, so a model with other weights of the same shapes would be handed the first model's kernels and
-constants (measured: logits off by 1.5 after scaling two weight matrices), and oneDNN-packed constants bypass it.
+A build (``torch._inductor.aoti_compile_and_package``) writes a package that holds the pass's C++ kernels, its
+wrapper and the frozen weights in one shared library; the store keeps that library alone (``.so``), taken out of
+the package once at build time, and loads it with AOTInductor's CPU runner: 0.7-0.95 s for the default model's
+programs on the Zen 4, where loading the package unpacked its 1.1 GB library again each time (2.2-3.4 s); the same
+programs' logits, bitwise. torch's own on-disk caches do not serve here: with frozen weights inductor's FX graph cache
+keys a parameter by its shape and dtype only, so a model with other weights of the same shapes would be handed the
+first model's kernels and constants (measured: logits off by 1.5 after scaling two weight matrices), and
+oneDNN-packed constants bypass it.
 
 So the key is verispec's own (``package_key``): a digest of the weights' bytes and the model's config, the dtype and
 pass width (1, or the verify program's range such as "2-12"), the step's source code, the CPU (model, instruction-set
-flags, the vector ISA torch dispatches to), the torch, transformers and Python versions, and the compile options. A
-package is read only under exactly that key, so a changed model, CPU or version builds a new one and never uses a
-stale one; building one removes the packages of the same weights and kind (the one-token step, or verify passes of
-any range) under other keys (an older verispec, torch or CPU: ``superseded``), so they do not pile up. Packages are
-written to a temporary name and renamed, so a stopped build leaves no half-written file under a real name; a file
-that does not load is removed and built again.
+flags, the vector ISA torch dispatches to), the torch, transformers and Python versions, the compile options and the
+store's format. A library is read only under exactly that key, so a changed model, CPU or version builds a new one
+and never uses a stale one; building one removes the libraries (and format-1 packages, ``.pt2``) of the same weights
+and kind (the one-token step, or verify passes of any range) under other keys (an older verispec, torch or CPU:
+``superseded``), so they do not pile up. Libraries are written to a temporary name and renamed, so a stopped build
+leaves no half-written file under a real name; a file that does not load is removed and built again.
 
-Packages live under ``$VERISPEC_CACHE/compiled`` (``verispec.backends.references.cache_dir``) with a JSON file
+Libraries live under ``$VERISPEC_CACHE/compiled`` (``verispec.backends.references.cache_dir``) with a JSON file
 beside each that records its key, build time and size (``verispec models`` lists them). The default model's
-float32 packages are about 1.1 GB each (the weights as the kernels read them, and as the model holds them).
+float32 libraries are about 1.1 GB each (the weights as the kernels read them, and as the model holds them).
 """
 
 from __future__ import annotations
 
-import atexit
 import hashlib
 import inspect
 import json
@@ -34,12 +36,14 @@ import shutil
 import tempfile
 import time
 import warnings
+import zipfile
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-FORMAT = 1  # bump when a package's meaning changes: older packages then sit under another key
+FORMAT = 2  # bump when a stored file's meaning changes: older ones then sit under another key (1: .pt2 packages)
+LEGACY_SUFFIX = ".pt2"  # format 1 stored whole packages; still listed and superseded, never loaded
 OPTIONS = {"freezing": True, "max_autotune": True}  # what inductor compiles the step with
 AUTOTUNE_ENV = "VERISPEC_COMPILE_AUTOTUNE"
 
@@ -101,7 +105,7 @@ def package_key(model: torch.nn.Module, width: int, source: str) -> dict:
 
 def package_path(key: dict) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:24]
-    return folder() / f"step-{digest}.pt2"
+    return folder() / f"step-{digest}.so"
 
 
 def compiler_missing() -> str | None:
@@ -114,45 +118,34 @@ def compiler_missing() -> str | None:
             "or set CXX)")
 
 
-def load(path: Path):
-    """The runner of the package at ``path``, or None when there is none; a package that does not load is removed
+class Library:
+    """A stored library, called as the package it came from would be (``AOTICompiledModel``): the positional
+    arguments flattened to tensors, the outputs put back into the exported program's structure."""
+
+    def __init__(self, path: Path) -> None:
+        from torch.utils import _pytree as pytree
+
+        self._pytree = pytree
+        self._runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(path), 1)
+        self._out_spec = pytree.treespec_loads(self._runner.get_call_spec()[1])
+
+    def __call__(self, *args):
+        flat = [x for x in self._pytree.tree_flatten((args, {}))[0] if isinstance(x, torch.Tensor)]
+        return self._pytree.tree_unflatten(self._runner.run(flat), self._out_spec)
+
+
+def load(path: Path) -> Library | None:
+    """The library at ``path``, ready to call, or None when there is none; a library that does not load is removed
     (it is rebuilt by the next compile)."""
     if not path.exists():
         return None
     try:
-        # the loader unpacks the package (1 GB for the default model) into a temporary folder that it removes only
-        # when the runner is freed, which a killed process never does. It unpacks into a folder named for this
-        # process instead, removed when the process exits, or by the next load once the process is gone (not at
-        # once after loading: nothing promises that the runner never reads its files again)
-        with _environment("TMPDIR", _unpack_folder()):
-            return torch._inductor.aoti_load_package(str(path))
+        return Library(path)
     except Exception as exc:  # noqa: BLE001 - a damaged or foreign file: drop it, never run it
-        log.warning("removing compiled package %s, which did not load (%s: %s)", path, type(exc).__name__,
+        log.warning("removing compiled library %s, which did not load (%s: %s)", path, type(exc).__name__,
                     str(exc).splitlines()[0] if str(exc) else "")
         remove(path)
         return None
-
-
-def _unpack_folder() -> str:
-    """A temporary folder for this process's unpacked packages (removed at exit); folders of processes that are gone
-    (killed before their exit could remove them) are removed first."""
-    for old in Path(tempfile.gettempdir()).glob("verispec-unpack-*"):
-        pid = old.name.split("-")[2]
-        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
-            shutil.rmtree(old, ignore_errors=True)
-    folder = tempfile.mkdtemp(prefix=f"verispec-unpack-{os.getpid()}-")
-    atexit.register(shutil.rmtree, folder, True)
-    return folder
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @contextmanager
@@ -170,9 +163,11 @@ def _environment(name: str, value: str):
 
 
 def save(exported, path: Path, key: dict, name: str) -> float:
-    """Compile ``exported`` (a ``torch.export.ExportedProgram``) into a package at ``path``; returns the seconds."""
+    """Compile ``exported`` (a ``torch.export.ExportedProgram``) and store its library at ``path``; returns the
+    seconds."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")
+    library = path.with_name(f"{path.stem}.{os.getpid()}.partial.so")
     from torch._inductor import select_algorithm
 
     t0 = time.perf_counter()
@@ -187,10 +182,12 @@ def save(exported, path: Path, key: dict, name: str) -> float:
             torch._inductor.aoti_compile_and_package(exported, package_path=str(partial),
                                                      inductor_configs=options())
         seconds = time.perf_counter() - t0
-        os.replace(partial, path)
+        _take_library(partial, library)
+        os.replace(library, path)
     finally:
         select_algorithm.PRINT_AUTOTUNE = quiet
         partial.unlink(missing_ok=True)
+        library.unlink(missing_ok=True)
         shutil.rmtree(work, ignore_errors=True)
     record = {"model": name, "built": time.strftime("%Y-%m-%d %H:%M:%S"), "compile_seconds": round(seconds, 1),
               "bytes": path.stat().st_size, "key": key}
@@ -201,6 +198,16 @@ def save(exported, path: Path, key: dict, name: str) -> float:
         log.info("removing the compiled pass %s, superseded by %s", old, path.name)
         remove(old)
     return seconds
+
+
+def _take_library(package: Path, to: Path) -> None:
+    """Copy the one shared library of an AOTInductor package (a zip archive) to ``to``."""
+    with zipfile.ZipFile(package) as archive:
+        libraries = [name for name in archive.namelist() if name.endswith(".so")]
+        if len(libraries) != 1:
+            raise RuntimeError(f"expected one library in the compiled package, found {len(libraries)}")
+        with archive.open(libraries[0]) as src, open(to, "wb") as dst:
+            shutil.copyfileobj(src, dst, 16 << 20)
 
 
 def superseded(path: Path, key: dict) -> list[Path]:
@@ -217,16 +224,16 @@ def remove(path: Path) -> None:
 
 
 def records() -> list[dict]:
-    """The packages on disk, newest first: their model, build date, size and path."""
+    """The libraries on disk (format-1 packages too), newest first: their model, build date, size and path."""
     out = []
     for meta in folder().glob("step-*.json"):
         try:
             record = json.loads(meta.read_text())
         except (OSError, ValueError):
             continue
-        pt2 = meta.with_suffix(".pt2")
-        if pt2.exists():
-            out.append({**record, "path": str(pt2)})
+        stored = next((p for p in (meta.with_suffix(".so"), meta.with_suffix(LEGACY_SUFFIX)) if p.exists()), None)
+        if stored is not None:
+            out.append({**record, "path": str(stored)})
     return sorted(out, key=lambda r: r.get("built", ""), reverse=True)
 
 
