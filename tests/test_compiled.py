@@ -332,6 +332,14 @@ def test_a_new_package_supersedes_only_the_same_weights_and_kind_of_pass(tmp_pat
     assert other_weights not in compile_store.superseded(new_step, {"weights": "w1", "width": 1})
 
 
+def test_the_store_format_is_part_of_the_key(monkeypatch):
+    model = make_model(seed=2)
+    key = compile_store.package_key(model, 1, "src")
+    assert key["format"] == compile_store.FORMAT
+    monkeypatch.setattr(compile_store, "FORMAT", compile_store.FORMAT + 1)
+    assert compile_store.package_path(compile_store.package_key(model, 1, "src")) != compile_store.package_path(key)
+
+
 def test_autotuning_is_on_by_default_part_of_the_key_and_a_bad_setting_is_refused(monkeypatch):
     model = make_model(seed=2)
     monkeypatch.delenv(compile_store.AUTOTUNE_ENV, raising=False)

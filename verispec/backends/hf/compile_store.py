@@ -97,7 +97,9 @@ def package_key(model: torch.nn.Module, width: int, source: str) -> dict:
     from ..measurements import machine
     from .cpu import cpu_info
 
-    return {"format": FORMAT, **machine(), "torch_capability": cpu_info().get("torch_capability"),
+    # machine() carries the measurement records' own "format": the store's comes after it (it had been overridden,
+    # so FORMAT never reached the key)
+    return {**machine(), "format": FORMAT, "torch_capability": cpu_info().get("torch_capability"),
             "transformers": transformers.__version__, "python": platform.python_version(),
             "weights": weights_digest(model), "dtype": str(next(model.parameters()).dtype), "width": width,
             "source": hashlib.sha256(source.encode()).hexdigest()[:24], "options": options()}
@@ -219,8 +221,9 @@ def superseded(path: Path, key: dict) -> list[Path]:
 
 
 def remove(path: Path) -> None:
-    path.unlink(missing_ok=True)
-    path.with_suffix(".json").unlink(missing_ok=True)
+    """Remove a stored program: its file in either format and its record."""
+    for suffix in (".so", LEGACY_SUFFIX, ".json"):
+        path.with_suffix(suffix).unlink(missing_ok=True)
 
 
 def records() -> list[dict]:
