@@ -388,3 +388,39 @@ def test_copy_prefix_checks_its_rows(tiny_target):
     ref = tiny_target.forward_batch([(a, [9])])[0].logits
     a.truncate(3)
     assert torch.allclose(tiny_target.forward_batch([(b, [4, 9])])[0].logits[-1], ref[-1], atol=1e-5)
+
+
+def test_batch_passes_beside_a_loading_program_are_not_costs_and_the_curve_follows_the_program():
+    """A pass timed while a program loads in the background shared the cores with the loader: the batch engine
+    does not observe it; once the program is in, its passes go into the curve of the passes as they run now."""
+    from verispec.controller import shared_cost_curve
+
+    target = loaded(make_model(seed=21))  # a model of its own: no curve from another test
+    now = {"loading": True}
+
+    class Loading(type(target)):
+        @property
+        def programs_loading(self):
+            return now["loading"]
+
+        @property
+        def cost_state(self):
+            return "loading" if now["loading"] else "in"
+
+    target.__class__ = Loading
+    try:
+        engine = BatchEngine(target, max_batch=2)
+        decoders = [SpeculativeDecoder(target, NgramDrafter(), k=3) for _ in range(2)]
+        seqs = [engine.submit(d, d.request(p, max_new_tokens=8)) for d, p in zip(decoders, PROMPTS)]
+        for _ in range(3):
+            engine.step()
+        before = shared_cost_curve(target)
+        assert not before.measured()
+        now["loading"] = False
+        while engine.busy:
+            engine.step()
+        after = shared_cost_curve(target)
+        assert after is not before and after.measured() and engine.costs is after and not before.measured()
+        assert all(seq.error is None for seq in seqs)
+    finally:
+        target.__class__ = Loading.__mro__[1]

@@ -311,7 +311,9 @@ class BatchEngine:
             return
         seconds = time.perf_counter() - t0
         computed = self.target.pass_width(widths)
-        self.costs.observe(computed, seconds)
+        self.costs = shared_cost_curve(self.target)  # the curve of the passes as they run now (a program came in)
+        if not (any(plan.contended for plan in plans) or getattr(self.target, "programs_loading", False)):
+            self.costs.observe(computed, seconds)  # not beside a program loading in the background
         c = self.counters
         c.passes += 1
         c.sequences += len(rows)
