@@ -492,7 +492,8 @@ def test_one_sequence_passes_run_padded_on_graphs_of_static_shapes_with_the_dyna
     dynamic = load_model(str(tiny_dir), backend="openvino", threads=1, min_width=2, static_widths=())
     assert static.static_widths == (2, 4, 6) and dynamic.static_widths == ()
     assert "static widths 2/4/6" in static.kernel and "static" not in dynamic.kernel
-    static.prepare()  # every static width compiled now (the load compiles the narrowest only)
+    static.prepare()  # every static width compiled now (the load compiles the narrowest only; the rest two at a time)
+    assert {((), 2), ((), 4), ((), 6)} <= set(static._paged_requests)
     ran = []
 
     class Counting:  # the infer request, noting which graph each pass runs (infer: dynamic; start_async: static)
