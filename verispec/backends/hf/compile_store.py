@@ -3,8 +3,8 @@ changes the compiled code.
 
 A build (``torch._inductor.aoti_compile_and_package``) writes a package that holds the pass's C++ kernels, its
 wrapper and the frozen weights in one shared library; the store keeps that library alone (``.so``), taken out of
-the package once at build time, and loads it with AOTInductor's CPU runner: 0.7-0.95 s for the default model's
-programs on the Zen 4, where loading the package unpacked its 1.1 GB library again each time (2.2-3.4 s); the same
+the package once at build time, and loads it with AOTInductor's CPU runner: 0.56-0.71 s for the default model's
+programs on the Zen 4, where loading the package unpacked its 1.1 GB library again each time (2.27-2.46 s); the same
 programs' logits, bitwise. torch's own on-disk caches do not serve here: with frozen weights inductor's FX graph cache
 keys a parameter by its shape and dtype only, so a model with other weights of the same shapes would be handed the
 first model's kernels and constants (measured: logits off by 1.5 after scaling two weight matrices), and
