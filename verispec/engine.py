@@ -433,7 +433,7 @@ class SpeculativeDecoder:
     def _step(self, state: SequenceState, k: int) -> tuple[list[int], int, int]:
         """One propose -> verify -> roll back -> observe step; returns (tokens to commit, draft depth, accepted draft
         tokens). The batch engine runs the same two halves around a pass shared by many sequences."""
-        if self.drafter is not None and self.controller.follow_source():  # a compiled program came in: its curve
+        if self.controller.follow_source() and self.drafter is not None:  # a compiled program came in: its curve
             self._calibrate(state, k)
         plan = self.plan(state, k)
         out = self.target.forward(state.cache, plan.tokens, parents=plan.draft.parents,
