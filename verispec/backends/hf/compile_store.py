@@ -152,7 +152,7 @@ def load(path: Path) -> Library | None:
 
 @contextmanager
 def _environment(name: str, value: str):
-    """``os.environ[name] = value`` for the block (C code such as AOTInductor's loader reads it), then as before."""
+    """``os.environ[name] = value`` for the block (inductor reads TORCHINDUCTOR_CACHE_DIR from it), then as before."""
     old = os.environ.get(name)
     os.environ[name] = value
     try:
