@@ -81,8 +81,11 @@ def test_rounded_formats_are_identical_to_plain_decoding_by_construction(weights
 
 def test_rollback_leaves_the_cache_of_a_fresh_prefill(ov_fp32):
     decoder = SpeculativeDecoder(ov_fp32, make_drafter("ngram"), k=8, k_policy="fixed")
-    g = decoder.generate(PROMPTS[1], max_new_tokens=40)
-    assert g.stats.drafted > g.stats.accepted  # rejections, so rollbacks
+    for prompt in PROMPTS:  # the first answer with rejections, so rollbacks
+        g = decoder.generate(prompt, max_new_tokens=40)
+        if g.stats.drafted > g.stats.accepted:
+            break
+    assert g.stats.drafted > g.stats.accepted
     cached = decoder._cached_tokens
     mine = ov_fp32.forward(decoder._cache, [504]).logits[-1]
     ref = ov_fp32.forward(ov_fp32.new_kv(), [*cached, 504], last_only=True).logits[-1]

@@ -186,8 +186,8 @@ def test_a_decoder_has_the_graphs_its_passes_run_compiled_before_its_first_reque
     assert not any(key[0] == layers for key in ov_target._paged_requests)
     decoder = SpeculativeDecoder(ov_target, EagleDrafter(ov_target, head), k=3)
     compiled = set(ov_target._paged_requests)
-    assert ov_target.static_widths[:4] == (1, 2, 4, 6)
-    assert {(layers, w) for w in (None, 1, 2, 4)} <= compiled and (layers, 6) not in compiled
+    assert ov_target.static_widths[:3] == (2, 4, 6)  # fp32 pads one-token passes to 2 (min_width)
+    assert {(layers, w) for w in (None, 2, 4)} <= compiled and (layers, 6) not in compiled
     decoder.generate([1, 5, 9, 5, 9, 5, 9, 12, 5, 9, 5, 9], max_new_tokens=24)  # a prefill past every static width
     assert set(ov_target._paged_requests) == compiled
 
@@ -356,10 +356,12 @@ def test_bf16_runs_in_bfloat16_where_the_cpu_has_it_and_is_refused_elsewhere(tin
 
 
 def test_passes_of_two_or_more_tokens_give_a_position_the_same_logits_at_every_width(ov_target, tiny_dir):
-    """min_width 2 (the default for every format but fp32): a one-token pass is padded, never run alone; on this CPU
-    the load-time probe must tell the truth about whether rows then match bitwise, and padding must not leak."""
+    """min_width 2 (the default in every format, fp32 too): a one-token pass is padded, never run alone; on this
+    CPU the load-time probe must tell the truth about whether rows then match bitwise, and padding must not leak."""
     padded = load_model(str(tiny_dir), backend="openvino", threads=1, min_width=2)
-    assert padded.min_width == 2 and ov_target.min_width == 1  # fp32's default: unpadded
+    unpadded = load_model(str(tiny_dir), backend="openvino", threads=1, min_width=1)
+    assert padded.min_width == ov_target.min_width == 2 and unpadded.min_width == 1  # fp32 pads by default
+    assert unpadded.static_widths[:2] == (1, 2) and padded.static_widths[0] == 2
     seq = _ids(30, seed=4)
     kv = padded.new_kv()
     padded.forward(kv, seq[:10], last_only=True)
@@ -648,7 +650,9 @@ def test_static_widths_auto_keeps_the_extra_graphs_only_where_they_measure_cheap
     slower = load_model(str(tiny_dir), backend="openvino", threads=1, min_width=2, static_widths="auto")
     assert slower.static_widths == (2, 4, 6) and len(timed) == 2 and slower.pass_width([7]) == 7
     assert ((), 8) not in slower._paged_requests and ((), 10) not in slower._paged_requests
-    load_model(str(tiny_dir), backend="openvino", weights="fp32", threads=1)  # auto is the default
+    load_model(str(tiny_dir), backend="openvino", weights="fp32", threads=1)  # auto and min_width 2: the defaults
+    assert len(timed) == 2  # the same configuration as the last: its choice remembered
+    load_model(str(tiny_dir), backend="openvino", weights="fp32", threads=1, min_width=1)
     assert timed[-1] == ((1, 2, 4, 6), (1, 2, 4, 6, 8, 10))  # another min_width, another measurement
     wide = load_model(str(tiny_dir), backend="openvino", threads=1, min_width=9)  # 8 would never run: 10 alone
     assert timed[-1] == ((), (10,)) and wide.static_widths in ((), (10,))

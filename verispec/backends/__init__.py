@@ -71,7 +71,7 @@ def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", d
 
     ``min_width`` (openvino): passes of fewer tokens are padded to it; 2 (no one-token passes) makes every position's
     logits bitwise the same at every pass width, so greedy speculation equals plain decoding by construction; default
-    2 for every weight format but fp32 (see ``verispec.backends.openvino.model``). ``static_widths`` (openvino): a
+    2 in every weight format (see ``verispec.backends.openvino.model``). ``static_widths`` (openvino): a
     one-sequence pass of up to that many tokens is padded to the next of them and run on a graph of static shapes
     (default, or ``"auto"``: 1, 2, 4, 6 from ``min_width`` up, and 8 and 10 where they measure cheaper on this CPU,
     ``verispec.backends.openvino.widths``; ``()`` runs every pass on the dynamic graph)."""

@@ -164,7 +164,7 @@ class OpenVINOModel(BorrowedEmbeddings):
                 self._paged_requests[(), None] = self.pool.attach(compiled.create_infer_request())
         self.attention = attention
         if min_width is None:
-            min_width = 1 if weights == "fp32" or self.pool is None else 2
+            min_width = 1 if self.pool is None else 2
         if isinstance(min_width, bool) or not isinstance(min_width, int) or not 1 <= min_width <= 64:
             raise InvalidRequest(f"min_width is a whole number of tokens from 1 to 64, got {min_width!r}")
         # OpenVINO's CPU kernels compute a one-token pass another way than wider ones (its matmuls' one-row path,
@@ -172,7 +172,8 @@ class OpenVINOModel(BorrowedEmbeddings):
         # to each other (SmolLM2-135M, Zen 4: widths 2-45, bf16, int8, int4, fp32). With min_width 2 no pass runs
         # one token (a padding token is added, past the cache's length), so a position's logits never depend on
         # the width of the pass that computed them: greedy speculation is token-identical to plain decoding by
-        # construction. fp32's one-token rows differ by ~7e-5 and no argmax was seen to flip: it pads only if asked.
+        # construction. fp32 too: its one-token rows differ by ~7e-5 (no argmax was seen to flip) and padding costs
+        # 2-3% a plain step there (Zen 4), so fp32 pads as the other formats do: identity is not left to chance.
         self.min_width = min_width if self.pool is not None else 1
         self._lock = threading.Lock()
         self.static_widths_auto = static_widths is None or static_widths == "auto"
@@ -216,8 +217,10 @@ class OpenVINOModel(BorrowedEmbeddings):
 
     def _graph_bytes(self) -> int:
         """About what one more compiled graph holds: the CPU plugin keeps each graph's own copy of the weights in its
-        layout (default model: ~1.05x the weights file in fp32, ~1.5-2.4x in int8/int4)."""
-        return 2 * (self.folder / VERISPEC_XML).with_suffix(".bin").stat().st_size
+        layout (default model, Zen 4: +540 MB a static graph in fp32, 1.0x the weights file; ~1.5-2.4x it in
+        int8/int4)."""
+        size = (self.folder / VERISPEC_XML).with_suffix(".bin").stat().st_size
+        return int(1.1 * size) if self.weights == "fp32" else 2 * size
 
     def _graphs_that_fit(self) -> int:
         """How many static graphs a quarter of the free memory holds."""
@@ -532,9 +535,9 @@ def load(ref: str, weights: str = "fp32", threads: int | None = None, kv_precisi
     """A model reference exported once to OpenVINO (see ``verispec.load_model``); ``weights="auto"`` times fp32,
     fp16 and bf16 (where the CPU has it) once and runs the fastest for speculation. ``kv_precision`` defaults to
     ``default_kv(weights)``; ``attention="masked"`` runs the stateful graph for every pass (paged attention, the
-    default, runs chains and batches; token trees run the stateful graph either way); ``min_width`` 2 pads one-token
-    passes so that greedy speculation is bitwise identical to plain decoding (default: on for every format but
-    fp32; see ``OpenVINOModel``); ``static_widths`` are the widths one-sequence passes are padded up to and run on
+    default, runs chains and batches; token trees run the stateful graph either way); ``min_width`` 2 (the default)
+    pads one-token passes so that greedy speculation is bitwise identical to plain decoding (1 runs them unpadded;
+    see ``OpenVINOModel``); ``static_widths`` are the widths one-sequence passes are padded up to and run on
     graphs of static shapes (default, or ``"auto"``: ``STATIC_WIDTHS``, and ``widths.AUTO_STATIC_EXTRA`` too where they
     measure cheaper on this CPU; ``()``: the dynamic graph runs every pass)."""
     from transformers import AutoConfig, AutoTokenizer
