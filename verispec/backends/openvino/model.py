@@ -508,7 +508,8 @@ def choose_weights(ref: str, threads: int, kv_precision: str | None, attention: 
 
     candidates = auto_candidates()
     key = {**measurements.machine(), "model": export_dir(ref, "fp32").name, "threads": threads, "kv": kv_precision,
-           "openvino": get_version(), "candidates": list(candidates), "attention": attention, "v": 2}
+           "openvino": get_version(), "candidates": list(candidates), "attention": attention,
+           "v": 3}  # 3: fp32 pads one-token passes too (its timings changed)
     known = measurements.load(AUTO_RECORD, key)
     if known is None:
         timings = {}
