@@ -282,12 +282,13 @@ def test_padded_batch_cuts_drafts_to_one_shared_length(tiny_target, accepted, sl
     are always accepted and width is nearly free. A fixed-policy row's draft is never cut. The cut is by length,
     never by token."""
     engine = BatchEngine(tiny_target, max_batch=4)
-    engine.costs = LinearCost(slope)
     decoders = [SpeculativeDecoder(tiny_target, NgramDrafter(), k=6) for _ in range(3)]
     decoders.append(SpeculativeDecoder(tiny_target, NgramDrafter(), k=6, k_policy="fixed"))
     seqs = [engine.submit(d, d.request(p, max_new_tokens=40)) for d, p in zip(decoders, PROMPTS)]
     while len(engine.running) < 4:
         engine.step()
+    # after the steps: a decoding step takes the measured curve of the passes as they run (a program may come in)
+    engine.costs = LinearCost(slope)
     for seq in engine.running:
         for _ in range(50):
             seq.decoder.controller.state.acceptance.observe(6, accepted)
