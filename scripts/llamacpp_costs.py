@@ -51,8 +51,6 @@ def main() -> None:
     for fmt in args.formats.split(","):
         try:
             model = load_model("smollm2-135m", backend=args.backend, weights=fmt)
-            if args.backend == "openvino":
-                model.prepare()  # the static graphs a decoder's passes run (compiled on first use otherwise)
         except InvalidRequest as exc:  # a format this CPU cannot run (bf16 without bf16 instructions)
             print(f"| {fmt} | not run here: {exc} |", flush=True)
             continue

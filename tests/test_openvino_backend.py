@@ -307,23 +307,30 @@ def test_weights_auto_times_fp32_and_bf16_once_and_remembers(tiny_dir, tmp_path,
     monkeypatch.setenv("VERISPEC_COST_CACHE", str(tmp_path / "measurements"))
     timings = {"fp32": {"1": 20.0, "2": 21.0, "5": 23.0, "9": 26.0, "prefill": 1.0},
                "bf16": {"1": 12.0, "2": 13.0, "5": 14.0, "9": 16.0, "prefill": 0.5}}
-    timed, prepared = [], []
-
-    class Loaded(str):  # the "model" is its format's name
-        def prepare(self):  # every static graph compiled before the timing, as decoders run them
-            prepared.append(str(self))
-
+    timed = []
     monkeypatch.setattr(ov_model, "auto_candidates", lambda: ("fp32", "bf16"))
-    monkeypatch.setattr(ov_model, "load", lambda ref, fmt, threads, kv, attention: Loaded(fmt))
-    monkeypatch.setattr(timing, "time_widths",
-                        lambda model: timed.append(str(model)) or timings[model] if str(model) in prepared else None)
+    monkeypatch.setattr(ov_model, "load", lambda ref, fmt, threads, kv, attention: fmt)  # the "model" is its format's name
+    monkeypatch.setattr(timing, "time_widths", lambda model: timed.append(model) or timings[model])
     assert ov_model.choose_weights(str(tiny_dir), 2, "f32") == ("bf16", timings)
-    assert sorted(timed) == ["bf16", "fp32"] and sorted(prepared) == ["bf16", "fp32"]
+    assert sorted(timed) == ["bf16", "fp32"]
     (record,) = (tmp_path / "measurements").glob("openvino-weights-*.json")
     assert json.loads(record.read_text())["value"]["choice"] == "bf16"
     assert ov_model.choose_weights(str(tiny_dir), 2, "f32")[0] == "bf16" and len(timed) == 2  # remembered
     ov_model.choose_weights(str(tiny_dir), 1, "f32")
     assert len(timed) == 4  # another thread count is another measurement
+
+
+def test_timed_passes_run_on_the_static_graphs_a_decoder_would_run(tiny_dir):
+    """``--weights auto`` and the cost scripts time passes with ``timing.time_passes``: it compiles the static graphs
+    covering its widths first (``prepare``), so a 5-token pass is timed on the graph of 6, as decoders run it, not
+    on the dynamic graph a freshly loaded model would fall back to."""
+    from verispec.backends.timing import time_passes
+
+    model = load_model(str(tiny_dir), backend="openvino", threads=1, min_width=2, static_widths=(2, 4, 6, 8))
+    assert ((), 6) not in model._paged_requests  # the load compiles the narrowest only
+    ms = time_passes(model, 8, (1, 5), 1)
+    assert set(ms) == {1, 5} and all(v > 0 for v in ms.values())
+    assert {((), 2), ((), 4), ((), 6)} <= set(model._paged_requests) and ((), 8) not in model._paged_requests
 
 
 def test_weights_auto_weighs_fp16_on_every_cpu_and_bf16_only_where_the_cpu_has_it():

@@ -37,7 +37,11 @@ def auto_score(ms: dict, alpha: float = AUTO_ACCEPTANCE, prompt_per_output: floa
 
 def time_passes(model, context: int, widths, repeats: int) -> dict[int, float]:
     """Median ms of one pass over each width after ``context`` cached positions (any target backend); widths are
-    interleaved within each round, the first round warms up and is dropped."""
+    interleaved within each round, the first round warms up and is dropped. A backend with graphs compiled per
+    width (``prepare``, as a decoder's constructor calls it) has them compiled first, so passes are timed as
+    decoders run them (OpenVINO: otherwise on its dynamic graph)."""
+    if hasattr(model, "prepare"):
+        model.prepare(width=max(widths))
     kv = model.new_kv()
     vocab = model.vocab_size
     model.forward(kv, [(7 * i) % vocab for i in range(context)], last_only=True)

@@ -382,21 +382,22 @@ class OpenVINOModel(BorrowedEmbeddings):
         limit = None if width is None else self._bucket(width) or width  # the widest static graph such passes run
         widths = [w for w in self.static_widths if limit is None or w <= limit]
         with self._lock:
-            wanted = [(layers, w) for layers in {(), tuple(feature_layers)}
-                      for w in ([None] if layers else []) + widths]  # the dynamic graph: prefills and longer passes
-            self._paged_requests_for([key for key in wanted if key not in self._paged_requests])
+            self._paged_requests_for([(layers, w) for layers in {(), tuple(feature_layers)}
+                                      for w in ([None] if layers else []) + widths])  # None: prefills, longer passes
 
     def _paged_request(self, layers: tuple[int, ...], width: int | None = None):
         """The paged graph's infer request for the hidden states of ``layers`` (none: the graph chains run), of
         static shapes for one sequence of ``width`` tokens or dynamic (None), each compiled on first use."""
-        if (layers, width) not in self._paged_requests:
+        if (layers, width) not in self._paged_requests:  # every pass asks: the common case is one lookup
             self._paged_requests_for([(layers, width)])
         return self._paged_requests[layers, width]
 
     def _paged_requests_for(self, keys: list[tuple[tuple[int, ...], int | None]]) -> None:
         """Compile the graphs of ``keys`` ((layers, width) as for ``_paged_request``), two at a time: the CPU
         plugin compiles a graph mostly on one core (the default model's four int4 static graphs of 4-10 tokens,
-        Zen 4: 5.6-6.1 s one after another, 4.0 with two at a time), and attach their infer requests."""
+        Zen 4: 5.6-6.1 s one after another, 4.0 with two at a time), and attach their infer requests; those compiled
+        already are left as they are."""
+        keys = [key for key in dict.fromkeys(keys) if key not in self._paged_requests]
         for layers in {layers for layers, _ in keys} - set(self._paged_graphs):
             self._paged_graphs[layers] = paged_model(self._core, self.folder / VERISPEC_XML, layers)
 
@@ -515,7 +516,6 @@ def choose_weights(ref: str, threads: int, kv_precision: str | None, attention: 
         timings = {}
         for fmt in timing.candidates_bar(candidates):
             model = load(ref, fmt, threads, kv_precision, attention)
-            model.prepare()  # every static graph, as a decoder's passes run them (else wider ones ran dynamic)
             timings[fmt] = timing.time_widths(model)
             del model
         known = {"timings_ms": timings, "choice": min(timings, key=lambda f: timing.auto_score(timings[f]))}

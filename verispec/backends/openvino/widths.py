@@ -105,7 +105,7 @@ def time_static_widths(model, base: tuple[int, ...], extended: tuple[int, ...]) 
     widths = range(max(base, default=0) + 1, extended[-1] + 1)
     context = min(AUTO_CONTEXT, (model.context_length or AUTO_CONTEXT << 1) - extended[-1])
     # the graphs the extra widths run on (the base ones are not timed), compiled two at a time
-    model._paged_requests_for([((), w) for w in extended[len(base):] if ((), w) not in model._paged_requests])
+    model._paged_requests_for([((), w) for w in extended[len(base):]])
     kv = model.new_kv()
     vocab = model.vocab_size
     times: dict[str, dict[int, list[float]]] = {name: {w: [] for w in widths} for name in ("dynamic", "static")}
