@@ -131,14 +131,15 @@ def gguf_converter() -> Path:
 GGUF_CONFIG = {"gemma3": dict(num_hidden_layers=6, layer_types=["sliding_attention"] * 5 + ["full_attention"])}
 
 
-def zoo_gguf(family: str, tokenizer, folder: Path, seed: int = 0) -> Path:
+def zoo_gguf(family: str, tokenizer, folder: Path, seed: int = 0, **config) -> Path:
     """The family's tiny model with ``tokenizer``'s vocabulary (llama.cpp's converter accepts only tokenizers it
     knows), written as an F32 GGUF by llama.cpp's own converter; returns the file. The transformers model is
-    ``folder`` (load it with ``from_pretrained`` to compare)."""
+    ``folder`` (load it with ``from_pretrained`` to compare). ``config`` overrides the zoo's sizes."""
     config_class, model_class, extra = ARCHITECTURES[family]
     ids = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                pad_token_id=tokenizer.pad_token_id)
-    config = getattr(transformers, config_class)(**{**COMMON, **extra, **GGUF_CONFIG.get(family, {}), **ids})
+    config = getattr(transformers, config_class)(**{**COMMON, **extra, **GGUF_CONFIG.get(family, {}), **ids,
+                                                   **config})
     torch.manual_seed(seed)
     getattr(transformers, model_class)(config).eval().save_pretrained(folder)
     tokenizer.save_pretrained(folder)

@@ -96,11 +96,12 @@ def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", d
         return load(ref, weights, threads, features, sequences)
     if backend == "openvino":
         if parse_dtype(dtype) != torch.float32 or mode == "on":
-            raise InvalidRequest("the openvino backend takes --weights fp32|fp16|int8|int4 (no --dtype or --compile; "
+            raise InvalidRequest("the openvino backend takes --weights as-is|fp32|bf16|fp16|int8|int4|auto (no --dtype or "
+                                 "--compile; "
                                  "its hidden states need no flag)")
         from .openvino.model import load as load_openvino
 
-        ov_weights = {"as-is": "fp32", "f32": "fp32", "f16": "fp16"}.get(weights, weights)
+        ov_weights = {"f32": "fp32", "f16": "fp16"}.get(weights, weights)
         if ov_weights not in (*_OPENVINO_WEIGHTS, "auto"):
             raise InvalidRequest(f"--weights {weights} is a llama.cpp format; the openvino backend takes "
                                  f"{', '.join(_OPENVINO_WEIGHTS)} or auto")

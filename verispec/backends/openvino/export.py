@@ -16,8 +16,10 @@ also returns ``hidden_states`` [1, fed, layers + 1, hidden], every layer's outpu
 projections of one input (q/k/v, gate/up) run as one matmul each (``fusion``). GenAI's 2-D graph stays as
 optimum-intel lays it out, for the peers.
 
-Weight formats: ``fp32`` (as traced), ``bf16`` (fp32 weights computed in bfloat16, where the CPU has it),
-``fp16`` (weights stored in half precision) and ``int8`` / ``int4`` (weight-only compression with NNCF, ``pip install nncf``).
+Weight formats: ``as-is`` (a GGUF source's own quantized blocks, held as OpenVINO compressed weights:
+``gguf_blocks``; the model's own weights, not a re-quantization), ``fp32`` (as traced), ``bf16`` (fp32 weights computed in bfloat16, where the CPU has it),
+``fp16`` (weights stored in half precision) and ``int8`` / ``int4`` (weight-only compression with NNCF, ``pip install nncf``),
+which re-quantize: on a GGUF source they are a changed model (``CHANGES_MODEL``).
 """
 
 from __future__ import annotations
@@ -35,7 +37,10 @@ from ..references import cache_dir, resolve
 log = logging.getLogger(__name__)
 
 EXPORT_VERSION = 4  # bump when the exported graph changes: cached exports are then made again
-WEIGHTS = ("fp32", "bf16", "fp16", "int8", "int4")
+WEIGHTS = ("as-is", "fp32", "bf16", "fp16", "int8", "int4")
+# formats that round the source's weights again: on an already-quantized GGUF they run another model than the file's
+# (re-quantized twice, int4 loops more often: docs/openvino.md), so every result made with one says so
+CHANGES_MODEL = ("int8", "int4")
 # where the projections of one input are fused in verispec's graph: every format but bf16, whose passes the fused
 # matmuls would make width-dependent on CPUs where the unfused ones are not (AMD Zen 4, OpenVINO 2026.4.1); so bf16
 # gets an export of its own (fp32 weights, unfused)
@@ -66,10 +71,10 @@ def import_openvino():
     return openvino
 
 
-def _source_key(folder: Path, weights: str) -> str:
-    """Identifies an export: the source folder's config and weight files (names, sizes, times), the format and
-    the exporter's version."""
-    h = hashlib.sha256(f"{EXPORT_VERSION}:{weights}:{folder.resolve()}".encode())
+def _source_key(folder: Path, weights: str, gguf: Path | None = None) -> str:
+    """Identifies an export: the source folder's config and weight files (names, sizes, times), the GGUF file whose
+    blocks it holds (as-is), the format and the exporter's version."""
+    h = hashlib.sha256(f"{EXPORT_VERSION}:{weights}:{folder.resolve()}:{gguf and gguf.resolve()}".encode())
     for f in sorted(folder.iterdir()):
         if f.is_file():
             st = f.stat()
@@ -85,10 +90,13 @@ def export_dir(ref: str, weights: str = "fp32") -> Path:
     if folder is None:
         raise InvalidRequest(f"{ref!r} is a hub id; the OpenVINO export needs a local model (a transformers folder, "
                              "a .gguf file or a built-in name)")
+    gguf = gguf_source(ref) if weights == "as-is" else None
+    if weights == "as-is" and gguf is None:
+        weights = "fp32"  # a transformers folder's own weights are its float32 ones
     name = Path(ref).stem if Path(ref).exists() else ref.replace("/", "--")
-    out = cache_dir() / "openvino" / f"{name}-{weights}-{_source_key(folder, weights)}"
+    out = cache_dir() / "openvino" / f"{name}-{weights}-{_source_key(folder, weights, gguf)}"
     if not (out / MODEL_XML).exists() or not (out / VERISPEC_XML).exists():
-        export(folder, out, weights)
+        export(folder, out, weights, gguf)
         _remove_outdated(out, folder, weights)
     return out
 
@@ -107,14 +115,33 @@ def _remove_outdated(out: Path, folder: Path, weights: str) -> None:
             shutil.rmtree(other, ignore_errors=True)
 
 
-def export(folder: Path, out: Path, weights: str = "fp32") -> Path:
-    """Export the transformers model in ``folder`` to ``out`` (written whole to a temporary folder, then moved)."""
+def gguf_source(ref: str) -> Path | None:
+    """The GGUF file a reference was converted from (a built-in name or a .gguf path), or None."""
+    from ..references import BUILTINS, builtin_gguf
+
+    if ref in BUILTINS:
+        return builtin_gguf(BUILTINS[ref])
+    path = Path(ref).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
+def export(folder: Path, out: Path, weights: str = "fp32", gguf: Path | None = None) -> Path:
+    """Export the transformers model in ``folder`` to ``out`` (written whole to a temporary folder, then moved);
+    ``as-is`` replaces the float32 weights with ``gguf``'s own blocks (``gguf_blocks``)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     ov = import_openvino()
     log.warning("exporting %s to OpenVINO (%s weights), once ...", folder, weights)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    rows = None
+    if weights == "as-is":
+        if gguf is None:
+            raise InvalidRequest("--weights as-is on OpenVINO holds a GGUF file's blocks; this source has none")
+        from .gguf_blocks import GGUFRows
+
+        rows = GGUFRows.read(gguf)
+    held = {}
     tokenizer = AutoTokenizer.from_pretrained(folder)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
@@ -122,10 +149,16 @@ def export(folder: Path, out: Path, weights: str = "fp32") -> Path:
         for xml, custom_mask in ((MODEL_XML, False), (VERISPEC_XML, True)):
             # GenAI's graph keeps the layout optimum-intel exports; verispec's own runs each group of projections
             # of one input as one matmul (verispec.backends.openvino.fusion)
-            ov_model = trace_fused(model) if custom_mask and weights not in UNFUSED else trace(model, custom_mask)
+            ov_model = trace_fused(model, rows) if custom_mask and weights not in UNFUSED else \
+                trace(model, custom_mask)
             make_stateful(ov_model, model.config.num_hidden_layers)
             if weights in ("int8", "int4"):
                 ov_model = compress(ov_model, weights, group_size(model.config))
+            if rows is not None:
+                from .gguf_blocks import compress_from_gguf
+
+                held[xml] = compress_from_gguf(ov_model, rows)
+                log.warning("%s: %s", xml, held[xml].summary())
             ov.save_model(ov_model, tmp / xml, compress_to_fp16=weights == "fp16")
             del ov_model
         _save_tokenizer(tokenizer, tmp)
@@ -136,7 +169,9 @@ def export(folder: Path, out: Path, weights: str = "fp32") -> Path:
             if (folder / extra).exists():
                 shutil.copy(folder / extra, tmp / extra)
         (tmp / "verispec_export.json").write_text(json.dumps(
-            {"source": str(folder), "weights": weights, "export_version": EXPORT_VERSION}, indent=2))
+            {"source": str(folder), "weights": weights, "export_version": EXPORT_VERSION,
+             **({"gguf": str(gguf), "gguf_blocks": {x: {"kinds": h.kinds, "float32": h.float32}
+                                                   for x, h in held.items()}} if held else {})}, indent=2))
         if out.exists():
             shutil.rmtree(out)
         tmp.rename(out)
@@ -206,13 +241,20 @@ def trace(model, custom_mask: bool = False):
     return ov_model
 
 
-def trace_fused(model):
+def trace_fused(model, rows=None):
     """verispec's graph (``trace(model, custom_mask=True)``) with the projections that share an input fused; traced
-    as it is where the model's layers call them otherwise (``fusion.FusionError``)."""
+    as it is where the model's layers call them otherwise (``fusion.FusionError``). With a GGUF file's ``rows``
+    (as-is) only groups stored in one block type are fused (Q4_K_M files keep some v projections in Q6_K)."""
     from .fusion import FusionError, fused_projections
 
+    allow = None
+    if rows is not None:
+        def allow(linears):
+            import torch
+
+            return rows.kind_of(torch.cat([lin.weight.detach() for lin in linears]).numpy()) is not None
     try:
-        with fused_projections(model) as groups:
+        with fused_projections(model, allow) as groups:
             ov_model = trace(model, custom_mask=True)
         log.info("exported with %d groups of projections fused", groups)
         return ov_model

@@ -76,13 +76,16 @@ def _groups(model: nn.Module) -> list[tuple[nn.Module, tuple[str, ...]]]:
 
 
 @contextmanager
-def fused_projections(model: nn.Module):
-    """Within the block, each group of projections of one input (``GROUPS``) runs as one linear layer; yields how
-    many groups were fused. The model's own modules are put back on the way out."""
+def fused_projections(model: nn.Module, allow=None):
+    """Within the block, each group of projections of one input (``GROUPS``) runs as one linear layer (where
+    ``allow(linears)`` says so, if given); yields how many groups were fused. The model's own modules are put back on
+    the way out."""
     replaced = []
     try:
         for module, names in _groups(model):
             originals = [getattr(module, n) for n in names]
+            if allow is not None and not allow(originals):
+                continue
             stacked = _Stacked(originals)
             replaced.append((module, names, originals))
             setattr(module, names[0], stacked)

@@ -24,7 +24,7 @@ import torch
 from ...errors import InvalidRequest
 from ...tree import tree_inputs
 from ..base import BorrowedEmbeddings, TargetPass
-from .export import VERISPEC_XML, export_dir, import_openvino, inference_precision
+from .export import VERISPEC_XML, export_dir, gguf_source, import_openvino, inference_precision
 from .paged import BlockPool, BoundInputs, PagedKV, paged_model, pass_inputs, static_shapes
 from .widths import STATIC_WIDTHS, choose_static_widths
 
@@ -531,7 +531,7 @@ def default_kv(weights: str) -> str:
     return {"fp32": "f32", "bf16": "bf16"}.get(weights, "f16")
 
 
-def load(ref: str, weights: str = "fp32", threads: int | None = None, kv_precision: str | None = None,
+def load(ref: str, weights: str = "as-is", threads: int | None = None, kv_precision: str | None = None,
          attention: str = "paged", min_width: int | None = None,
          static_widths: tuple[int, ...] | str | None = None) -> OpenVINOModel:
     """A model reference exported once to OpenVINO (see ``verispec.load_model``); ``weights="auto"`` times fp32,
@@ -552,6 +552,8 @@ def load(ref: str, weights: str = "fp32", threads: int | None = None, kv_precisi
         raise InvalidRequest(f"unknown KV precision {kv_precision!r}; choose one of {', '.join(KV_PRECISIONS)}")
     threads = threads or default_threads()
     timings = None
+    if weights == "as-is" and gguf_source(ref) is None:
+        weights = "fp32"  # a transformers folder's own weights are its float32 ones
     if weights == "auto":
         weights, timings = choose_weights(ref, threads, kv_precision, attention)
         log.info("weights auto -> %s (%s)", weights, timings)
