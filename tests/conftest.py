@@ -7,6 +7,9 @@ os.environ["VERISPEC_COST_CACHE"] = __import__("tempfile").mkdtemp(prefix="veris
 # the command line's --compile defaults to auto (a step compiled by an earlier process is used): tests run eager
 # unless they ask, so that no test's output depends on which test compiled first, and no test server compiles
 os.environ["VERISPEC_COMPILE"] = "off"
+# --backend defaults to auto (timing every installed engine once per model): tests name the engine they test, and
+# those that test the choice itself set auto
+os.environ["VERISPEC_BACKEND"] = "transformers"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -76,8 +76,33 @@ def test_markdown_has_group_columns_and_marks_lossy():
             r["lossy"] = True
     text = markdown(summarize(records, "baseline", greedy=True))
     assert "| method | qa | mt_bench | overall |" in text
-    assert "| spec | 2.00x | 2.00x | 2.00x |" in text
-    assert "spec (LOSSY)" in text
+    assert "| spec (LOSSY) | 2.00x | 2.00x | 2.00x |" in text  # in both tables
+    assert "| spec (LOSSY) | 2 | 20 |" in text
+
+
+def test_markdown_marks_a_changed_model_and_counts_looping_answers_beside_its_speed():
+    records = synthetic()
+    for r in records:
+        if r["method"] == "spec":
+            r["changed_model"] = "OpenVINO int4 re-quantizes the weights (NNCF)"
+            r["token_ids"] = [5, 6, 7, 8, 9, 10, 11] * 10  # ends in a loop
+    summary = summarize(records, "baseline", greedy=True)
+    assert summary["overall"]["spec"]["looping"] == 3 and summary["overall"]["baseline"]["looping"] == 0
+    summary["quality"] = {"spec": {"perplexity": 40.4, "top1_agreement": 0.6284, "tokens": 100},
+                          "baseline": {"perplexity": 31.9, "top1_agreement": 1.0, "tokens": 100}}
+    text = markdown(summary)
+    assert "| spec (CHANGED MODEL) | 2.00x |" in text
+    assert "| 3/3 | 40.400 | 62.84% |" in text and "| 0/3 | 31.900 | 100.00% |" in text
+    assert "- spec: OpenVINO int4 re-quantizes the weights (NNCF)" in text
+
+
+def test_a_loop_is_an_answer_whose_tail_repeats_itself():
+    from verispec.quality import loops
+
+    assert loops([1, 2, 3, 4, 5, 6, 7, 8] * 10)
+    assert not loops(list(range(100)))
+    assert not loops([1, 2, 3] * 10)  # shorter than the window: not judged
+    assert not loops(list(range(40)) + [1, 2, 3, 4, 5, 6, 7] * 4)  # a repeat that has not taken over
 
 
 def test_position_acceptance_pools_records():

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -19,6 +20,8 @@ from .base import BACKENDS, DTYPES, KVCache, KVGroup, TargetModel, TargetPass, p
 from .llamacpp import WEIGHT_CHOICES as _LLAMACPP_WEIGHTS
 from .openvino.export import WEIGHTS as _OPENVINO_WEIGHTS
 from .references import BUILTINS, DEFAULT_MODEL, cache_dir
+
+log = logging.getLogger(__name__)
 
 COMPILE_MODES = ("auto", "on", "off")  # --compile: a stored compiled step if any / compile now / eager
 
@@ -50,6 +53,9 @@ def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", d
                static_widths: tuple[int, ...] | str | None = None) -> TargetModel:
     """Load a model reference (built-in name, local directory, .gguf file or hub id) on a backend.
 
+    ``backend="auto"``: the fastest installed engine here that runs the model's own weights, timed once per model
+    and CPU (``verispec.backends.choice``).
+
     ``backend="transformers"`` (default) returns a ``LoadedModel``. ``pack`` prepacks its linear layers' weights for
     oneDNN (see ``verispec.backends.hf.packing``) where this CPU runs the packed kernel for ``dtype`` (probed first;
     elsewhere the plain op stays): faster decoding, and float32 rows that do not depend on the pass width. By default
@@ -75,8 +81,14 @@ def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", d
     one-sequence pass of up to that many tokens is padded to the next of them and run on a graph of static shapes
     (default, or ``"auto"``: 1, 2, 4, 6 from ``min_width`` up, and 8 and 10 where they measure cheaper on this CPU,
     ``verispec.backends.openvino.widths``; ``()`` runs every pass on the dynamic graph)."""
+    if backend == "auto":
+        from .choice import choose
+
+        picked = choose(ref, dtype, weights, compiled, threads)
+        log.info(picked.summary())
+        backend = picked.backend
     if backend not in BACKENDS:
-        raise InvalidRequest(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        raise InvalidRequest(f"unknown backend {backend!r}; choose one of auto, {', '.join(BACKENDS)}")
     if min_width is not None and backend != "openvino":
         raise InvalidRequest("min_width applies to the openvino backend (its passes of one token are padded to two)")
     if static_widths is not None and backend != "openvino":

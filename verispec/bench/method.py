@@ -32,3 +32,5 @@ class Method:
     k: int | None = None
     kernel: str = ""  # what ran the target's layers, when known (backend, weights, kernel)
     close: Callable[[], None] | None = None  # releases what the method holds (a server process), when anything
+    target: object | None = None  # the TargetModel a verispec method runs (its quality is measured on it)
+    changed_model: str = ""  # why the weights it runs are not the model's own (a re-quantization), else ""

@@ -179,7 +179,8 @@ def build_method(spec: str, target, load: Callable | None, default_k: int = 8, d
     # no prefix reuse: transformers' generate starts every prompt from an empty cache, so must we
     decoder = SpeculativeDecoder(target, drafter, k=k, reuse_prefix=False, k_policy=policy)
     return Method(spec, _verispec_runner(decoder), "verispec", decoder.drafter_name,
-                  k if drafter is not None else None, _kernel(target))
+                  k if drafter is not None else None, _kernel(target), target=target,
+                  changed_model=changed_model(target))
 
 
 def _arctic_method(spec: str, kind: str, opts: dict[str, str], target, default_k: int, default_policy: str) -> Method:
@@ -243,6 +244,19 @@ def _hf_method(spec: str, head: str, refs: list[str], opts: dict, target, load: 
     model = target if pack or not target.packed_layers or load is None else load(target.name, pack=False,
                                                                                   compiled=False)
     return Method(spec, _hf_runner(model, extra), "transformers", kind, k, _kernel(model))
+
+
+def changed_model(target) -> str:
+    """Why ``target`` runs other weights than the model's own ("" when it runs them): a format that quantizes them
+    again (OpenVINO int8/int4 through NNCF, llama.cpp's q8_0/q4_0/q4_1 conversions)."""
+    from ..backends.openvino.export import CHANGES_MODEL
+
+    weights = getattr(target, "weights", "as-is")
+    if target.backend == "openvino" and weights in CHANGES_MODEL:
+        return f"OpenVINO {weights} re-quantizes the weights (NNCF)"
+    if target.backend == "llamacpp" and str(weights).startswith("q"):
+        return f"llama.cpp {weights} re-quantizes the weights"
+    return ""
 
 
 def _kernel(target) -> str:

@@ -34,6 +34,7 @@ def record(method: Method, question: Question, turn: int, prompt_ids: list[int],
         "drafted_per_position": run.drafted_per_position, "accepted_per_position": run.accepted_per_position,
         "draft_seconds": run.draft_seconds,
         "token_latencies": latencies, "finish_reason": run.finish_reason, "lossy": run.lossy,
+        "changed_model": method.changed_model,
         "token_ids": run.token_ids,
     }
 

@@ -16,6 +16,7 @@ from collections import defaultdict
 from typing import Sequence
 
 from ..analysis import percentile
+from ..quality import loops
 
 
 def _mean(xs: Sequence[float]) -> float | None:
@@ -67,6 +68,8 @@ def method_summary(records: Sequence[dict], reference: Sequence[dict] | None, gr
         "latency_p99_ms": None if not latencies else 1000 * percentile(latencies, 99),
         "identical": None,
         "lossy": any(r["lossy"] for r in records),
+        "changed_model": next((r.get("changed_model") for r in records if r.get("changed_model")), ""),
+        "looping": sum(loops(r["token_ids"]) for r in records),
         "position_acceptance": position_acceptance(records) if reports_drafts else None,
     }
     if reference is not None:
@@ -107,8 +110,14 @@ def _fmt(x, spec: str = ".2f", suffix: str = "") -> str:
     return "n/a" if x is None else f"{x:{spec}}{suffix}"
 
 
+def label(method: str, s: dict) -> str:
+    """A method's name as tables show it: lossy acceptance and changed weights said beside it."""
+    return method + (" (LOSSY)" if s["lossy"] else "") + (" (CHANGED MODEL)" if s.get("changed_model") else "")
+
+
 def markdown(summary: dict) -> str:
-    """Two tables: speedup per group (Spec-Bench's layout) and the overall detail per method."""
+    """Two tables: speedup per group (Spec-Bench's layout) and the overall detail per method, with each method's
+    quality (perplexity and top-1 agreement with the model's own weights, where measured) and its looping answers."""
     groups = list(summary["groups"])
     methods = list(summary["overall"])
     ref = summary["reference"]
@@ -117,19 +126,32 @@ def markdown(summary: dict) -> str:
              "|---" * (len(groups) + 2) + "|"]
     for m in methods:
         cells = [_fmt(summary["groups"][g].get(m, {}).get("speedup"), ".2f", "x") for g in groups]
-        lines.append(f"| {m} | " + " | ".join(cells) + f" | {_fmt(summary['overall'][m]['speedup'], '.2f', 'x')} |")
+        lines.append(f"| {label(m, summary['overall'][m])} | " + " | ".join(cells) + f" | {_fmt(summary['overall'][m]['speedup'], '.2f', 'x')} |")
     lines += ["", "Overall detail", "",
               "| method | questions | tokens | tok/s | speedup | #MAT | acceptance | latency P50 | latency P99 | "
-              "identical to reference |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "identical to reference | looping answers | perplexity | top-1 vs own weights |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    quality = summary.get("quality", {})
     for m in methods:
         s = summary["overall"][m]
         identical = "n/a (sampling)" if not summary["greedy"] else _fmt(
             None if s["identical"] is None else 100 * s["identical"], ".0f", "%")
-        name = f"{m} (LOSSY)" if s["lossy"] else m
+        q = quality.get(m) or {}
+        agree = q.get("top1_agreement")
         lines.append(
-            f"| {name} | {s['questions']} | {s['new_tokens']} | {_fmt(s['tokens_per_second'], '.1f')} | "
+            f"| {label(m, s)} | {s['questions']} | {s['new_tokens']} | {_fmt(s['tokens_per_second'], '.1f')} | "
             f"{_fmt(s['speedup'], '.2f', 'x')} | {_fmt(s['mean_accepted_tokens'])} | "
             f"{_fmt(None if s['acceptance_rate'] is None else 100 * s['acceptance_rate'], '.1f', '%')} | "
-            f"{_fmt(s['latency_p50_ms'], '.1f', ' ms')} | {_fmt(s['latency_p99_ms'], '.1f', ' ms')} | {identical} |")
+            f"{_fmt(s['latency_p50_ms'], '.1f', ' ms')} | {_fmt(s['latency_p99_ms'], '.1f', ' ms')} | {identical} | "
+            f"{s['looping']}/{s['records']} | {_fmt(q.get('perplexity'), '.3f')} | "
+            f"{_fmt(None if agree is None else 100 * agree, '.2f', '%')} |")
+    changed = [f"- {m}: {summary['overall'][m]['changed_model']}" for m in methods
+               if summary["overall"][m].get("changed_model")]
+    if changed:
+        lines += ["", "CHANGED MODEL: these run other weights than the model's own, so their speed is not a like-for-like "
+                  "comparison:", *changed]
+    if quality:
+        lines += ["", "Perplexity: teacher-forced on held-out Spec-Bench first turns (verispec.quality); top-1 vs own "
+                  "weights: share of positions whose argmax equals the model's own weights' in float32. Looping "
+                  "answers end in a repetition loop (verispec.quality.loops)."]
     return "\n".join(lines) + "\n"

@@ -292,6 +292,19 @@ def print_measurements() -> None:
         print(f"  {r['kind']:18} {what} · saved {saved} · {Path(r['path']).name}")
 
 
+def resolve_auto_backend(args) -> None:
+    """``--backend auto`` made concrete before a command runs (every check after it sees the engine that runs), and
+    the choice said on stderr."""
+    if getattr(args, "backend", None) != "auto":
+        return
+    from ..backends.choice import choose
+
+    picked = choose(getattr(args, "target", None) or DEFAULT_MODEL, getattr(args, "dtype", "float32"),
+                    getattr(args, "weights", "as-is"), getattr(args, "compile", "off"), getattr(args, "threads", None))
+    args.backend = picked.backend
+    print(f"verispec: {picked.summary()}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -305,6 +318,7 @@ def main(argv: list[str] | None = None) -> int:
 
         os.environ[ENV] = "0"  # this process and what it starts (Ray replicas get VERISPEC_* variables)
     try:
+        resolve_auto_backend(args)
         return args.func(args)
     except VerispecError as exc:
         print(f"verispec: error: {exc}", file=sys.stderr)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..errors import InvalidRequest
 from ..backends.base import BACKENDS
+from ..backends.choice import ENV as BACKEND_ENV, default_backend
 from .options import WEIGHT_CHOICES, add_compile_option, add_cost_cache_option
 from ..backends import BUILTINS, DEFAULT_MODEL, DTYPES
 
@@ -42,11 +43,13 @@ def _target_options(p: argparse.ArgumentParser) -> None:
                    help="transformers backend: weights and activations (default: float32)")
     g.add_argument("--threads", type=int,
                    help="CPU threads: torch's (default: torch's choice) and llama.cpp's (default: the usable cores)")
-    g.add_argument("--backend", default="transformers", choices=BACKENDS,
-                   help="backend of verispec methods without backend= (default: transformers)")
+    g.add_argument("--backend", default=default_backend(), choices=("auto", *BACKENDS),
+                   help="backend of verispec methods without backend= (default: auto, the fastest installed engine "
+                        "on this CPU that runs the model's own weights, timed once and stored; "
+                        f"${BACKEND_ENV} sets the default)")
     g.add_argument("--weights", default="as-is", choices=WEIGHT_CHOICES,
-                   help="llamacpp / openvino backends: weight format for methods without weights= (default: as-is; "
-                        "fp32 on openvino)")
+                   help="llamacpp / openvino backends: weight format for methods without weights= (default: as-is, "
+                        "the model's own weights: a GGUF's blocks; int8/int4 on openvino re-quantize, a changed model)")
     add_compile_option(g)
     add_cost_cache_option(g)
 
@@ -100,6 +103,10 @@ def add_parsers(sub) -> None:
                         "listed, else the first method); e.g. llamacpp, what a CPU user runs without verispec")
     g.add_argument("--out", metavar="DIR", help="results folder (default: bench-results/<UTC time>)")
     g.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    g.add_argument("--no-quality", action="store_true",
+                   help="skip measuring each verispec method's weights: teacher-forced perplexity on held-out text and "
+                        "top-1 agreement with the model's own weights (a few seconds a format; reported beside every "
+                        "speed by default, since a re-quantized model is another model)")
     b.set_defaults(func=cmd_bench)
 
 
@@ -171,14 +178,33 @@ def cmd_bench(args) -> int:
         for s in specs:
             methods.append(build_method(s, target, load, default_k=args.k, default_policy=args.k_policy,
                                         threads=args.threads, llama_server=args.llama_server))
-        return _run_bench(args, specs, methods, questions, target, reference)
+        return _run_bench(args, specs, methods, questions, target, reference, load)
     finally:
         for m in methods:
             if m.close is not None:
                 m.close()
 
 
-def _run_bench(args, specs, methods, questions, target, reference: str) -> int:
+def method_quality(methods, target, load) -> dict:
+    """{method: Quality as a dict} for every verispec method: each distinct target it runs measured once on held-out
+    text, its top-1 agreement taken against the model's own weights in float32 on transformers (for a GGUF source,
+    the file's values exactly)."""
+    from ..quality import held_out_texts, measure, pieces
+
+    own = load(target.name, backend="transformers", dtype="float32", compiled="off")
+    texts = pieces(own.tokenizer, held_out_texts())
+    _, reference = measure(own, texts)
+    measured, out = {}, {}
+    for m in methods:
+        if m.target is None:
+            continue
+        if id(m.target) not in measured:
+            measured[id(m.target)] = measure(m.target, texts, reference)[0].to_dict()
+        out[m.name] = measured[id(m.target)]
+    return out
+
+
+def _run_bench(args, specs, methods, questions, target, reference: str, load) -> int:
     from tqdm import tqdm
 
     from ..bench import markdown, run_benchmark, summarize
@@ -205,6 +231,8 @@ def _run_bench(args, specs, methods, questions, target, reference: str) -> int:
             bar.set_postfix_str(f"{rec['method']} q{rec['question_id']}")
             bar.update(1)
     summary = summarize(records, reference, greedy=args.temperature == 0)
+    if not args.no_quality:
+        summary["quality"] = method_quality(methods, target, load)
     table = markdown(summary)
     files = {"records": str(out / "records.jsonl"), "table": str(out / "summary.md"),
              "summary": str(out / "summary.json")}

@@ -7,6 +7,7 @@ import argparse
 
 from ..backends import BUILTINS, COMPILE_ENV, COMPILE_MODES, DEFAULT_MODEL, DTYPES, default_compile_mode
 from ..backends.base import BACKENDS
+from ..backends.choice import ENV as BACKEND_ENV, default_backend
 from ..backends import WEIGHT_CHOICES
 from ..drafters import drafter_names, drafter_specs, get_spec, make_drafter, options_from
 from ..drafters.registry import NONE, needs_layer_callback
@@ -56,16 +57,21 @@ def sampling_options(p: argparse.ArgumentParser, temperature: float) -> None:
 
 
 def add_backend_options(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--backend", default="transformers", choices=BACKENDS,
-                   help="what runs the target: transformers (default; PyTorch, every drafter, token trees), "
+    g.add_argument("--backend", default=default_backend(), choices=("auto", *BACKENDS),
+                   help="what runs the target: auto (default: the fastest installed engine on this CPU that runs the "
+                        "model's own weights, timed once per model and CPU and stored; the choice is printed; "
+                        f"${BACKEND_ENV} sets the default), "
+                        "transformers (PyTorch, every drafter, token trees), "
                         "llamacpp (llama.cpp on the GGUF file, as CPU users run it; every drafter, chains only; "
                         "needs pip install \"verispec[llamacpp]\") or openvino (OpenVINO on the model exported once; "
                         "every drafter, trees included; needs pip install \"verispec[openvino]\")")
     g.add_argument("--weights", default="as-is", choices=WEIGHT_CHOICES,
                    help="llamacpp backend: the GGUF's weight format; as-is (default) runs the file as shipped, f32/f16/"
                         "q8_0/... convert it once (cached), auto times the candidates on this CPU once and picks the "
-                        "fastest for speculation; openvino backend: fp32 (as-is), bf16 (fp32 weights computed in bfloat16, "
-                        "where the CPU has it), fp16, int8 or int4 (NNCF), auto (the fastest of fp32, fp16 and bf16 here)")
+                        "fastest for speculation; openvino backend: as-is (default; a GGUF's own quantized blocks, "
+                        "a transformers folder's float32 weights), fp32, bf16 (fp32 weights computed in bfloat16, "
+                        "where the CPU has it), fp16, int8 or int4 (NNCF: these two re-quantize, a changed model), auto (the fastest of fp32, fp16 and "
+                        "bf16 here)")
     g.add_argument("--threads", type=int, default=None,
                    help="llamacpp backend: CPU threads (default: the cores this process may use)")
     g.add_argument("--static-widths", default=None, metavar="W,W,...|none|auto",

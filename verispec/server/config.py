@@ -9,12 +9,14 @@ registry, so a new drafter is served without a change here.
 
 from __future__ import annotations
 
+import logging
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Mapping
 
 from ..backends import COMPILE_MODES, DEFAULT_MODEL, DTYPES, default_compile_mode
 from ..backends.base import BACKENDS, TargetModel
+from ..backends.choice import default_backend
 from ..backends import WEIGHT_CHOICES
 from ..batching import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
 from ..controller import COST, K_POLICIES
@@ -22,6 +24,8 @@ from ..drafters import Drafter, drafter_names, drafter_specs, get_spec, options_
 from ..drafters.registry import NONE, all_options, needs_layer_callback, parse_value
 from ..errors import InvalidRequest, ModelNotFound
 from ..verify import ACCEPTANCE_MODES, STRICT
+
+log = logging.getLogger(__name__)
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -45,7 +49,7 @@ class ServeOptions:
     k_policy: str = _option(COST, str, K_POLICIES)
     dtype: str = _option("float32", str, tuple(DTYPES))
     acceptance: str = _option(STRICT, str, ACCEPTANCE_MODES)
-    backend: str = _option("transformers", str, BACKENDS)
+    backend: str = field(default_factory=default_backend, metadata={"type": str, "choices": ("auto", *BACKENDS)})
     weights: str = _option("as-is", str, WEIGHT_CHOICES)
     threads: int | None = _option(None, int)
     static_widths: str | None = _option(None, str)  # openvino: "2,4,6,8,10", "none" or "auto" (backends.openvino.widths)
@@ -201,6 +205,12 @@ def build_server_config(options: ServeOptions) -> ServerConfig:
     from ..backends import load_model
     from ..backends.openvino.widths import static_widths_option
 
+    if options.backend == "auto":  # resolved here when the options come from the environment, not the CLI
+        from ..backends.choice import choose
+
+        picked = choose(options.target, options.dtype, options.weights, options.compile, options.threads)
+        log.warning(picked.summary())
+        options = replace(options, backend=picked.backend)
     # llama.cpp: a KV sequence per batch row (unbatched, each slot's decoders keep theirs for prompt reuse)
     # the compiled step runs one-token passes of unbatched sequences only: a batched server never loads it
     load = dict(dtype=options.dtype, backend=options.backend, weights=options.weights, threads=options.threads,

@@ -8,13 +8,13 @@ integers and factors:
 
     type   integers        group  weight                   as OpenVINO holds it                     values
     Q4_0   4-bit           32     d * (q - 8)              u4, zero point 8, f16 scale d             exact
-    Q8_0   8-bit signed    32     d * q                    i8, f16 scale d                           exact
+    Q8_0   8-bit signed    32     d * q                    u8 (q + 128), zero point 128, f16 scale   exact
     Q5_0   5-bit           32     d * (q - 16)             u8, zero point 16, f16 scale d            exact
     Q4_1   4-bit           32     d * q + m                u4, f32 zero point -m/d, f16 scale d      within ~1 ulp
     Q5_1   5-bit           32     d * q + m                u8, f32 zero point -m/d, f16 scale d      within ~1 ulp
     Q4_K   4-bit           32     d*sc * q - dmin*mn       u4, f32 zero point, f32 scale d*sc        within ~1 ulp
     Q5_K   5-bit           32     d*sc * q - dmin*mn       u8, f32 zero point, f32 scale d*sc        within ~1 ulp
-    Q6_K   6-bit signed    16     d*sc * (q - 32)          i8 (q - 32), f32 scale d*sc               exact
+    Q6_K   6-bit           16     d*sc * (q - 32)          u8, zero point 32, f32 scale d*sc         exact
     F16    half            -      the value                f16 constant, converted                  exact
 
 ("within ~1 ulp": OpenVINO's chain subtracts a zero point and then scales, where llama.cpp scales and adds a minimum;
@@ -43,9 +43,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Blocks:
-    """A matrix's rows as OpenVINO compressed weights: ``q`` [rows, groups, group] (integers as stored; uint8 for the
-    unsigned types, int8 for the signed ones), ``scale`` [rows, groups] and ``zero`` [rows, groups] (None: symmetric)
-    or a scalar zero point, ``bits`` 4 or 8."""
+    """A matrix's rows as OpenVINO compressed weights: ``q`` [rows, groups, group] (unsigned integers, uint8),
+    ``scale`` [rows, groups] and ``zero`` [rows, groups] or a scalar zero point, ``bits`` 4 or 8."""
 
     kind: str  # the GGUF type's name
     q: np.ndarray
@@ -113,7 +112,10 @@ def _q5_1(b):
 
 
 def _q8_0(b):
-    return Blocks("Q8_0", b[..., 2:34].copy().view(np.int8), _f16(b[..., 0:2]), None, 8)
+    # held unsigned with zero point 128: OpenVINO's CPU kernels ran signed groups slower than unsigned ones on wide
+    # matrices (docs/openvino.md, "A GGUF's own blocks")
+    return Blocks("Q8_0", (b[..., 2:34].copy().view(np.int8).astype(np.int16) + 128).astype(np.uint8),
+                  _f16(b[..., 0:2]), 128.0, 8)
 
 
 def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -156,9 +158,8 @@ def _q6_k(b):
     d = _f16(b[..., 208:210])
     parts = [(ql[..., 0:32] & 0x0F) | (((qh >> 0) & 3) << 4), (ql[..., 32:64] & 0x0F) | (((qh >> 2) & 3) << 4),
              (ql[..., 0:32] >> 4) | (((qh >> 4) & 3) << 4), (ql[..., 32:64] >> 4) | (((qh >> 6) & 3) << 4)]
-    q = np.stack(parts, axis=-2).astype(np.int16) - 32  # [..., 2 halves, 4 parts, 32]
-    q = q.reshape(*b.shape[:-1], 16, 16).astype(np.int8)
-    return Blocks("Q6_K", q, d[..., None] * sc, None, 8)
+    q = np.stack(parts, axis=-2).reshape(*b.shape[:-1], 16, 16)  # [..., 2 halves, 4 parts, 32] as 16 groups
+    return Blocks("Q6_K", q.astype(np.uint8), d[..., None] * sc, 32.0, 8)
 
 
 DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1, "Q8_0": _q8_0,
@@ -268,8 +269,7 @@ def _chain(ov, blocks: "Blocks | np.ndarray", shape):
 
     if isinstance(blocks, np.ndarray):  # F16: half-precision values, converted once when the graph compiles
         return ops.convert(ops.constant(np.ascontiguousarray(blocks), dtype=ov.Type.f16), ov.Type.f32)
-    signed = blocks.q.dtype == np.int8
-    kind = ov.Type.i8 if signed else (ov.Type.u4 if blocks.bits == 4 else ov.Type.u8)
+    kind = ov.Type.u4 if blocks.bits == 4 else ov.Type.u8
     weight = ops.convert(ops.constant(np.ascontiguousarray(blocks.q), dtype=kind), ov.Type.f32)
     if isinstance(blocks.zero, np.ndarray):
         weight = ops.subtract(weight, ops.constant(blocks.zero[..., None].astype(np.float32), dtype=ov.Type.f32))

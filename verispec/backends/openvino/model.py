@@ -502,12 +502,15 @@ def auto_candidates() -> tuple[str, ...]:
 def choose_weights(ref: str, threads: int, kv_precision: str | None, attention: str = "paged"
                    ) -> tuple[str, dict | None]:
     """``--weights auto`` on OpenVINO: the candidate whose measured pass costs promise the most tokens/s for
-    speculation here (``timing.auto_score``), stored per model, CPU, threads and versions; timed where none is."""
+    speculation here (``timing.auto_score``), stored per model, CPU, threads and versions; timed where none is. On a
+    GGUF source its own blocks (as-is) are a candidate too."""
     from openvino import get_version
 
     from .. import measurements, timing
 
     candidates = auto_candidates()
+    if gguf_source(ref) is not None:  # the file's own blocks: the model itself, usually the fewest bytes a pass
+        candidates = ("as-is", *candidates)
     key = {**measurements.machine(), "model": export_dir(ref, "fp32").name, "threads": threads, "kv": kv_precision,
            "openvino": get_version(), "candidates": list(candidates), "attention": attention,
            "v": 3}  # 3: fp32 pads one-token passes too, and passes are timed on the static graphs decoders run
