@@ -106,3 +106,48 @@ def test_generate_cli_on_openvino_with_the_eagle_head(capsys, ov_fp32):
     out = json.loads(capsys.readouterr().out)
     plain = SpeculativeDecoder(ov_fp32).generate(PROMPTS[0], max_new_tokens=24)
     assert out["token_ids"] == plain.token_ids and out["stats"]["drafter"] == "eagle"
+
+
+@pytest.fixture(scope="module")
+def ov_as_is():
+    require_openvino()
+    return load_model("smollm2-135m", backend="openvino")  # as-is: the built-in GGUF's own Q4_1 blocks
+
+
+def test_as_is_holds_the_files_blocks_and_is_its_model(ov_as_is, default_model, llama_q41):
+    """The Q4_1 file's own blocks on OpenVINO: every matrix held in the file's type, its perplexity within 1% of
+    llama.cpp's on the same file (and of the file's values in float32), its top-1 tokens those of the file's values."""
+    from verispec.quality import held_out_texts, measure, pieces
+
+    record = json.loads((ov_as_is.folder / "verispec_export.json").read_text())
+    held = record["gguf_blocks"]["verispec_model.xml"]
+    assert held["float32"] == [] and held["kinds"]["Q4_1"] == 30 * 4  # q/k/v, o, gate/up, down in each layer
+    assert ov_as_is.weights == "as-is" and "as-is weights" in ov_as_is.kernel
+    texts = pieces(default_model.tokenizer, held_out_texts())
+    own, reference = measure(default_model, texts)
+    mine = measure(ov_as_is, texts, reference)[0]
+    theirs = measure(llama_q41, texts, reference)[0]
+    assert abs(mine.perplexity / theirs.perplexity - 1) < 0.01
+    assert abs(mine.perplexity / own.perplexity - 1) < 0.002
+    assert mine.top1_agreement >= 0.99
+
+
+@pytest.mark.parametrize("drafter, options", [("ngram", {}), ("suffix", {}), ("eagle", {}), ("medusa", {}),
+                                              ("lookahead", {})])
+def test_speculation_on_the_files_blocks_is_identical_to_plain_decoding(ov_as_is, drafter, options):
+    _assert_identical(ov_as_is, make_drafter(drafter, target=ov_as_is, **options), max_new_tokens=48)
+
+
+def test_the_readme_command_runs_on_the_engine_auto_chooses_and_says_which(tmp_path, monkeypatch, capsys):
+    """README command 1 (no --backend): auto times the installed engines once, says what it chose, and runs it."""
+    monkeypatch.setenv("VERISPEC_BACKEND", "auto")
+    monkeypatch.setenv("VERISPEC_COST_CACHE", str(tmp_path / "measurements"))
+    assert main(["generate", "Rewrite in the passive voice: The committee approved the new budget.",
+                 "--max-new-tokens", "16", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "--backend auto chose" in captured.err
+    (record,) = (tmp_path / "measurements").glob("backend-auto-*.json")
+    value = json.loads(record.read_text())["value"]
+    assert set(value["timings_ms"]) == {"openvino", "llamacpp", "transformers"}  # CI installs every engine
+    assert f"--backend auto chose {value['choice']}" in captured.err
+    assert json.loads(captured.out)["token_ids"]
