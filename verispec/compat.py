@@ -1,8 +1,13 @@
-"""Can a draft model's tokens be verified by the target? Same token->id map, same special tokens."""
+"""Can a draft model's tokens be verified by the target? Same token->id map, same special tokens. A different chat
+template is no obstacle: the draft reads the target's token ids, never formats a prompt itself."""
 
 from __future__ import annotations
 
+import logging
+
 from .errors import IncompatibleDrafter
+
+log = logging.getLogger(__name__)
 
 
 def different_vocabulary(target_tokenizer, draft_tokenizer) -> str | None:
@@ -19,7 +24,7 @@ def different_vocabulary(target_tokenizer, draft_tokenizer) -> str | None:
 
 def check_compatible(target_tokenizer, draft_tokenizer, *, check_chat_template: bool = True) -> None:
     """Raise IncompatibleDrafter naming the first difference: the token->id map over the shared id range
-    (``different_vocabulary``), the special tokens, the chat template."""
+    (``different_vocabulary``), the special tokens; a different chat template is logged (``check_chat_template``)."""
     difference = different_vocabulary(target_tokenizer, draft_tokenizer)
     if difference is not None:
         raise IncompatibleDrafter(
@@ -34,7 +39,7 @@ def check_compatible(target_tokenizer, draft_tokenizer, *, check_chat_template: 
         t = getattr(target_tokenizer, "chat_template", None)
         d = getattr(draft_tokenizer, "chat_template", None)
         if t and d and t != d:
-            raise IncompatibleDrafter(
-                "draft and target have different chat templates, so the draft would see a differently "
-                "formatted prompt; pass check_chat_template=False if that is intended"
-            )
+            # a note, not a refusal: the draft reads the target's token ids (the prompt as the target's template
+            # formats it), never its own template, so drafts stay verifiable; only acceptance may differ
+            log.info("draft and target have different chat templates; the draft reads the prompt as the target's "
+                     "template formats it")

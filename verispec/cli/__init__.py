@@ -218,7 +218,7 @@ def cmd_models(args) -> int:
 
     for name, spec in BUILTINS.items():
         cached = (cache_dir() / "models" / name / "config.json").exists()
-        print(f"{name:16} {spec.description} [{'cached' if cached else 'fetched on first use'}]"
+        print(f"{name:19} {spec.description} [{'cached' if cached else 'fetched on first use'}]"
               + (f"; terms: {spec.terms}" if spec.terms else ""))
     print(f"cache: {cache_dir()} (set VERISPEC_CACHE to move it)")
     cpu = cpu_info()

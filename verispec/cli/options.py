@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..backends.references import default_draft
 from ..backends import BUILTINS, COMPILE_ENV, COMPILE_MODES, DEFAULT_MODEL, DTYPES, default_compile_mode
 from ..backends.base import BACKENDS
 from ..backends.choice import ENV as BACKEND_ENV, default_backend
@@ -24,7 +25,9 @@ def model_options(p: argparse.ArgumentParser, drafter_default: str = "ngram") ->
                    help=f"who proposes tokens: none = plain decoding (the off switch); {summaries} "
                         f"(default: {drafter_default})")
     g.add_argument("--draft-model", metavar="REF",
-                   help="draft model for drafters that need one (--drafter model: same tokenizer as the target)")
+                   help="draft model for drafters that need one (--drafter model: same tokenizer as the target, or "
+                        "another one drafted through text; default for a built-in target that names one: "
+                        "qwen2.5-coder-1.5b drafts with qwen2.5-coder-0.5b)")
     g.add_argument("--k", type=int, default=8, help="most draft tokens verified per step (default: 8)")
     g.add_argument("--k-policy", default="cost", choices=["cost", "fixed"],
                    help="cost (default): choose each step how many draft tokens to verify, 0 included, from step "
@@ -127,7 +130,8 @@ def build_decoder(args):
 
     target = load_args_model(args, args.target)
     draft_model = None
-    if args.drafter != NONE and get_spec(args.drafter).needs_draft_model and args.draft_model:
-        draft_model = load_args_model(args, args.draft_model)
+    draft_ref = args.draft_model or default_draft(args.target)  # a built-in target's own draft (Qwen 1.5B: 0.5B)
+    if args.drafter != NONE and get_spec(args.drafter).needs_draft_model and draft_ref:
+        draft_model = load_args_model(args, draft_ref)
     drafter = make_drafter(args.drafter, target=target, draft_model=draft_model, **options_from(args, args.drafter))
     return SpeculativeDecoder(target, drafter, k=args.k, acceptance=args.acceptance, k_policy=args.k_policy)

@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping
 from ..backends import COMPILE_MODES, DEFAULT_MODEL, DTYPES, default_compile_mode
 from ..backends.base import BACKENDS, TargetModel
 from ..backends.choice import default_backend
+from ..backends.references import default_draft
 from ..backends import WEIGHT_CHOICES
 from ..batching import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
 from ..controller import COST, K_POLICIES
@@ -135,7 +136,8 @@ class ServeOptions:
                 raise InvalidRequest(f"{name} must be >= {low}, got {value}")
         if self.acceptance != STRICT:
             raise InvalidRequest("the server runs strict (lossless) acceptance only; drop --acceptance")
-        if self.drafter != NONE and get_spec(self.drafter).needs_draft_model and not self.draft_model:
+        if self.drafter != NONE and get_spec(self.drafter).needs_draft_model and not self.draft_model \
+                and not default_draft(self.target):
             raise InvalidRequest(f"--drafter {self.drafter} needs --draft-model REF")
         if self.max_batch > 1 and self.max_concurrency > 1:
             raise InvalidRequest("--max-concurrency applies to unbatched serving (--max-batch 1); with batching, "
@@ -221,7 +223,8 @@ def build_server_config(options: ServeOptions) -> ServerConfig:
     target = load_model(options.target, features=options.backend == "llamacpp" and needs_layer_callback(options),
                         **load)
     load["features"] = False
-    draft = load_model(options.draft_model, **load) if options.draft_model else None
+    draft_ref = options.draft_model or default_draft(options.target)  # a built-in target's own draft
+    draft = load_model(draft_ref, **load) if draft_ref else None
     drafters: dict[str, Callable[[], Drafter]] = {}
     for spec in drafter_specs():
         opts = options_from(options, spec.name)
