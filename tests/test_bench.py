@@ -322,3 +322,16 @@ def test_the_environment_records_verispec_settings_but_no_token(monkeypatch):
     monkeypatch.setenv("VERISPEC_ADMIN_TOKEN", "secret")
     settings = environment("float32", "cpu")["settings"]
     assert settings["VERISPEC_LLAMACPP_LAYER_INPUTS"] == "0" and "VERISPEC_ADMIN_TOKEN" not in settings
+
+
+def test_the_shipped_code_workload_has_two_groups_of_at_least_eight_prompts():
+    from verispec.bench.prompts import load_questions, select
+
+    questions = load_questions("code")
+    groups = {}
+    for q in questions:
+        groups.setdefault(q.group, []).append(q)
+    assert set(groups) == {"code_edit", "code_generation"} and all(len(g) >= 8 for g in groups.values())
+    assert all("```" in q.turns[0] for q in groups["code_edit"])  # an edit rewrites code given in the prompt
+    assert len({q.question_id for q in questions}) == len(questions)
+    assert [q.group for q in select(questions, ["code_edit"], 2)] == ["code_edit", "code_edit"]

@@ -27,6 +27,9 @@ class Question:
 
 
 PACKAGED = Path(__file__).parent / "data" / "specbench" / "question.jsonl"
+# prompt sets shipped with the package, by the name --prompts takes
+NAMED = {"spec-bench": PACKAGED, "code": Path(__file__).parent / "data" / "code" / "question.jsonl",
+         "repetition": Path(__file__).parent / "data" / "repetition" / "extract.jsonl"}
 
 
 def default_prompts_path() -> Path | None:
@@ -38,16 +41,18 @@ def default_prompts_path() -> Path | None:
 
 
 def load_questions(path: str | Path | None = None) -> list[Question]:
-    """Read a prompt file. Each line is a Spec-Bench record {"question_id", "category", "turns": [...]}
+    """Read a prompt file (or a shipped set by name: ``NAMED``). Each line is a Spec-Bench record {"question_id", "category", "turns": [...]}
     or a plain {"prompt": "..."} (then the id is the line number and the category "prompts")."""
     if path is None:
         path = default_prompts_path()
         if path is None:
             raise InvalidRequest("no prompt set found: pass --prompts FILE (Spec-Bench's question.jsonl or JSONL "
                                  'lines {"prompt": "..."}), or set VERISPEC_SPECBENCH to question.jsonl')
+    if str(path) in NAMED and not Path(path).is_file():
+        path = NAMED[str(path)]
     path = Path(path)
     if not path.is_file():
-        raise InvalidRequest(f"prompt file {path} does not exist")
+        raise InvalidRequest(f"prompt file {path} does not exist (shipped sets: {', '.join(NAMED)})")
     questions = [_question(row, n, path) for n, row in records(path)]
     if not questions:
         raise InvalidRequest(f"{path} holds no prompts")

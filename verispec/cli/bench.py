@@ -21,10 +21,11 @@ DEFAULT_METHODS = "baseline,ngram,hf:pld"
 
 def _prompt_options(p: argparse.ArgumentParser, limit_default: int | None) -> None:
     g = p.add_argument_group("prompts")
-    g.add_argument("--prompts", metavar="FILE",
+    g.add_argument("--prompts", metavar="FILE|NAME",
                    help="JSONL prompt set: Spec-Bench records {question_id, category, turns} or {\"prompt\": ...} "
-                        "lines (default: Spec-Bench's 480 questions, shipped with verispec; "
-                        "$VERISPEC_SPECBENCH overrides)")
+                        "lines, or a set shipped with verispec by name: spec-bench (the default: Spec-Bench's 480 "
+                        "questions; $VERISPEC_SPECBENCH overrides), code (code_edit and code_generation, 9 each), "
+                        "repetition")
     g.add_argument("--categories", metavar="A,B",
                    help="comma-separated groups (mt_bench, translation, summarization, qa, math_reasoning, rag) or "
                         "categories (e.g. writing) (default: all)")
