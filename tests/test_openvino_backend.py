@@ -309,6 +309,7 @@ def test_weights_auto_times_fp32_and_bf16_once_and_remembers(tiny_dir, tmp_path,
                "bf16": {"1": 12.0, "2": 13.0, "5": 14.0, "9": 16.0, "prefill": 0.5}}
     timed = []
     monkeypatch.setattr(ov_model, "auto_candidates", lambda: ("fp32", "bf16"))
+    monkeypatch.setattr(ov_model, "format_crashes", lambda *args: "")  # probed for real in the next tests
     monkeypatch.setattr(ov_model, "load", lambda ref, fmt, threads, kv, attention: fmt)  # the "model" is its format's name
     monkeypatch.setattr(timing, "time_widths", lambda model: timed.append(model) or timings[model])
     assert ov_model.choose_weights(str(tiny_dir), 2, "f32") == ("bf16", timings)
@@ -318,6 +319,35 @@ def test_weights_auto_times_fp32_and_bf16_once_and_remembers(tiny_dir, tmp_path,
     assert ov_model.choose_weights(str(tiny_dir), 2, "f32")[0] == "bf16" and len(timed) == 2  # remembered
     ov_model.choose_weights(str(tiny_dir), 1, "f32")
     assert len(timed) == 4  # another thread count is another measurement
+
+
+def test_weights_auto_skips_a_format_that_crashes_its_process_and_says_why(tiny_dir, tmp_path, monkeypatch):
+    """A format whose compile or first pass kills a child process (bf16 on an Intel Xeon with AMX) is not weighed:
+    the choice is among the others and the record keeps the reason."""
+    from verispec.backends import timing
+    from verispec.backends.openvino import model as ov_model
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("VERISPEC_COST_CACHE", str(tmp_path / "measurements"))
+    timings = {"fp32": {"1": 20.0, "prefill": 1.0}, "bf16": {"1": 5.0, "prefill": 0.5}}
+    monkeypatch.setattr(ov_model, "auto_candidates", lambda: ("fp32", "bf16"))
+    monkeypatch.setattr(ov_model, "format_crashes",
+                        lambda ref, fmt, *rest: "SIGFPE (Floating-point exception)" if fmt == "bf16" else "")
+    loaded = []
+    monkeypatch.setattr(ov_model, "load", lambda ref, fmt, threads, kv, attention: loaded.append(fmt) or fmt)
+    monkeypatch.setattr(timing, "time_widths", lambda model: timings[model])
+    assert ov_model.choose_weights(str(tiny_dir), 2, "f32")[0] == "fp32" and loaded == ["fp32"]
+    (record,) = (tmp_path / "measurements").glob("openvino-weights-*.json")
+    assert json.loads(record.read_text())["value"]["skipped"] == {"bf16": "SIGFPE (Floating-point exception)"}
+
+
+def test_a_format_that_runs_is_probed_once_in_a_child(tiny_dir, tmp_path, monkeypatch):
+    from verispec.backends.openvino.model import format_crashes
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("VERISPEC_COST_CACHE", str(tmp_path / "measurements"))
+    assert format_crashes(str(tiny_dir), "fp32", 1, None, "paged") == ""
+    assert len(list((tmp_path / "measurements").glob("probe-*.json"))) == 1
 
 
 def test_timed_passes_run_on_the_static_graphs_a_decoder_would_run(tiny_dir):

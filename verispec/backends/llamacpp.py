@@ -16,6 +16,7 @@ ids and the chat template are the transformers backend's exactly (tests check ll
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import logging
 import os
 import threading
@@ -50,6 +51,52 @@ def import_llama_cpp():
         raise InvalidRequest(f"the llamacpp backend needs llama-cpp-python: {INSTALL_HINT}") from exc
     logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)  # its log callback prints below this level
     return llama_cpp
+
+
+# llama.cpp built for an explicit instruction set, AMX left out: what to rebuild with where a native build crashes
+# (an Intel Xeon with AMX: ``-march=native`` builds fault in the AMX matmul on the first pass; docs/llamacpp.md)
+NO_AMX_CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON "
+                     "-DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON")
+REBUILD = (f'CMAKE_ARGS="{NO_AMX_CMAKE_ARGS}" pip install --force-reinstall --no-cache-dir --no-deps '
+           '"llama-cpp-python==0.3.36"')
+
+
+def _probe_code(path: Path, threads: int) -> str:
+    """A child's script: load ``path`` and run a 4-token pass, as the first real pass would."""
+    return (f"import llama_cpp\n"
+            f"llm = llama_cpp.Llama(model_path={str(path)!r}, n_ctx=64, n_batch=16, n_threads={threads}, "
+            f"verbose=False)\n"
+            f"llm.eval([1, 2, 3, 4])\n")
+
+
+def ensure_runs(path: Path, threads: int) -> None:
+    """Refuse, naming the cause and the rebuild command, when llama.cpp's first pass over ``path``'s weight types
+    kills a child process on this CPU (``probe``: once per build, CPU and set of weight types)."""
+    from .probe import probe
+
+    llama_cpp = import_llama_cpp()
+    lib = Path(llama_cpp.__file__).parent / "lib"
+    files = sorted(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in lib.glob("*.so*")) \
+        if lib.is_dir() else []
+    build = hashlib.sha256("|".join(files).encode()).hexdigest()[:16]  # the libraries as built
+    key = {"llama_cpp": getattr(llama_cpp, "__version__", "?"), "build": build, "types": _weight_types(path),
+           "threads": threads}
+    result = probe("llama.cpp's first pass", key, _probe_code(path, threads))
+    if not result.ok:
+        raise InvalidRequest(
+            f"llama.cpp crashed on this CPU ({result.reason}) running a pass over {path.name}: this llama-cpp-python "
+            "build cannot run here. On Intel CPUs with AMX a native build faults in its AMX kernels; rebuild it "
+            f"without them:\n    {REBUILD}\n(or use --backend openvino / transformers)")
+
+
+def _weight_types(path: Path) -> list[str]:
+    """The tensor types a GGUF file holds (what decides which of llama.cpp's kernels its passes run)."""
+    try:
+        from gguf import GGUFReader
+
+        return sorted({t.tensor_type.name for t in GGUFReader(str(path)).tensors})
+    except Exception:  # an unreadable header: the load itself will say so
+        return []
 
 
 def default_threads() -> int:
@@ -181,6 +228,7 @@ class LlamaCppModel(BorrowedEmbeddings):
         self._llama = llama_cpp
         self.path, self.tokenizer, self.name, self.weights = Path(path), tokenizer, name, weights
         self.threads = threads or default_threads()
+        ensure_runs(self.path, self.threads)  # a build that crashes on this CPU is refused, not run
         llama_cpp.llama_backend_init()
         mparams = llama_cpp.llama_model_default_params()
         self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mparams)

@@ -516,14 +516,37 @@ def choose_weights(ref: str, threads: int, kv_precision: str | None, attention: 
            "v": 3}  # 3: fp32 pads one-token passes too, and passes are timed on the static graphs decoders run
     known = measurements.load(AUTO_RECORD, key)
     if known is None:
-        timings = {}
+        timings, skipped = {}, {}
         for fmt in timing.candidates_bar(candidates):
+            crashed = format_crashes(ref, fmt, threads, kv_precision, attention)
+            if crashed:  # a compile or pass that kills its process (bf16 on an Intel Xeon with AMX): not weighed
+                skipped[fmt] = crashed
+                continue
             model = load(ref, fmt, threads, kv_precision, attention)
             timings[fmt] = timing.time_widths(model)
             del model
-        known = {"timings_ms": timings, "choice": min(timings, key=lambda f: timing.auto_score(timings[f]))}
+        if not timings:
+            raise InvalidRequest(f"every OpenVINO format crashed on this CPU: {skipped}")
+        known = {"timings_ms": timings, "choice": min(timings, key=lambda f: timing.auto_score(timings[f])),
+                 **({"skipped": skipped} if skipped else {})}
         measurements.save(AUTO_RECORD, key, known)
     return known["choice"], known["timings_ms"]
+
+
+def format_crashes(ref: str, weights: str, threads: int, kv_precision: str | None, attention: str) -> str:
+    """Why loading ``ref`` in ``weights`` and running a pass kills a child process on this CPU ("" when it does not;
+    ``verispec.backends.probe``, once per CPU, OpenVINO version, model and format)."""
+    from openvino import get_version
+
+    from ..probe import probe
+
+    code = (f"from verispec.backends.openvino.model import load\n"
+            f"m = load({ref!r}, {weights!r}, {threads}, {kv_precision!r}, {attention!r}, static_widths=())\n"
+            f"m.forward(m.new_kv(), [1, 2, 3, 4])\n")
+    key = {"openvino": get_version(), "model": export_dir(ref, "fp32").name, "weights": weights, "threads": threads,
+           "kv": kv_precision, "attention": attention}
+    result = probe(f"OpenVINO {weights}", key, code)
+    return "" if result.ok else result.reason
 
 
 def default_kv(weights: str) -> str:
