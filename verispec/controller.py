@@ -80,8 +80,11 @@ class CostCurve:
 
     A curve may start from one an earlier process measured on the same machine (``seed``): those widths count as
     ``SEED_WEIGHT`` observations, so this process's own measurements soon outweigh them, and once ``STALE_AFTER``
-    live measurements at a seeded width disagree with it by more than ``STALE_FACTOR`` (another load on the
-    machine, a changed setting the key does not see), every seeded width is dropped and measured again.
+    live measurements at a seeded width disagree with it by more than the noise band (``STALE_FACTOR``, or wider when
+    those measurements themselves spread further: a busy machine), that width alone is dropped and measured again
+    (with the widths of this process's own calibration, timed in the same moment; the stored ones stay until their
+    own steps judge them: a machine that was busy for one width's steps no longer throws the whole stored curve away,
+    which had made every later one-shot process calibrate again).
 
     A seeded width this process has not confirmed can never make a pass look dearer than this process's own
     measurements say: once it has timed two widths itself, a pass costs the lower of the seeded line and the line
@@ -151,22 +154,23 @@ class CostCurve:
             self._means[width].add(min(seconds, 3 * self._means[width].value))
             return False
         ratio = sorted(live)[len(live) // 2] / self._seeded[width]
+        band = max(self.STALE_FACTOR, max(live) / min(live))  # the steps' own noise: a busy machine widens it
         del self._seeded[width], self._live[width]
         self._from_store.discard(width)
-        if 1 / self.STALE_FACTOR <= ratio <= self.STALE_FACTOR:
+        if 1 / band <= ratio <= band:
             self._means[width].add(min(seconds, 3 * self._means[width].value))
             return False
-        log.info("stored step costs disagree with this process's (width %d: %.2fx); measuring them again",
-                 width, ratio)
-        stale = set(self._seeded) | {width}
+        log.info("stored step cost of width %d disagrees with this process's (%.2fx, beyond the %.2fx its steps "
+                 "vary by); measuring it again", width, ratio, band)
+        # this process's calibration was timed in one moment: what was off at one width was off at all of them
+        stale = {width} | {w for w in self._seeded if w not in self._from_store}
         for w in stale:
             self._means.pop(w, None)
-        self._seeded.clear()
-        self._from_store.clear()
-        for w, values in [(width, live), *self._live.items()]:
+            self._seeded.pop(w, None)
+        self._live_line = self._line = None
+        for w, values in [(width, live), *[(w, self._live.pop(w)) for w in stale if w in self._live]]:
             for value in values:
                 self.observe(w, value)
-        self._live.clear()
         return True
 
     def measured(self) -> dict[int, float]:
