@@ -141,3 +141,14 @@ def test_verispec_options_are_refused_by_name(fake_binary, target):
             build_method(spec, model, load, llama_server=str(fake_binary))
     with pytest.raises(InvalidRequest, match="unexpected part"):
         build_method("llama-server:some.gguf", model, load, llama_server=str(fake_binary))
+
+
+def test_a_server_that_crashes_at_start_is_told_how_to_build_one_that_runs(target, tmp_path):
+    """A llama-server killed by a signal before it serves (a native build on an Intel CPU with AMX) is reported
+    with the signal and the build without AMX, not as a bare exit code."""
+    model, load, _ = target
+    exe = tmp_path / "llama-server"
+    exe.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'import os, signal; os.kill(os.getpid(), signal.SIGSEGV)'\n")
+    exe.chmod(0o755)
+    with pytest.raises(InvalidRequest, match="(?s)SIGSEGV.*-DGGML_NATIVE=OFF.*--llama-server"):
+        build_method("llama-server", model, load, llama_server=str(exe))

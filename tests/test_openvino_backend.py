@@ -293,7 +293,7 @@ def test_the_eagle_heads_openvino_graph_drafts_for_a_transformers_target_in_bflo
 
 
 def test_refuses_what_it_does_not_take(ov_target):
-    with pytest.raises(InvalidRequest, match="--weights fp32"):
+    with pytest.raises(InvalidRequest, match="takes --weights as-is"):
         load_model("smollm2-135m", backend="openvino", dtype="bfloat16")
     with pytest.raises(InvalidRequest, match="compile"):
         load_model("smollm2-135m", backend="openvino", compiled=True)

@@ -102,8 +102,17 @@ class LlamaServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self.stop()
+                crashed = ""
+                if self.proc.returncode < 0:  # killed by a signal: a build whose kernels fault on this CPU
+                    from ..backends.llamacpp import NO_AMX_CMAKE_ARGS
+                    from ..backends.probe import describe
+
+                    crashed = (f"\nit crashed ({describe(self.proc.returncode, '')}); on Intel CPUs with AMX a "
+                               "native llama.cpp build faults in its AMX kernels: build llama-server without them "
+                               f"(cmake -S llama.cpp -B build -DLLAMA_CURL=OFF {NO_AMX_CMAKE_ARGS} && cmake --build "
+                               "build --target llama-server) and pass --llama-server build/bin/llama-server")
                 raise InvalidRequest(f"llama-server exited with code {self.proc.returncode} at start "
-                                     f"({' '.join(self.args[1:])}):\n{self.log_tail()}")
+                                     f"({' '.join(self.args[1:])}):\n{self.log_tail()}{crashed}")
             try:
                 if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
                     return
