@@ -84,7 +84,7 @@ def load_model(ref: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", d
     if backend == "auto":
         from .choice import choose
 
-        picked = choose(ref, dtype, weights, compiled, threads)
+        picked = choose(ref, load_model, dtype, weights, compiled, threads)
         log.info(picked.summary())
         backend = picked.backend
     if backend not in BACKENDS:

@@ -19,7 +19,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import measurements, timing
+from . import measurements, timing  # noqa: F401  (modules, not the package's entry points)
 
 log = logging.getLogger(__name__)
 
@@ -99,9 +99,10 @@ def implied(dtype, weights: str, compiled) -> str | None:
     return None
 
 
-def choose(ref: str, dtype="float32", weights: str = "as-is", compiled="off", threads: int | None = None
+def choose(ref: str, load, dtype="float32", weights: str = "as-is", compiled="off", threads: int | None = None
            ) -> BackendChoice:
-    """What ``--backend auto`` runs ``ref`` on (timing the installed candidates once, see the module)."""
+    """What ``--backend auto`` runs ``ref`` on (timing the installed candidates once, see the module); ``load`` is
+    ``verispec.load_model`` (passed in: nothing under ``backends`` imports the package's entry point)."""
     named = implied(dtype, weights, compiled)
     if named is not None:
         return BackendChoice(named, weights, "the only backend that takes the options given")
@@ -119,13 +120,11 @@ def choose(ref: str, dtype="float32", weights: str = "as-is", compiled="off", th
     if known is None:
         from tqdm.auto import tqdm
 
-        from . import load_model
-
         log.warning("--backend auto: timing %s once on this CPU for %s ...", ", ".join(found), ref)
         timings = {}
         for backend in tqdm(found, desc="--backend auto: timing each installed engine once", unit="engine",
                             leave=False, disable=None):
-            model = load_model(ref, backend=backend, threads=threads)
+            model = load(ref, backend=backend, threads=threads)
             timings[backend] = timing.time_widths(model)
             del model
         known = {"timings_ms": timings, "choice": min(found, key=lambda b: timing.auto_score(timings[b]))}

@@ -297,9 +297,10 @@ def resolve_auto_backend(args) -> None:
     the choice said on stderr."""
     if getattr(args, "backend", None) != "auto":
         return
+    from ..backends import load_model
     from ..backends.choice import choose
 
-    picked = choose(getattr(args, "target", None) or DEFAULT_MODEL, getattr(args, "dtype", "float32"),
+    picked = choose(getattr(args, "target", None) or DEFAULT_MODEL, load_model, getattr(args, "dtype", "float32"),
                     getattr(args, "weights", "as-is"), getattr(args, "compile", "off"), getattr(args, "threads", None))
     args.backend = picked.backend
     print(f"verispec: {picked.summary()}", file=sys.stderr)

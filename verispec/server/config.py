@@ -210,7 +210,8 @@ def build_server_config(options: ServeOptions) -> ServerConfig:
     if options.backend == "auto":  # resolved here when the options come from the environment, not the CLI
         from ..backends.choice import choose
 
-        picked = choose(options.target, options.dtype, options.weights, options.compile, options.threads)
+        picked = choose(options.target, load_model, options.dtype, options.weights, options.compile,
+                        options.threads)
         log.warning(picked.summary())
         options = replace(options, backend=picked.backend)
     # llama.cpp: a KV sequence per batch row (unbatched, each slot's decoders keep theirs for prompt reuse)
