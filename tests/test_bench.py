@@ -97,7 +97,7 @@ def test_markdown_marks_a_changed_model_and_counts_looping_answers_beside_its_sp
 
 
 def test_a_loop_is_an_answer_whose_tail_repeats_itself():
-    from verispec.quality import loops
+    from verispec.bench.quality import loops
 
     assert loops([1, 2, 3, 4, 5, 6, 7, 8] * 10)
     assert not loops(list(range(100)))

@@ -117,7 +117,7 @@ def ov_as_is():
 def test_as_is_holds_the_files_blocks_and_is_its_model(ov_as_is, default_model, llama_q41):
     """The Q4_1 file's own blocks on OpenVINO: every matrix held in the file's type, its perplexity within 1% of
     llama.cpp's on the same file (and of the file's values in float32), its top-1 tokens those of the file's values."""
-    from verispec.quality import held_out_texts, measure, pieces
+    from verispec.bench.quality import held_out_texts, measure, pieces
 
     record = json.loads((ov_as_is.folder / "verispec_export.json").read_text())
     held = record["gguf_blocks"]["verispec_model.xml"]

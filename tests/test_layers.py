@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "verispec"
 LAYERS = [
     ("entry points", ["verispec.cli", "verispec.__main__"]),
     ("services", ["verispec.server", "verispec.ray", "verispec.bench", "verispec.audit", "verispec.eagle.train",
-                  "verispec.eagle.data", "verispec.eagle.corpus", "verispec.medusa.train", "verispec.quality"]),
+                  "verispec.eagle.data", "verispec.eagle.corpus", "verispec.medusa.train"]),
     ("the loop", ["verispec.batching", "verispec.engine", "verispec.controller"]),
     ("drafters", ["verispec.drafters", "verispec.eagle", "verispec.medusa", "verispec.compat"]),
     ("backends", ["verispec.backends"]),

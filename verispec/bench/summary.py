@@ -16,7 +16,7 @@ from collections import defaultdict
 from typing import Sequence
 
 from ..analysis import percentile
-from ..quality import loops
+from .quality import loops
 
 
 def _mean(xs: Sequence[float]) -> float | None:
@@ -151,7 +151,7 @@ def markdown(summary: dict) -> str:
         lines += ["", "CHANGED MODEL: these run other weights than the model's own, so their speed is not a like-for-like "
                   "comparison:", *changed]
     if quality:
-        lines += ["", "Perplexity: teacher-forced on held-out Spec-Bench first turns (verispec.quality); top-1 vs own "
+        lines += ["", "Perplexity: teacher-forced on held-out Spec-Bench first turns (verispec.bench.quality); top-1 vs own "
                   "weights: share of positions whose argmax equals the model's own weights' in float32. Looping "
-                  "answers end in a repetition loop (verispec.quality.loops)."]
+                  "answers end in a repetition loop (verispec.bench.quality.loops)."]
     return "\n".join(lines) + "\n"

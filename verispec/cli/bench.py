@@ -190,7 +190,7 @@ def method_quality(methods, target, load) -> dict:
     """{method: Quality as a dict} for every verispec method: each distinct target it runs measured once on held-out
     text, its top-1 agreement taken against the model's own weights in float32 on transformers (for a GGUF source,
     the file's values exactly)."""
-    from ..quality import held_out_texts, measure, pieces
+    from ..bench.quality import held_out_texts, measure, pieces
 
     own = load(target.name, backend="transformers", dtype="float32", compiled="off")
     texts = pieces(own.tokenizer, held_out_texts())

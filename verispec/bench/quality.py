@@ -2,8 +2,8 @@
 agrees with the model's own weights.
 
 A speed measured on a changed model is not a like-for-like win (a re-quantized model that loops more is drafted
-more easily), so every format's speed is reported beside these two figures (``verispec quality``, ``verispec bench
---quality``). The held-out text is Spec-Bench's first turns (never trained on), fed raw, without a chat template, in
+more easily), so ``verispec bench`` reports every format's speed beside these two figures (``--no-quality`` skips
+them). The held-out text is Spec-Bench's first turns (never trained on), fed raw, without a chat template, in
 pieces of at most ``max_tokens`` tokens; each piece starts a fresh cache.
 """
 
@@ -35,7 +35,7 @@ class Quality:
 
 def held_out_texts(count: int = 12) -> list[str]:
     """``count`` Spec-Bench first turns, spread over its six groups (the same ones every run)."""
-    from .bench.prompts import load_questions
+    from .prompts import load_questions
 
     questions = load_questions()
     by_group: dict[str, list[str]] = {}
