@@ -29,7 +29,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--tokens", type=int, default=48)
-    ap.add_argument("--file", default="../shared/train-prompts/train_prompts.jsonl")
+    ap.add_argument("--file", default="data/train-prompts/train_prompts.jsonl")
     args = ap.parse_args()
     torch.set_num_threads(2)
     texts = read_prompts(args.file)

@@ -30,7 +30,7 @@ def generate(prompt: str, drafter: str, env: dict, max_new_tokens: int, *extra: 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", default="../shared/train-prompts/train_prompts.jsonl")
+    ap.add_argument("--prompts", default="data/train-prompts/train_prompts.jsonl")
     ap.add_argument("--n", type=int, default=8, help="grounded prompts (default: 8)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--out", required=True, help="folder for the prompts, records and the bench run")

@@ -9,7 +9,7 @@ Token-only data (train-eagle --features online) works too: the target is run ove
 
 --held-out-by PROMPTS:COUNT keeps only the validation answers that a head trained on another data set also held
 out: that set answered every prompt of PROMPTS that train-eagle selects (at most 320 tokens) and held out the COUNT
-whose prompts hash lowest (how the shipped head's round f was split: ../shared/train-prompts/train_prompts.jsonl:256).
+whose prompts hash lowest (how the shipped head's round f was split: data/train-prompts/train_prompts.jsonl:256).
 """
 
 import argparse

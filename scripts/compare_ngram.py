@@ -4,7 +4,7 @@ Grounded prompts: dolly_with_context passages wrapped in summarise / rewrite / e
 Open prompts: dolly_no_context and roleplay prompts. Methods run interleaved per prompt; the ratio is
 tokens/s of the method over tokens/s of plain decoding on the same prompt, summarised by the median.
 
-    python scripts/compare_ngram.py --prompts ../shared/train-prompts/train_prompts.jsonl --n 10
+    python scripts/compare_ngram.py --prompts data/train-prompts/train_prompts.jsonl --n 10
 """
 
 import argparse
@@ -35,7 +35,7 @@ def prompt_sets(path, n):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", default="../shared/train-prompts/train_prompts.jsonl")
+    ap.add_argument("--prompts", default="data/train-prompts/train_prompts.jsonl")
     ap.add_argument("--n", type=int, default=10, help="prompts per set")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--configs", default='{"ngram-default": {}}',

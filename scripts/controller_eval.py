@@ -32,7 +32,7 @@ METHODS = {
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prompts", default="../shared/train-prompts/train_prompts.jsonl")
+    ap.add_argument("--prompts", default="data/train-prompts/train_prompts.jsonl")
     ap.add_argument("--n", type=int, default=8, help="prompts per set")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--methods", default=",".join(METHODS))

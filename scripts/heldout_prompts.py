@@ -4,7 +4,7 @@ train-eagle takes its prompts (training answers, then its own held-out check) as
 the prompt file, keeping prompts of at most --max-prompt-tokens tokens. This script replays that selection and
 writes the next N eligible prompts, which the head has never seen:
 
-    python scripts/heldout_prompts.py --prompts ../shared/train-prompts/train_prompts.jsonl --n 24 --out heldout.jsonl
+    python scripts/heldout_prompts.py --prompts data/train-prompts/train_prompts.jsonl --n 24 --out heldout.jsonl
     verispec bench --prompts heldout.jsonl --methods baseline,eagle --dtype bfloat16
 """
 

@@ -8,7 +8,7 @@ Sources (each line: {"source", "path", "text"}):
   docs       documentation shipped with the installed packages: README/docs files (.md, .rst, .txt) and each
              package's long description (its METADATA body).
 
-    python scripts/offline_corpus.py --prompts ../shared/train-prompts/train_prompts.jsonl --out corpus.jsonl
+    python scripts/offline_corpus.py --prompts data/train-prompts/train_prompts.jsonl --out corpus.jsonl
     verispec train-eagle ... --text corpus.jsonl
 
 Prints documents, characters and target tokens per source. Spec-Bench text is never read.

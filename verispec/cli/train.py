@@ -26,7 +26,7 @@ def add_train_parser(sub) -> None:
                     "validation: Ctrl-C stops it after the current step, --resume goes on. 3) The best head is "
                     "written to --out (model.safetensors + config.json naming the target) and checked in the real "
                     "engine on held-out prompts. Use it with: verispec generate --drafter eagle --eagle-head OUT.",
-        epilog="example: verispec train-eagle --prompts ../shared/train-prompts/train_prompts.jsonl --out heads/smollm2")
+        epilog="example: verispec train-eagle --prompts data/train-prompts/train_prompts.jsonl --out heads/smollm2")
     _add_data_arguments(t, eagle=True)
     g = t.add_argument_group("training")
     g.add_argument("--epochs", type=int, default=6, help="passes over the data (default: 6)")
@@ -66,7 +66,7 @@ def add_train_parser(sub) -> None:
                     "labels), with a progress bar, validation of top-1 agreement and beta per head, and resumable "
                     "checkpoints (Ctrl-C, then --resume). 3) The best checkpoint is written to --out and checked in the "
                     "real engine on held-out prompts. Use it with: verispec generate --drafter medusa --medusa-heads OUT.",
-        epilog="example: verispec train-medusa --prompts ../shared/train-prompts/train_prompts.jsonl --out heads/medusa")
+        epilog="example: verispec train-medusa --prompts data/train-prompts/train_prompts.jsonl --out heads/medusa")
     _add_data_arguments(m, eagle=False)
     g = m.add_argument_group("training")
     g.add_argument("--heads", type=int, default=4, help="Medusa heads, i.e. the longest chain drafted (default: 4)")
@@ -165,7 +165,7 @@ def _refuse_eval_prompts(prompts: list[str]) -> None:
     overlap = sum(1 for p in prompts if p.strip() in evaluation)
     if overlap:
         raise InvalidRequest(f"{overlap} training prompt(s) are Spec-Bench questions, the evaluation set; remove them "
-                             "(train on e.g. ../shared/train-prompts/train_prompts.jsonl)")
+                             "(train on e.g. data/train-prompts/train_prompts.jsonl)")
 
 
 def _check_whole_numbers(*pairs) -> None:
