@@ -19,7 +19,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import measurements, timing  # noqa: F401  (modules, not the package's entry points)
+from . import measurements, timing
 
 log = logging.getLogger(__name__)
 
