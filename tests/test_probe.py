@@ -55,12 +55,83 @@ def test_llama_cpp_refuses_a_build_that_crashes_here_and_names_the_rebuild(tmp_p
     from verispec.backends import llamacpp
 
     monkeypatch.setenv("VERISPEC_COST_CACHE", str(tmp_path))
-    monkeypatch.setattr(llamacpp, "_probe_code", lambda path, threads: SEGFAULT)
+    monkeypatch.setattr(llamacpp, "_probe_code", lambda path, threads, extra_buffers=True: SEGFAULT)
     with pytest.raises(InvalidRequest) as info:
         llamacpp.LlamaCppModel(tmp_path / "model.gguf", None, "fake", threads=2)  # refused before any load
     message = str(info.value)
     assert "SIGSEGV" in message and "-DGGML_NATIVE=OFF" in message and "AMX" in message
     assert "pip install --force-reinstall" in message
+
+
+def test_llama_cpp_runs_without_extra_buffers_where_only_they_crash(llama_q41, tmp_path, monkeypatch, caplog):
+    """A build whose repacked (AMX) buffers crash but whose plain kernels run (a native build on an AMX Xeon) loads
+    the model with llama.cpp's extra buffer types off, says so with the rebuild command, and still generates."""
+    from verispec.backends import llamacpp
+
+    monkeypatch.setenv("VERISPEC_COST_CACHE", str(tmp_path))
+    real = llamacpp._probe_code
+    monkeypatch.setattr(llamacpp, "_probe_code", lambda path, threads, extra_buffers=True:
+                        SEGFAULT if extra_buffers else real(path, threads, extra_buffers))
+    with caplog.at_level("WARNING"):
+        model = llamacpp.LlamaCppModel(llama_q41.path, llama_q41.tokenizer, "q41", threads=2)
+    assert model.extra_buffers is False
+    assert "--no-repack" in caplog.text and "-DGGML_NATIVE=OFF" in caplog.text
+    kv = model.new_kv()
+    first = model.forward(kv, [1, 2, 3]).logits
+    assert first.shape[0] == 3 and bool(first.isfinite().all())
+    assert len(list(tmp_path.glob("probe-*.json"))) == 2  # both answers remembered
+
+
+def test_no_extra_buffers_turns_llama_cpp_repacking_off_while_open():
+    llama_cpp = require_llama_cpp()
+    from verispec.backends.llamacpp import no_extra_buffers
+
+    assert llama_cpp.llama_model_default_params().use_extra_bufts
+    with no_extra_buffers(llama_cpp):
+        assert not llama_cpp.llama_cpp.llama_model_default_params().use_extra_bufts
+    with no_extra_buffers(llama_cpp, off=False):
+        assert llama_cpp.llama_cpp.llama_model_default_params().use_extra_bufts
+    assert llama_cpp.llama_cpp.llama_model_default_params().use_extra_bufts
+
+
+FAKE_SERVER = """#!{python}
+import http.server, os, signal, sys
+if "--no-repack" not in sys.argv:
+    os.kill(os.getpid(), signal.SIGSEGV)  # a native build's AMX warm-up
+port = int(sys.argv[sys.argv.index("--port") + 1])
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"{{}}")
+
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+def test_llama_server_that_crashes_at_start_is_started_again_without_repacking(tmp_path):
+    import sys
+
+    from verispec.bench.llama_server import LlamaServer
+
+    binary = tmp_path / "llama-server"
+    binary.write_text(FAKE_SERVER.format(python=sys.executable))
+    binary.chmod(0o755)
+    with LlamaServer(binary, tmp_path / "model.gguf", threads=1, start_timeout=30) as server:
+        assert server.args[-1] == "--no-repack" and server.proc.poll() is None
+
+
+def test_llama_server_that_crashes_without_repacking_too_is_refused_with_the_build_flags(tmp_path):
+    import sys
+
+    from verispec.bench.llama_server import LlamaServer
+
+    binary = tmp_path / "llama-server"
+    binary.write_text(f"#!{sys.executable}\n{SEGFAULT}")
+    binary.chmod(0o755)
+    with pytest.raises(InvalidRequest) as info:
+        LlamaServer(binary, tmp_path / "model.gguf", threads=1, start_timeout=30)
+    assert "SIGSEGV" in str(info.value) and "--no-repack too" in str(info.value)
+    assert "-DGGML_NATIVE=OFF" in str(info.value)
 
 
 def test_llama_cpp_probes_a_real_file_once(llama_q41, tmp_path, monkeypatch):

@@ -21,6 +21,7 @@ import logging
 import os
 import threading
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,17 +62,25 @@ REBUILD = (f'CMAKE_ARGS="{NO_AMX_CMAKE_ARGS}" pip install --force-reinstall --no
            '"llama-cpp-python==0.3.36"')
 
 
-def _probe_code(path: Path, threads: int) -> str:
-    """A child's script: load ``path`` and run a 4-token pass, as the first real pass would."""
-    return (f"import llama_cpp\n"
+def _probe_code(path: Path, threads: int, extra_buffers: bool = True) -> str:
+    """A child's script: load ``path`` and run a 4-token pass, as the first real pass would (``extra_buffers``
+    False: with llama.cpp's extra buffer types off, as ``no_extra_buffers`` loads it)."""
+    patch = "" if extra_buffers else (
+        "import llama_cpp.llama_cpp as C\n_defaults = C.llama_model_default_params\n"
+        "def _params():\n    p = _defaults()\n    p.use_extra_bufts = False\n    return p\n"
+        "C.llama_model_default_params = _params\n")
+    return (f"import llama_cpp\n{patch}"
             f"llm = llama_cpp.Llama(model_path={str(path)!r}, n_ctx=64, n_batch=16, n_threads={threads}, "
             f"verbose=False)\n"
             f"llm.eval([1, 2, 3, 4])\n")
 
 
-def ensure_runs(path: Path, threads: int) -> None:
-    """Refuse, naming the cause and the rebuild command, when llama.cpp's first pass over ``path``'s weight types
-    kills a child process on this CPU (``probe``: once per build, CPU and set of weight types)."""
+def ensure_runs(path: Path, threads: int) -> bool:
+    """Whether llama.cpp's extra buffer types (weights repacked for its AMX and interleaved kernels) may be used for
+    ``path`` on this CPU. A first pass that kills a child process with them is tried again without them (what
+    llama-server's ``--no-repack`` does): if that runs, False, with a warning naming the rebuild that brings the
+    repacked kernels back; if it crashes too, refused with the cause and the rebuild command. ``probe``: once per
+    build, CPU and set of weight types."""
     from .probe import probe
 
     llama_cpp = import_llama_cpp()
@@ -82,11 +91,42 @@ def ensure_runs(path: Path, threads: int) -> None:
     key = {"llama_cpp": getattr(llama_cpp, "__version__", "?"), "build": build, "types": _weight_types(path),
            "threads": threads}
     result = probe("llama.cpp's first pass", key, _probe_code(path, threads))
-    if not result.ok:
-        raise InvalidRequest(
-            f"llama.cpp crashed on this CPU ({result.reason}) running a pass over {path.name}: this llama-cpp-python "
-            "build cannot run here. On Intel CPUs with AMX a native build faults in its AMX kernels; rebuild it "
-            f"without them:\n    {REBUILD}\n(or use --backend openvino / transformers)")
+    if result.ok:
+        return True
+    plain = probe("llama.cpp's first pass without extra buffer types", key,
+                  _probe_code(path, threads, extra_buffers=False))
+    if plain.ok:
+        log.warning("llama.cpp crashed on this CPU (%s) with its repacked (AMX) weight buffers; running %s without "
+                    "them, as llama-server's --no-repack does. To get the repacked kernels back, rebuild without "
+                    "AMX:\n    %s", result.reason, path.name, REBUILD)
+        return False
+    raise InvalidRequest(
+        f"llama.cpp crashed on this CPU ({result.reason}; without extra buffer types too: {plain.reason}) running a "
+        f"pass over {path.name}: this llama-cpp-python build cannot run here. On Intel CPUs with AMX a native build "
+        f"faults in its AMX kernels; rebuild it without them:\n    {REBUILD}\n(or use --backend openvino / "
+        "transformers)")
+
+
+@contextmanager
+def no_extra_buffers(llama_cpp, off: bool = True):
+    """While open (and ``off``), the models ``llama_cpp.Llama`` loads keep their weights in plain CPU buffers
+    (llama.cpp's ``use_extra_bufts`` false): no repacking, no AMX tiles."""
+    module = llama_cpp.llama_cpp
+    defaults = module.llama_model_default_params
+    if not off:
+        yield
+        return
+
+    def params():
+        p = defaults()
+        p.use_extra_bufts = False
+        return p
+
+    module.llama_model_default_params = params
+    try:
+        yield
+    finally:
+        module.llama_model_default_params = defaults
 
 
 def _weight_types(path: Path) -> list[str]:
@@ -228,9 +268,11 @@ class LlamaCppModel(BorrowedEmbeddings):
         self._llama = llama_cpp
         self.path, self.tokenizer, self.name, self.weights = Path(path), tokenizer, name, weights
         self.threads = threads or default_threads()
-        ensure_runs(self.path, self.threads)  # a build that crashes on this CPU is refused, not run
+        # a build that crashes on this CPU runs without extra buffer types, or is refused: never run to a crash
+        self.extra_buffers = ensure_runs(self.path, self.threads)
         llama_cpp.llama_backend_init()
         mparams = llama_cpp.llama_model_default_params()
+        mparams.use_extra_bufts = self.extra_buffers
         self._model = llama_cpp.llama_model_load_from_file(str(self.path).encode(), mparams)
         if not self._model:
             raise ModelNotFound(f"llama.cpp could not load {self.path}")

