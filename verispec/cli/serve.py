@@ -6,6 +6,8 @@ import os
 import sys
 
 from ..batching import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
+from ..server.limits import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_MESSAGES, DEFAULT_QUEUE_TIMEOUT,
+                             DEFAULT_SHUTDOWN_GRACE)
 from .options import model_options
 
 
@@ -40,7 +42,31 @@ def add_serve_parser(sub) -> None:
     g.add_argument("--served-model-name", metavar="NAME", help="model id clients send (default: the target's name)")
     g.add_argument("--admin-token", default=os.environ.get("VERISPEC_ADMIN_TOKEN"),
                    help="require 'Authorization: Bearer TOKEN' on /admin endpoints (default: $VERISPEC_ADMIN_TOKEN; "
-                        "unset = open, fine on loopback only)")
+                        "unset = the API keys guard them, or nothing: fine on loopback only)")
+    a = s.add_argument_group("exposing the server (docs/serving.md: running it on a network)")
+    a.add_argument("--api-key", action="append", metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every route but /health; repeat for several keys "
+                        "(default: $VERISPEC_API_KEY, comma-separated; unset = open: a warning when --host is not "
+                        "loopback)")
+    a.add_argument("--cors-origins", metavar="ORIGINS",
+                   help="browser origins allowed to call the API, comma-separated, or * (default: none)")
+    a.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="BYTES",
+                   help=f"largest request body; larger ones get a 413 before they are read (default: "
+                        f"{DEFAULT_MAX_BODY_BYTES})")
+    a.add_argument("--max-prompt-tokens", type=int, default=None, metavar="N",
+                   help="most prompt tokens per request, counted after admission, off the event loop (default: the "
+                        "context window)")
+    a.add_argument("--max-messages", type=int, default=DEFAULT_MAX_MESSAGES, metavar="N",
+                   help=f"most messages in one chat request (default: {DEFAULT_MAX_MESSAGES})")
+    a.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                   help="a generation running longer is stopped: a 408 error (streams: an error event) "
+                        "(default: none)")
+    a.add_argument("--queue-timeout", type=float, default=DEFAULT_QUEUE_TIMEOUT, metavar="SECONDS",
+                   help="a request waiting longer for a free slot gets a 503 with Retry-After (default: "
+                        f"{DEFAULT_QUEUE_TIMEOUT:g})")
+    a.add_argument("--shutdown-grace", type=float, default=DEFAULT_SHUTDOWN_GRACE, metavar="SECONDS",
+                   help="on SIGTERM or Ctrl-C: stop admitting (503), give running requests this long to finish, "
+                        f"then cut them, stop the worker and child processes (default: {DEFAULT_SHUTDOWN_GRACE:g})")
     g.add_argument("--acceptance-window", type=float, default=600.0, metavar="SECONDS",
                    help="window of the verispec_acceptance_rate_recent gauge (default: 600)")
     g.add_argument("--speculation-off", action="store_true",
@@ -93,8 +119,26 @@ def cmd_serve(args) -> int:
 
     from ..server import build_server_config, create_app
 
+    from ..server.limits import is_loopback
+
     config = build_server_config(options)
     app = create_app(config)
+    if not config.api_keys and not is_loopback(args.host):
+        print(f"verispec: WARNING: serving on {args.host} without an API key: anyone who can reach this port can "
+              "generate (and read /metrics); start with --api-key KEY or $VERISPEC_API_KEY (docs/serving.md)",
+              file=sys.stderr, flush=True)
     print(f"verispec: serving {describe(args, config)} on http://{args.host}:{args.port}", file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    server = app.state.server
+
+    class Uvicorn(uvicorn.Server):
+        """uvicorn, telling verispec's server the moment a SIGTERM or Ctrl-C arrives: from then on it admits
+        nothing (503, /health too) while uvicorn gives running requests --shutdown-grace seconds."""
+
+        def handle_exit(self, sig, frame) -> None:
+            server.closing = True
+            super().handle_exit(sig, frame)
+
+    Uvicorn(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                           timeout_graceful_shutdown=max(config.shutdown_grace, 0.01))).run()
+    print("verispec: stopped", file=sys.stderr, flush=True)
     return 0

@@ -17,7 +17,9 @@ import json
 import logging
 import time
 import uuid
-from contextlib import aclosing
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from fastapi import APIRouter, FastAPI, Request
@@ -33,7 +35,9 @@ from ..drafters import NONE, drafter_names, get_spec
 from ..engine import SpeculativeDecoder
 from ..errors import InvalidRequest
 from .config import LocalSwitch, ServerConfig
-from .http import APIError, CountRequests, GuardedStream, error_response, validation_message
+from .http import (APIError, CountRequests, GuardedStream, RequestTimeout, error_response, unavailable,
+                   validation_message)
+from .limits import RETRY_AFTER_S, Guard, body_too_large, key_matches
 from .metrics import Metrics
 from .pool import SlotPool
 from .runs import DONE, BatchedRun, Job, ThreadedRun
@@ -41,6 +45,17 @@ from .schemas import (IGNORED, UNSUPPORTED_UNLESS, ChatCompletion, ChatRequest, 
                       ErrorResponse, Health, ModelList, SpeculationState, SpeculationSwitch)
 
 log = logging.getLogger("verispec.server")
+
+
+@dataclass
+class Plan:
+    """A request checked and not yet tokenized: what its jobs will be."""
+
+    endpoint: str
+    decoder_name: str
+    disabled_by: str | None
+    options: dict[str, Any]
+    seeds: list
 
 
 class Server:
@@ -73,6 +88,9 @@ class Server:
             self.worker = BatchWorker(engine)
             self.metrics.watch_batch(engine)
         self.encoder = SpeculativeDecoder(target)  # checks requests (the engine's own checks); never generates
+        # prompts are tokenized here, one at a time (a tokenizer is not shared between threads), off the event loop
+        self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="verispec-tokenize")
+        self.closing = False  # set on SIGTERM: new requests get a 503 while running ones finish
         self.metrics.queue_depth.set_function(lambda: self.pool.waiting)
         self.token_cap = config.max_tokens_limit or target.context_length
         # the most choices (n) per request: its samples are rows of one batch, or, unbatched, admitted generations
@@ -91,9 +109,9 @@ class Server:
         return enabled
 
     # ------------------------------------------------------------- generation
-    def prepare(self, req, prompt, raw: bool, endpoint: str, speculation: bool) -> list[Job]:
-        """The jobs a request becomes (one per sample, ``n``), checked: the model and drafter it names, then the
-        engine's own checks of the prompt and options (a 400 naming the parameter)."""
+    def prepare(self, req, endpoint: str, speculation: bool) -> "Plan":
+        """What a request asks for, checked before it is admitted and without tokenizing (cheap): the model and
+        drafter it names, the number of choices, the token and message limits (a 4xx naming the parameter)."""
         config = self.config
         if req.model not in self.model_names:
             raise APIError(404, f"model '{req.model}' does not exist; this server serves "
@@ -111,6 +129,11 @@ class Server:
             raise APIError(400, f"drafter '{opts.drafter}' is not available; this server has: "
                                 f"{', '.join(self.drafter_names)}{hint}", param="verispec.drafter")
         n = req.n
+        messages = getattr(req, "messages", None)
+        if messages is not None and len(messages) > config.max_messages:
+            raise APIError(400, f"{len(messages)} messages is more than this server takes per request "
+                                f"({config.max_messages}); send fewer, or start it with a larger --max-messages",
+                           param="messages", code="too_many_messages")
         if n > self.n_cap:
             how = (f"decodes at once (max batch {config.max_batch}); ask for at most {self.n_cap} choices or start "
                    f"the server with --max-batch {n}" if self.batched else
@@ -132,30 +155,73 @@ class Server:
                                     f"({cap}); ask for fewer tokens", param=param)
         options = dict(max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
                        stop=req.stop, k=opts.k)
+        return Plan(endpoint, name, disabled_by, options, sample_seeds(req.seed, n))
+
+    def encode(self, plan: "Plan", prompt, raw: bool) -> list[Job]:
+        """The jobs an admitted request becomes (one per sample): its prompt tokenized and put through the
+        engine's own checks (a 400 naming the parameter), and the prompt-token limit. Runs in the tokenizing thread,
+        never on the event loop: a huge prompt takes its time there while every stream goes on."""
         try:
-            checked = self.encoder.request(prompt, raw=raw, **options)
+            checked = self.encoder.request(prompt, raw=raw, **plan.options)
         except InvalidRequest as exc:
             param = exc.param
-            if param == "prompt" and endpoint == "chat":
+            if param == "prompt" and plan.endpoint == "chat":
                 param = "messages"
             raise APIError(400, str(exc), param=param, code=exc.code) from None
-        return [Job(endpoint, name, checked.ids, {**options, "seed": seed}, disabled_by, i)
-                for i, seed in enumerate(sample_seeds(req.seed, n))]
+        limit = self.config.max_prompt_tokens
+        if limit is not None and len(checked.ids) > limit:
+            raise APIError(400, f"the prompt is {len(checked.ids)} tokens, more than this server takes ({limit}); "
+                                "send a shorter one, or start the server with a larger --max-prompt-tokens",
+                           param="messages" if plan.endpoint == "chat" else "prompt", code="prompt_too_long")
+        return [Job(plan.endpoint, plan.decoder_name, checked.ids, {**plan.options, "seed": seed}, plan.disabled_by, i)
+                for i, seed in enumerate(plan.seeds)]
 
     def admit(self, n: int) -> None:
         pool = self.pool
+        if self.closing:
+            raise unavailable("the server is shutting down; retry on another instance or after it restarts")
         if not pool.reserve(n):
             raise APIError(429, f"server busy: {pool.admitted} generations are running or queued (limit "
                                 f"{pool.capacity}); retry after a short wait", "rate_limit_error",
-                           code="rate_limit_exceeded")
+                           code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)})
 
-    async def deltas(self, jobs: list[Job], request: Request) -> AsyncIterator[tuple[int, str]]:
+    async def acquire(self, n: int) -> list:
+        """``n`` slots for an admitted request, waiting at most ``--queue-timeout`` (then a 503)."""
+        timeout = self.config.queue_timeout
+        try:
+            return await asyncio.wait_for(self.pool.acquire(n), timeout)
+        except asyncio.TimeoutError:
+            self.metrics.queue_timeouts.inc()
+            raise unavailable(f"no free slot within {timeout:g} s (--queue-timeout): the server is busy; retry after "
+                              "a short wait") from None
+
+    def problem(self) -> str | None:
+        """Why this server cannot answer generation requests now (shutting down, its batch worker dead), or None.
+        /health answers 503 with it, and a Ray replica's health check fails on it."""
+        if self.closing:
+            return "shutting_down"
+        if self.worker is not None and not self.worker.alive:
+            return "worker_stopped"
+        return None
+
+    def close(self) -> None:
+        """Stop what runs beside the handlers: the batch worker, a background compile's child process, the
+        tokenizing thread (the lifespan's end, after running requests finished or were cut)."""
+        self.closing = True
+        if self.worker is not None:
+            self.worker.stop()
+        if self.config.compile_job is not None:
+            self.config.compile_job.stop()
+        self.tokenizing.shutdown(wait=False, cancel_futures=True)
+
+    async def deltas(self, jobs: list[Job], request: Request, slots: list) -> AsyncIterator[tuple[int, str]]:
         """``(sample index, text delta)`` of an admitted request's jobs, then ``(index, DONE)`` as each ends, stepped by the batch worker (its samples as
-        rows of one batch) or, unbatched, in a worker thread (its samples one after another); stops when the client
-        leaves. Metrics move with every delta."""
+        rows of one batch) or, unbatched, in a worker thread (its samples one after another), on ``slots`` (taken
+        by ``acquire``; given back here however this ends); stops when the client leaves, and past
+        ``--request-timeout`` with a ``RequestTimeout``. Metrics move with every delta."""
         metrics, pool = self.metrics, self.pool
         arrived = time.perf_counter()
-        slots = await pool.acquire(len(jobs) if self.batched else 1)
+        deadline = None if self.config.request_timeout is None else arrived + self.config.request_timeout
         decoders = [slot[job.decoder_name] for slot, job in zip(slots, jobs)]
         join_siblings(decoders, {} if len(jobs) > 1 else None)  # samples draft from each other's text
         gone, first = False, True
@@ -177,6 +243,9 @@ class Server:
                     if await request.is_disconnected():
                         gone = True
                         return
+                    if deadline is not None and time.perf_counter() > deadline:
+                        metrics.request_timeouts.inc()
+                        raise RequestTimeout(self.config.request_timeout)
                     yield i, delta
             metrics.request_latency.labels(jobs[0].endpoint).observe(time.perf_counter() - arrived)
         except (asyncio.CancelledError, GeneratorExit):  # the server noticed the client leave first
@@ -251,16 +320,15 @@ class Server:
     def _finished(jobs: list[Job]) -> bool:
         return all(job.stream is not None and job.stream.result is not None for job in jobs)
 
-    async def complete(self, jobs: list[Job], request: Request) -> JSONResponse:
-        self.admit(len(jobs))
+    async def complete(self, jobs: list[Job], request: Request, slots: list) -> JSONResponse:
         try:
-            async with aclosing(self.deltas(jobs, request)) as steps:
+            async with aclosing(self.deltas(jobs, request, slots)) as steps:
                 async for _ in steps:
                     pass
         except InvalidRequest as exc:
             raise APIError(400, str(exc), param=exc.param, code=exc.code) from None
-        finally:
-            self.pool.unreserve(len(jobs))
+        except RequestTimeout as exc:
+            raise APIError(408, str(exc), "timeout_error", code="request_timeout") from None
         if not self._finished(jobs):  # the client left; nobody reads this
             return error_response(499, "client closed the request", "client_closed_request")
         choices = []
@@ -275,7 +343,8 @@ class Server:
         return JSONResponse({**self._base(jobs[0].endpoint, False), "choices": choices, "usage": self.usage(jobs),
                              "verispec": self.meta_of(jobs)})
 
-    async def stream_events(self, jobs: list[Job], request: Request, include_usage: bool) -> AsyncIterator[str]:
+    async def stream_events(self, jobs: list[Job], request: Request, slots: list,
+                            include_usage: bool) -> AsyncIterator[str]:
         chat = jobs[0].endpoint == "chat"
         base = self._base(jobs[0].endpoint, True)
         extra = {"usage": None} if include_usage else {}
@@ -292,7 +361,7 @@ class Server:
             if chat:
                 for job in jobs:
                     yield sse(chunk(job.index, None, role=True))
-            async with aclosing(self.deltas(jobs, request)) as steps:
+            async with aclosing(self.deltas(jobs, request, slots)) as steps:
                 async for i, delta in steps:
                     if delta is DONE:  # this sample is finished: its last chunk, with its stats
                         job = jobs[i]
@@ -308,6 +377,10 @@ class Server:
             yield sse({"error": {"message": str(exc), "type": "invalid_request_error", "param": exc.param,
                                  "code": exc.code}})
             yield "data: [DONE]\n\n"
+        except RequestTimeout as exc:
+            yield sse({"error": {"message": str(exc), "type": "timeout_error", "param": None,
+                                 "code": "request_timeout"}})
+            yield "data: [DONE]\n\n"
         except Exception as exc:  # noqa: BLE001 - one failed generation must not take the server down
             log.exception("generation failed")
             yield sse({"error": {"message": f"internal error: {type(exc).__name__}", "type": "server_error",
@@ -315,17 +388,39 @@ class Server:
             yield "data: [DONE]\n\n"
 
     async def respond(self, req, prompt, raw: bool, endpoint: str, request: Request):
-        jobs = self.prepare(req, prompt, raw, endpoint, await self.speculation_on())
+        """Answer a generation request: checked (cheap), admitted (429 when full, 503 when shutting down), its
+        prompt tokenized off the event loop, then given its slots (503 past --queue-timeout), all before the first
+        byte of the answer, so each of these ends with its own status; then generated, streamed or whole."""
+        plan = self.prepare(req, endpoint, await self.speculation_on())
+        n = len(plan.seeds)
+        self.admit(n)
+        try:
+            jobs = await asyncio.get_running_loop().run_in_executor(self.tokenizing, self.encode, plan, prompt, raw)
+            slots = await self.acquire(n if self.batched else 1)
+        except BaseException:
+            self.pool.unreserve(n)
+            raise
         if not req.stream:
-            return await self.complete(jobs, request)
-        self.admit(len(jobs))
+            try:
+                return await self.complete(jobs, request, slots)  # the generation gives the slots back
+            finally:
+                self.pool.unreserve(n)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        n = len(jobs)
-        return GuardedStream(self.stream_events(jobs, request, include_usage), lambda: self.pool.unreserve(n))
+        return GuardedStream(self.stream_events(jobs, request, slots, include_usage),
+                             on_finish=lambda: self.pool.unreserve(n), on_unstarted=lambda: self.give_back(slots))
+
+    def give_back(self, slots: list) -> None:
+        """Slots taken for a stream whose body never started (its client left first)."""
+        for slot in slots:
+            self.pool.release(slot)
 
     def authorize(self, request: Request) -> None:
         token = self.config.admin_token
-        if token and request.headers.get("authorization") != f"Bearer {token}":
+        if not token:
+            return  # the API keys guard /admin, if the server has any (limits.Guard)
+        given = request.headers.get("authorization", "")
+        scheme, _, value = given.partition(" ")
+        if scheme.lower() != "bearer" or not key_matches(value.strip(), (token,)):
             raise APIError(401, "admin endpoints need 'Authorization: Bearer <admin token>'", "authentication_error")
 
 
@@ -338,8 +433,16 @@ def _server(request: Request) -> Server:
 
 
 async def parse(request: Request, schema: type[BaseModel]) -> Any:
-    """The request body as ``schema``, every problem a 400 naming the parameter."""
-    raw = await request.body()
+    """The request body as ``schema``, every problem a 400 naming the parameter; a body over --max-body-bytes is a
+    413 as soon as it passes the limit (one sent without a length is counted as it arrives)."""
+    limit = _server(request).config.max_body_bytes
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, body_too_large(limit), code="request_too_large")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -355,7 +458,7 @@ async def parse(request: Request, schema: type[BaseModel]) -> Any:
 
 # ----------------------------------------------------------------- errors
 async def _api_error(request: Request, exc: APIError):
-    return error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
+    return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
 
 
 async def _http_error(request: Request, exc: HTTPException):
@@ -381,8 +484,11 @@ async def _server_error(request: Request, exc: Exception):
 router = APIRouter()
 ERRORS = {status: {"model": ErrorResponse, "description": why} for status, why in (
     (400, "invalid request: the message names the parameter and the fix"),
-    (404, "unknown model"), (429, "server busy: retry after a short wait"),
-    (500, "a generation failed; the server keeps running"))}
+    (401, "missing or wrong API key (servers started with --api-key)"),
+    (404, "unknown model"), (408, "the generation ran past --request-timeout"),
+    (413, "request body over --max-body-bytes"), (429, "server busy: retry after Retry-After seconds"),
+    (500, "a generation failed; the server keeps running"),
+    (503, "shutting down, or no free slot within --queue-timeout: retry after Retry-After seconds"))}
 ADMIN_ERRORS = {401: {"model": ErrorResponse, "description": "missing or wrong admin token"}, 400: ERRORS[400]}
 STREAMED = {"text/event-stream": {
     "description": "with stream: true, server-sent events whose data are chunk objects (JSON), then [DONE]",
@@ -409,16 +515,23 @@ async def models(request: Request):
                                        for name in sorted(_server(request).model_names)]}
 
 
-@router.get("/health", response_model=Health, summary="Liveness, configuration and load")
+@router.get("/health", response_model=Health, summary="Liveness, configuration and load",
+            responses={503: {"model": Health, "description": "shutting down, or the batch worker has stopped"}})
 async def health(request: Request):
+    """200 while the server answers generation requests; 503 (the same body, ``status`` saying why) while it
+    shuts down or after its batch worker died, so a load balancer or orchestrator takes it out of rotation."""
     server = _server(request)
     config, pool = server.config, server.pool
-    return {"status": "ok", "model": server.served, "speculation": await server.speculation_on(),
+    problem = server.problem()
+    body = {"status": problem or "ok", "model": server.served, "speculation": await server.speculation_on(),
             "default_drafter": config.default_drafter, "drafters": server.drafter_names, "k": config.k,
             "k_policy": config.k_policy, "running": pool.busy, "queued": pool.waiting,
             "admitted": pool.admitted, "capacity": pool.capacity, "max_batch": config.max_batch,
             "compiled_step": config.compile_job.state if config.compile_job else
             ("compiled" if getattr(server.target, "step", None) is not None else "eager")}
+    if problem:
+        return JSONResponse(body, 503, headers={"Retry-After": str(RETRY_AFTER_S)})
+    return body
 
 
 @router.get("/metrics", summary="Prometheus metrics", response_class=Response,
@@ -451,9 +564,25 @@ async def set_speculation(request: Request):
 def create_app(config: ServerConfig) -> FastAPI:
     """The FastAPI application serving ``config`` (a ``Server`` in ``app.state.server``)."""
     server = Server(config)
-    app = FastAPI(title="verispec", version=__version__,
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        try:
+            yield
+        finally:  # after uvicorn's graceful wait (--shutdown-grace): running requests finished or were cut
+            server.close()
+
+    app = FastAPI(title="verispec", version=__version__, lifespan=lifespan,
                   description="OpenAI-compatible API with lossless speculative decoding")
     app.add_middleware(CountRequests, metrics=server.metrics)
+    # keys and the body bound in front of every route; CORS outermost, so a browser's preflight needs no key
+    app.add_middleware(Guard, keys=config.api_keys, max_body_bytes=config.max_body_bytes,
+                       admin_token=config.admin_token)
+    if config.cors_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"], expose_headers=["Retry-After"])
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)

@@ -29,6 +29,19 @@ def _lowest_priority() -> None:  # runs in the child before exec (POSIX)
         os.nice(19)
     except OSError:
         pass
+    _die_with_parent()
+
+
+def _die_with_parent() -> None:
+    """Linux: the child gets SIGTERM when the thread that started it ends (its server process killed, even by
+    SIGKILL), so a compile never outlives the server."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 class BackgroundCompile:
@@ -39,6 +52,8 @@ class BackgroundCompile:
         self.state = "compiled" if target.step is not None else "eager"
         self.seconds: float | None = None
         self._thread: threading.Thread | None = None
+        self._child: subprocess.Popen | None = None
+        self._stopped = False
 
     def start(self) -> None:
         if self.state != "eager" or self._thread is not None:
@@ -51,6 +66,20 @@ class BackgroundCompile:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def stop(self, timeout: float = 10.0) -> None:
+        """End the compile child if it still runs (the server is shutting down); the step stays eager."""
+        self._stopped = True
+        child = self._child
+        if child is not None and child.poll() is None:
+            log.warning("stopping the background compile (pid %d)", child.pid)
+            child.terminate()
+            try:
+                child.wait(timeout)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+        self.join(timeout)
+
     def command(self) -> list[str]:
         return [sys.executable, "-m", "verispec.cli", "compile", "--target", self.ref, "--threads", "1"]
 
@@ -59,12 +88,15 @@ class BackgroundCompile:
         log.warning("compiling the one-token step of %s in the background (about a minute; requests run eagerly "
                     "until it is ready)", self.ref)
         try:
-            done = subprocess.run(self.command(), capture_output=True, text=True,
-                                  preexec_fn=_lowest_priority if os.name == "posix" else None,
-                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
-            if done.returncode != 0:
-                reason = (done.stderr.strip().splitlines() or ["no output"])[-1]
-                raise RuntimeError(f"verispec compile exited with {done.returncode}: {reason}")
+            if self._stopped:
+                raise RuntimeError("the server is stopping")
+            self._child = subprocess.Popen(self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                           text=True, preexec_fn=_lowest_priority if os.name == "posix" else None,
+                                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+            _, stderr = self._child.communicate()
+            if self._child.returncode != 0:
+                reason = (stderr.strip().splitlines() or ["no output"])[-1]
+                raise RuntimeError(f"verispec compile exited with {self._child.returncode}: {reason}")
             if not self.target.compile_step(cached_only=True):
                 raise RuntimeError("the stored step did not load")
         except Exception as exc:  # noqa: BLE001 - the server keeps answering eagerly whatever went wrong

@@ -25,12 +25,12 @@ from ..drafters import Drafter, drafter_names, drafter_specs, get_spec, options_
 from ..drafters.registry import NONE, all_options, needs_layer_callback, parse_value
 from ..errors import InvalidRequest, ModelNotFound
 from ..verify import ACCEPTANCE_MODES, STRICT
+from .limits import (ADMIN_TOKEN_ENV, API_KEY_ENV, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_MESSAGES,
+                     DEFAULT_QUEUE_TIMEOUT, DEFAULT_SHUTDOWN_GRACE, split_keys)
 
 log = logging.getLogger(__name__)
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
-
-
 def _option(default: Any, type_: type, choices: Callable[[], tuple] | tuple | None = None) -> Any:
     return field(default=default, metadata={"type": type_, "choices": choices})
 
@@ -66,6 +66,14 @@ class ServeOptions:
     max_tokens_limit: int | None = _option(None, int)
     served_model_name: str | None = _option(None, str)
     admin_token: str | None = _option(None, str)
+    api_key: str | None = _option(None, str)  # one key or several, comma-separated (the command line repeats --api-key)
+    cors_origins: str | None = _option(None, str)  # comma-separated origins, or *
+    max_body_bytes: int = _option(DEFAULT_MAX_BODY_BYTES, int)
+    max_prompt_tokens: int | None = _option(None, int)
+    max_messages: int = _option(DEFAULT_MAX_MESSAGES, int)
+    request_timeout: float | None = _option(None, float)
+    queue_timeout: float | None = _option(DEFAULT_QUEUE_TIMEOUT, float)
+    shutdown_grace: float = _option(DEFAULT_SHUTDOWN_GRACE, float)
     acceptance_window: float = _option(600.0, float)
     speculation_off: bool = _option(False, bool)
     log_level: str = _option("info", str, LOG_LEVELS)
@@ -89,6 +97,8 @@ class ServeOptions:
     def from_args(cls, args: Any) -> "ServeOptions":
         """From parsed command-line arguments (an attribute per option)."""
         values = {f.name: getattr(args, f.name) for f in fields(cls) if f.name != "drafter_options"}
+        if isinstance(values.get("api_key"), list):  # --api-key repeated
+            values["api_key"] = ",".join(values["api_key"])
         drafted = {dest: getattr(args, dest) for dest, o in all_options().items() if getattr(args, dest) != o.default}
         return cls(**values, drafter_options=drafted)
 
@@ -131,7 +141,13 @@ class ServeOptions:
                                  ("--max-batch", self.max_batch, 1), ("--prefill-chunk", self.prefill_chunk, 1),
                                  ("--max-queue", self.max_queue, 0),
                                  ("--default-max-tokens", self.default_max_tokens, 1), ("--k", self.k, 1),
-                                 ("--max-tokens-limit", self.max_tokens_limit or 1, 1)):
+                                 ("--max-tokens-limit", self.max_tokens_limit or 1, 1),
+                                 ("--max-body-bytes", self.max_body_bytes, 1024),
+                                 ("--max-prompt-tokens", self.max_prompt_tokens or 1, 1),
+                                 ("--max-messages", self.max_messages, 1),
+                                 ("--request-timeout", self.request_timeout or 1, 1e-3),
+                                 ("--queue-timeout", self.queue_timeout or 1, 1e-3),
+                                 ("--shutdown-grace", self.shutdown_grace, 0)):
             if value < low:
                 raise InvalidRequest(f"{name} must be >= {low}, got {value}")
         if self.acceptance != STRICT:
@@ -183,6 +199,14 @@ class ServerConfig:
     default_max_tokens: int = 256
     max_tokens_limit: int | None = None  # the most tokens one request may ask for (None: the context window)
     admin_token: str | None = None
+    api_keys: tuple[str, ...] = ()  # keys any route but /health needs (none: open)
+    cors_origins: tuple[str, ...] = ()
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_prompt_tokens: int | None = None  # None: the context window's limit only
+    max_messages: int = DEFAULT_MAX_MESSAGES
+    request_timeout: float | None = None  # seconds a generation may run (None: unbounded)
+    queue_timeout: float | None = DEFAULT_QUEUE_TIMEOUT  # seconds a request may wait for a slot (None: unbounded)
+    shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE
     window_seconds: float = 600.0
     speculation: bool = True
     extra_model_names: list[str] = field(default_factory=list)
@@ -258,6 +282,11 @@ def build_server_config(options: ServeOptions) -> ServerConfig:
         served_model_name=options.served_model_name, max_batch=options.max_batch,
         max_concurrency=options.max_concurrency, prefill_chunk=options.prefill_chunk, max_queue=options.max_queue,
         default_max_tokens=options.default_max_tokens, max_tokens_limit=options.max_tokens_limit,
-        admin_token=options.admin_token or os.environ.get("VERISPEC_ADMIN_TOKEN"),
+        admin_token=options.admin_token or os.environ.get(ADMIN_TOKEN_ENV),
+        api_keys=split_keys(options.api_key) or split_keys(os.environ.get(API_KEY_ENV)),
+        cors_origins=tuple(o.strip() for o in (options.cors_origins or "").split(",") if o.strip()),
+        max_body_bytes=options.max_body_bytes, max_prompt_tokens=options.max_prompt_tokens,
+        max_messages=options.max_messages, request_timeout=options.request_timeout,
+        queue_timeout=options.queue_timeout, shutdown_grace=options.shutdown_grace,
         window_seconds=options.acceptance_window, speculation=not options.speculation_off,
     )

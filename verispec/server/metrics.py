@@ -29,6 +29,10 @@ class Metrics:
         ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, open files (Linux)
         self.requests = Counter("verispec_requests", "Requests by endpoint and HTTP status",
                                 ["endpoint", "status"], registry=r)
+        self.queue_timeouts = Counter("verispec_queue_timeouts", "Requests answered 503 after --queue-timeout "
+                                      "without a free slot", registry=r)
+        self.request_timeouts = Counter("verispec_request_timeouts", "Generations stopped at --request-timeout",
+                                        registry=r)
         self.disconnects = Counter("verispec_client_disconnects", "Generations stopped because the client left",
                                    registry=r)
         self.drafts = Counter("verispec_drafts", "Verify steps that carried at least one draft token",

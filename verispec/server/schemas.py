@@ -43,7 +43,7 @@ def _has_text(value: str) -> str:
 
 # a string with at least one non-space character (the schema says so with a pattern)
 Text = Annotated[str, AfterValidator(_has_text), WithJsonSchema({"type": "string", "pattern": NOT_SPACE})]
-Stop = Annotated[str, Field(min_length=1)]
+Stop = Annotated[str, Field(min_length=1, max_length=256)]  # OpenAI's: up to 4 of them
 
 # name -> the values at which the parameter changes nothing (then it is accepted and ignored)
 UNSUPPORTED_UNLESS = {
@@ -155,7 +155,7 @@ class Message(BaseModel):
 
     role: Literal["system", "user", "assistant", "developer"]
     content: Text | Annotated[list[TextPart], Field(min_length=1)]
-    name: str | None = None
+    name: str | None = Field(None, max_length=64, description="the participant's name (at most 64 characters)")
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
@@ -280,7 +280,8 @@ class ModelList(BaseModel):
 
 
 class Health(BaseModel):
-    status: Literal["ok"]
+    status: Literal["ok", "shutting_down", "worker_stopped"] = Field(
+        description="ok; else why generation requests are refused (the answer is then a 503)")
     model: str
     speculation: bool
     default_drafter: str

@@ -58,6 +58,8 @@ def inference_precision(weights: str) -> str:
         raise InvalidRequest("--weights bf16 needs a CPU with bf16 instructions (AVX-512 BF16 or AMX); this one has "
                              "none: choose fp32, int8 or int4")
     return "bf16"
+
+
 MODEL_XML = "openvino_model.xml"  # 2-D mask, logits: what OpenVINO GenAI loads
 VERISPEC_XML = "verispec_model.xml"  # 4-D mask, logits and hidden states: what verispec's backend runs
 INSTALL = 'pip install "verispec[openvino]"'
