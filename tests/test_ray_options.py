@@ -41,7 +41,7 @@ def test_the_application_maps_the_servers_limits_onto_ray():
     # a replica is sent up to its own capacity plus room for fast answers (its own 429 past the queue)
     assert config.max_ongoing_requests == 4 + 2 + HEADROOM
     assert server.ray_actor_options["num_cpus"] == 1
-    options, control, threads = server.init_args
+    options, control, threads, metrics_host = server.init_args
     assert options == {"max_batch": 4, "max_queue": 2, "drafter": "none"} and threads == 1
     assert control._bound_deployment.name == CONTROL_DEPLOYMENT
     assert control._bound_deployment.ray_actor_options["num_cpus"] == 0
@@ -75,9 +75,9 @@ def test_replicas_and_autoscale_exclude_each_other(capsys):
 
 def test_print_config_is_a_serve_deploy_file_that_builds_the_same_app(capsys):
     assert main(["serve", "--ray", "--print-config", "--replicas", "2", "--max-batch", "4", "--host", "0.0.0.0",
-                 "--admin-token", "secret", "--drafter", "none"]) == 0
+                 "--admin-token", "secret", "--api-key", "key-1", "--api-key", "key-2", "--drafter", "none"]) == 0
     out = capsys.readouterr().out
-    assert "secret" not in out  # the admin token is not written into a file
+    assert "secret" not in out and "key-" not in out  # the admin token and API keys are not written into a file
     config = yaml.safe_load(out)
     assert config["http_options"] == {"host": "0.0.0.0", "port": 8000}
     (application,) = config["applications"]
@@ -87,6 +87,23 @@ def test_print_config_is_a_serve_deploy_file_that_builds_the_same_app(capsys):
     built = app_builder(application["args"])._bound_deployment
     assert built._deployment_config.num_replicas == 2
     assert built.init_args[0] == {"max_batch": 4, "drafter": "none"}
+    assert built.init_args[3] == "127.0.0.1"  # replica metrics on loopback unless asked
+
+
+def test_replicas_get_an_allow_list_of_variables_never_secrets(monkeypatch):
+    from verispec.ray import build_app, forwarded_env
+
+    environ = {"VERISPEC_CACHE": "/c", "HF_HOME": "/h", "HF_HUB_OFFLINE": "1", "VERISPEC_ADMIN_TOKEN": "t",
+               "VERISPEC_API_KEY": "k", "HF_TOKEN": "hf_secret", "VERISPEC_ANYTHING": "x", "AWS_SECRET": "s"}
+    assert forwarded_env(environ) == {"VERISPEC_CACHE": "/c", "HF_HOME": "/h", "HF_HUB_OFFLINE": "1"}
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    built = build_app(replicas=1, drafter="none", api_key="k")._bound_deployment
+    env = built.ray_actor_options
+    forwarded = env["runtime_env"]["env_vars"]
+    assert {"VERISPEC_CACHE": "/c", "HF_HOME": "/h"}.items() <= forwarded.items()
+    assert not {"VERISPEC_ADMIN_TOKEN", "VERISPEC_API_KEY", "HF_TOKEN", "VERISPEC_ANYTHING", "AWS_SECRET"} & set(forwarded)
+    assert built.init_args[0]["api_key"] == "k"  # keys reach replicas as their options, in Ray's object store
 
 
 def test_control_keeps_the_switch_and_forgets_silent_replicas(monkeypatch):

@@ -30,6 +30,20 @@ CONTROL_DEPLOYMENT = "VerispecControl"
 DEPLOYMENT_OPTIONS = ("host", "port", "log_level")
 HEADROOM = 4  # requests a replica takes beyond its queue: /health, /metrics, and answering overflow with a 429
 HEALTH_PERIOD_S = 2.0  # replicas report to the control this often (their health check)
+# what a replica's environment takes from the deploying process: settings that change where caches live and how
+# models load, never a secret (API keys, the admin token, HF_TOKEN): those reach replicas as their options, in
+# Ray's object store, or from the cluster's own environment (docs/serving.md)
+FORWARDED_ENV = ("VERISPEC_CACHE", "VERISPEC_COST_CACHE", "VERISPEC_BACKEND", "VERISPEC_COMPILE",
+                 "VERISPEC_COMPILE_AUTOTUNE", "VERISPEC_COMPILED_VERIFY", "VERISPEC_PACK", "VERISPEC_WIDTH_INVARIANT",
+                 "VERISPEC_LLAMACPP_LAYER_INPUTS", "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_ENDPOINT",
+                 "TRANSFORMERS_OFFLINE", "OMP_NUM_THREADS")
+SECRET_OPTIONS = ("admin_token", "api_key")  # never written to a config file
+
+
+def forwarded_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables of ``FORWARDED_ENV`` set here, for the replicas' runtime_env."""
+    environ = os.environ if environ is None else environ
+    return {name: environ[name] for name in FORWARDED_ENV if name in environ}
 
 
 def require_ray():
@@ -114,7 +128,7 @@ class RaySwitch:
 class VerispecServer:
     """One replica: loads the model once and serves verispec's app (built by Ray on the replica, after this)."""
 
-    def __init__(self, options: dict, control, threads: int) -> None:
+    def __init__(self, options: dict, control, threads: int, metrics_host: str = "127.0.0.1") -> None:
         args = server_options(options)
         args.check()
         if args.backend == "transformers":
@@ -128,7 +142,8 @@ class VerispecServer:
         self.control = control
         self.metrics_address: str | None = None
         self.replica = str(os.getpid())
-        self.worker = None
+        self.server = None
+        self.metrics_host = metrics_host
 
     def __serve_build_asgi_app__(self):
         import ray
@@ -138,12 +153,13 @@ class VerispecServer:
         from .server import create_app
 
         app = create_app(self.config)
-        self.worker, self.metrics = app.state.worker, app.state.metrics
+        self.server, self.metrics = app.state.server, app.state.metrics
         try:
             self.replica = serve.get_replica_context().replica_id.unique_id
         except Exception:  # noqa: BLE001 - a name for the metrics label only
             pass
-        host = ray.util.get_node_ip_address()
+        # loopback unless the deployment asks for the node's address (a Prometheus on another machine scrapes it)
+        host = ray.util.get_node_ip_address() if self.metrics_host == "node" else self.metrics_host
         server, _ = start_http_server(0, addr=host, registry=app.state.metrics.registry)
         self.metrics_address = f"{host}:{server.server_port}"
         control = self.control
@@ -155,10 +171,11 @@ class VerispecServer:
         return app
 
     async def check_health(self) -> None:
-        """Ray calls this every few seconds: fail if the batch worker died (Ray then replaces this replica), and
-        tell the control where this replica's metrics are."""
-        if self.worker is not None and not self.worker.alive:
-            raise RuntimeError("the batch worker thread has stopped")
+        """Ray calls this every few seconds: fail when /health would answer 503 (the batch worker died: Ray then
+        replaces this replica), and tell the control where this replica's metrics are."""
+        problem = self.server.problem() if self.server is not None else None
+        if problem is not None:
+            raise RuntimeError(f"this replica cannot answer: {problem}")
         if self.metrics_address is not None:
             try:
                 await self.control.register.remote(self.replica, self.metrics_address)
@@ -172,11 +189,13 @@ def _capacity(args: ServeOptions) -> int:
 
 
 def build_app(*, replicas: int = 1, autoscale: str | tuple[int, int] | None = None, replica_cpus: float = 1.0,
-              log_level: str = "warning", **options: Any):
+              log_level: str = "warning", metrics_host: str = "127.0.0.1", **options: Any):
     """A Ray Serve application serving verispec's OpenAI-compatible API from ``replicas`` replicas (or
     ``autoscale=(MIN, MAX)``), each reserving ``replica_cpus`` CPUs. ``options`` are ``verispec serve``'s
-    (``target``, ``drafter``, ``max_batch``, ...); ``log_level`` is the replicas' (info logs every request). Run it with ``serve.run(app, route_prefix="/")`` or compose it
-    into your own application."""
+    (``target``, ``drafter``, ``max_batch``, ...); ``log_level`` is the replicas' (info logs every request);
+    ``metrics_host`` is where each replica's own /metrics listens (loopback; ``"node"``: the node's address, for a
+    Prometheus elsewhere). Run it with ``serve.run(app, route_prefix="/")`` or compose it into your own
+    application."""
     _, serve = require_ray()
     args = server_options(options)
     args.check()
@@ -191,8 +210,7 @@ def build_app(*, replicas: int = 1, autoscale: str | tuple[int, int] | None = No
         max_ongoing_requests=capacity + HEADROOM,
         backpressure_config={"status_code": 429, "retry_after_s": 1},  # if a config file bounds that queue
         ray_actor_options={"num_cpus": replica_cpus,
-                           "runtime_env": {"env_vars": {k: v for k, v in os.environ.items()
-                                                        if k.startswith(("VERISPEC_", "HF_"))}}},
+                           "runtime_env": {"env_vars": forwarded_env()}},
         health_check_period_s=HEALTH_PERIOD_S,
         health_check_timeout_s=30.0,
         graceful_shutdown_timeout_s=10.0,
@@ -211,7 +229,7 @@ def build_app(*, replicas: int = 1, autoscale: str | tuple[int, int] | None = No
         logging_config={"log_level": "WARNING"},  # it is called on every request: no access log
     ).bind(not args.speculation_off)
     server = serve.deployment(serve.ingress()(VerispecServer)).options(**deployment)
-    return server.bind(replica_options(args), control, max(1, int(replica_cpus)))
+    return server.bind(replica_options(args), control, max(1, int(replica_cpus)), metrics_host)
 
 
 def app_builder(args: dict[str, Any]):

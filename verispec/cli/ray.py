@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 from ..errors import InvalidRequest
-from ..ray import APP_NAME, build_app, parse_autoscale, replica_options, require_ray
+from ..ray import APP_NAME, SECRET_OPTIONS, build_app, parse_autoscale, replica_options, require_ray
 from ..server.config import ServeOptions
 
 
@@ -26,7 +26,9 @@ def serve_config(args: argparse.Namespace, options: ServeOptions) -> dict[str, A
         app_args["replicas"] = args.replicas
     app_args["replica_cpus"] = args.replica_cpus
     app_args["log_level"] = args.log_level
-    app_args.pop("admin_token", None)  # a secret: give it to the replicas as $VERISPEC_ADMIN_TOKEN, not in a file
+    app_args["metrics_host"] = args.replica_metrics_host
+    for secret in SECRET_OPTIONS:  # never in a file: the cluster's environment gives them ($VERISPEC_API_KEY, ...)
+        app_args.pop(secret, None)
     return {"proxy_location": "EveryNode", "http_options": {"host": args.host, "port": args.port},
             "applications": [{"name": APP_NAME, "route_prefix": "/", "import_path": "verispec.ray:app_builder",
                               "args": app_args}]}
@@ -45,7 +47,7 @@ def cmd_serve_ray(args: argparse.Namespace, options: ServeOptions) -> int:
         return 0
     ray, serve = require_ray()
     app = build_app(replicas=args.replicas, autoscale=args.autoscale, replica_cpus=args.replica_cpus,
-                    log_level=args.log_level, **replica_options(options))
+                    log_level=args.log_level, metrics_host=args.replica_metrics_host, **replica_options(options))
     address = ray_address(args)
     local = address == "local"
     if local:

@@ -87,6 +87,9 @@ def add_serve_parser(sub) -> None:
                    help="with --ray: the Ray cluster to deploy on: auto (the one `ray start` started on this "
                         "node), HEAD:6379 or ray://HEAD:10001 (default: $RAY_ADDRESS, else a new local Ray instance "
                         "started for this command and stopped with it; never a cluster found on its own)")
+    r.add_argument("--replica-metrics-host", default="127.0.0.1", metavar="HOST",
+                   help="with --ray: where each replica's own /metrics listens (default: 127.0.0.1; node = the "
+                        "node's address, for a Prometheus on another machine, listed by /metrics/targets)")
     r.add_argument("--print-config", action="store_true",
                    help="print a Ray Serve config file (YAML) for `serve deploy` with these options, and exit")
     s.set_defaults(func=cmd_serve)
