@@ -9,6 +9,7 @@ and working. A server's background compile (``--compile auto``) is run for real 
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -312,24 +313,70 @@ def test_the_same_weights_load_the_stored_step_and_other_weights_never_do(store,
     assert sorted(r["path"] for r in compile_store.records()) == sorted([str(again.step.path), str(again.verify.path)])
 
 
-def test_a_new_package_supersedes_only_the_same_weights_and_kind_of_pass(tmp_path, monkeypatch):
+def test_every_key_keeps_its_library_and_the_store_drops_the_least_recently_used(tmp_path, monkeypatch, capsys):
+    """Two environments sharing a cache keep each other's libraries (no rebuilding each other's forever); the size
+    cap removes the least recently used first, never the one just built; ``verispec cache prune`` on demand."""
+    import os
+    import time
+
+    from verispec.cli import main
+
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
     folder = compile_store.folder()
     folder.mkdir(parents=True)
 
-    def stored(name, weights, width, suffix=".so"):
-        (folder / f"{name}{suffix}").write_bytes(b"library")
-        (folder / f"{name}.json").write_text(json.dumps({"built": name, "key": {"weights": weights, "width": width}}))
-        return folder / f"{name}{suffix}"
+    def stored(name, weights, age, size=1000):
+        (folder / f"{name}.so").write_bytes(b"x" * size)
+        meta = folder / f"{name}.json"
+        meta.write_text(json.dumps({"built": name, "bytes": size, "key": {"weights": weights, "width": 1}}))
+        os.utime(meta, (time.time() - age, time.time() - age))
+        return folder / f"{name}.so"
 
-    old_step = stored("step-a", "w1", 1, suffix=compile_store.LEGACY_SUFFIX)  # a format-1 package: removed too
-    old_verify = stored("step-b", "w1", "2-16")
-    other_weights = stored("step-c", "w2", "2-16")
-    new_verify = stored("step-d", "w1", "2-12")
-    assert compile_store.superseded(new_verify, {"weights": "w1", "width": "2-12"}) == [old_verify]
-    new_step = stored("step-e", "w1", 1)
-    assert compile_store.superseded(new_step, {"weights": "w1", "width": 1}) == [old_step]
-    assert other_weights not in compile_store.superseded(new_step, {"weights": "w1", "width": 1})
+    torch_a = stored("step-a", "w1", age=30)  # the same weights, built under two keys (two torch versions)
+    torch_b = stored("step-b", "w1", age=20)
+    other = stored("step-c", "w2", age=10)
+    assert compile_store.prune(10_000) == []  # under the cap: every key keeps its own
+    compile_store.mark_used(torch_a)  # loaded just now: the most recently used
+    assert compile_store.prune(2_000, keep=(other,)) == [torch_b]
+    assert sorted(Path(r["path"]).name for r in compile_store.records()) == ["step-a.so", "step-c.so"]
+    assert main(["cache", "prune", "--max-gb", "0"]) == 0
+    assert "removed 2 compiled program(s); 0 left" in capsys.readouterr().out
+    monkeypatch.setenv(compile_store.CAP_ENV, "lots")
+    with pytest.raises(ValueError, match="GB"):
+        compile_store.cap_bytes()
+
+
+TWO_BUILDS = """
+import sys, torch
+from pathlib import Path
+from verispec.backends.hf import compile_store
+torch.manual_seed(0)
+layer = torch.nn.Linear(8, 4).eval()
+exported = torch.export.export(layer, (torch.ones(1, 8),))
+path = Path(sys.argv[1])
+compile_store.save(exported, path, {"weights": "w", "width": 1}, "linear")
+print(float(compile_store.load(path)(torch.ones(1, 8)).sum()))
+"""
+
+
+def test_two_processes_compiling_into_one_cache_at_once_both_succeed(tmp_path, monkeypatch):
+    import subprocess
+    import sys
+
+    env = {**__import__("os").environ, "VERISPEC_CACHE": str(tmp_path), "VERISPEC_COMPILE_AUTOTUNE": "0",
+           "OMP_NUM_THREADS": "1"}
+    path = tmp_path / "compiled" / "step-shared.so"
+    runs = [subprocess.Popen([sys.executable, "-c", TWO_BUILDS, str(path)], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [run.communicate(timeout=600) for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], [err[-2000:] for _, err in outs]
+    torch.manual_seed(0)
+    with torch.no_grad():
+        expected = float(torch.nn.Linear(8, 4)(torch.ones(1, 8)).sum())
+    assert [float(out.strip().splitlines()[-1]) for out, _ in outs] == pytest.approx([expected, expected], abs=1e-5)
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    assert [Path(r["path"]).name for r in compile_store.records()] == ["step-shared.so"]
+    assert not list((tmp_path / "compiled").glob("*partial*"))
 
 
 def test_the_store_format_is_part_of_the_key(monkeypatch):

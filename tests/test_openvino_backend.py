@@ -721,3 +721,30 @@ def test_static_widths_auto_times_both_layouts_and_keeps_the_logits(tiny_dir, tm
         got, want = model.forward(kv, seq[20:20 + width]).logits, dynamic.forward(kv_d, seq[20:20 + width]).logits
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
         kv.truncate(20), kv_d.truncate(20)
+
+
+TWO_EXPORTS = """
+import sys
+from verispec.backends.openvino.export import export_dir
+print(export_dir(sys.argv[1], "fp32"))
+"""
+
+
+def test_two_processes_exporting_into_one_cache_at_once_both_succeed(tiny_dir, tmp_path):
+    """Two Ray replicas starting on a fresh cache: one exports while the other waits on the entry's lock, then both
+    load the same complete export; nothing half-written is left behind."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {**os.environ, "VERISPEC_CACHE": str(tmp_path)}
+    runs = [subprocess.Popen([sys.executable, "-c", TWO_EXPORTS, str(tiny_dir)], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [run.communicate(timeout=600) for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], [err[-2000:] for _, err in outs]
+    (folder,) = {out.strip().splitlines()[-1] for out, _ in outs}
+    export = Path(folder)
+    assert (export / "verispec_model.xml").exists() and (export / "verispec_export.json").exists()
+    assert sorted(p.name for p in export.parent.iterdir() if p.is_dir()) == [export.name]  # no temporary folders
+    assert sum("exporting" in err for _, err in outs) == 1  # the second found it done

@@ -88,6 +88,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     mod = sub.add_parser("models", help="list built-in models, the caches and the compiled steps stored")
     mod.set_defaults(func=cmd_models)
+
+    cache = sub.add_parser("cache", help="manage the cache (compiled programs)")
+    cache_sub = cache.add_subparsers(dest="cache_command", required=True)
+    prune = cache_sub.add_parser("prune", help="remove the least recently used compiled programs down to a size",
+                                 description="Remove compiled programs (verispec compile, --compile auto), least "
+                                             "recently used first, until the store is under --max-gb. Each build "
+                                             "does this with $VERISPEC_COMPILED_CACHE_GB (default 8).")
+    prune.add_argument("--max-gb", type=float, default=None, metavar="GB",
+                       help="size to prune to (default: $VERISPEC_COMPILED_CACHE_GB, else 8; 0 removes all)")
+    prune.set_defaults(func=cmd_cache_prune)
     return parser
 
 
@@ -207,6 +217,19 @@ def _compile_eagle_head(target):
     if head_dtype("auto", target) != torch.float32:
         return None
     return compiled_steps(EagleHead.load(folder).attach(target.embedding_model), target)
+
+
+def cmd_cache_prune(args) -> int:
+    from ..backends.hf import compile_store
+
+    if args.max_gb is not None and args.max_gb < 0:
+        raise InvalidRequest(f"--max-gb must be >= 0, got {args.max_gb}")
+    limit = compile_store.cap_bytes() if args.max_gb is None else int(args.max_gb * 1e9)
+    removed = compile_store.prune(limit)
+    left = compile_store.records()
+    print(f"removed {len(removed)} compiled program(s); {len(left)} left, "
+          f"{sum(r.get('bytes', 0) for r in left) / 1e9:.2f} GB in {compile_store.folder()} (limit {limit / 1e9:g} GB)")
+    return 0
 
 
 def cmd_models(args) -> int:

@@ -49,7 +49,7 @@ def load_checkpoint(folder: str | Path, settings: dict) -> dict:
     if not path.exists():
         raise InvalidRequest(f"--resume: {path} does not exist; start without --resume (a run writes it at every "
                              "validation and when it stops)")
-    state = torch.load(path, map_location="cpu", weights_only=False)
+    state = torch.load(path, map_location="cpu", weights_only=True)  # tensors and plain values: no code runs
     old = state.get("settings", {})
     changed = [f"{k}: {old.get(k)!r} -> {settings.get(k)!r}" for k in SCHEDULE_KEYS
                if k in settings and old.get(k) != settings.get(k)]

@@ -14,9 +14,11 @@ So the key is verispec's own (``package_key``): a digest of the weights' bytes a
 pass width (1, or the verify program's range such as "2-12"), the step's source code, the CPU (model, instruction-set
 flags, the vector ISA torch dispatches to), the torch, transformers and Python versions, the compile options and the
 store's format. A library is read only under exactly that key, so a changed model, CPU or version builds a new one
-and never uses a stale one; building one removes the libraries (and format-1 packages, ``.pt2``) of the same weights
-and kind (the one-token step, or verify passes of any range) under other keys (an older verispec, torch or CPU:
-``superseded``), so they do not pile up. Libraries are written to a temporary name and renamed, so a stopped build
+and never uses a stale one. Every key keeps its own library: two environments sharing one cache (two torch versions,
+two CPUs behind one network folder) each find theirs instead of deleting the other's and rebuilding forever. What
+bounds the folder is its size: after a build, the least recently used libraries (loading one marks it used) are
+removed until the folder is under ``$VERISPEC_COMPILED_CACHE_GB`` (default 8), the new one never; ``verispec cache
+prune`` does the same on demand. Libraries are written to a temporary name and renamed, so a stopped build
 leaves no half-written file under a real name; a file that does not load is removed and built again.
 
 Libraries live under ``$VERISPEC_CACHE/compiled`` (``verispec.backends.references.cache_dir``) with a JSON file
@@ -46,6 +48,8 @@ FORMAT = 2  # bump when a stored file's meaning changes: older ones then sit und
 LEGACY_SUFFIX = ".pt2"  # format 1 stored whole packages; still listed and superseded, never loaded
 OPTIONS = {"freezing": True, "max_autotune": True}  # what inductor compiles the step with
 AUTOTUNE_ENV = "VERISPEC_COMPILE_AUTOTUNE"
+CAP_ENV = "VERISPEC_COMPILED_CACHE_GB"
+DEFAULT_CAP_GB = 8.0
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +146,9 @@ def load(path: Path) -> Library | None:
     if not path.exists():
         return None
     try:
-        return Library(path)
+        library = Library(path)
+        mark_used(path)
+        return library
     except Exception as exc:  # noqa: BLE001 - a damaged or foreign file: drop it, never run it
         log.warning("removing compiled library %s, which did not load (%s: %s)", path, type(exc).__name__,
                     str(exc).splitlines()[0] if str(exc) else "")
@@ -196,10 +202,46 @@ def save(exported, path: Path, key: dict, name: str) -> float:
     tmp = path.with_suffix(f".{os.getpid()}.json.tmp")
     tmp.write_text(json.dumps(record, indent=1, default=str))
     os.replace(tmp, path.with_suffix(".json"))
-    for old in superseded(path, key):
-        log.info("removing the compiled pass %s, superseded by %s", old, path.name)
-        remove(old)
+    prune(cap_bytes(), keep=(path,))
     return seconds
+
+
+def cap_bytes() -> int:
+    """The size the store is pruned to after a build (``$VERISPEC_COMPILED_CACHE_GB``, default 8)."""
+    raw = os.environ.get(CAP_ENV, "").strip()
+    try:
+        gb = float(raw) if raw else DEFAULT_CAP_GB
+    except ValueError:
+        raise ValueError(f"{CAP_ENV}={raw!r}: give a size in GB, such as 8") from None
+    return int(gb * 1e9)
+
+
+def prune(max_bytes: int, keep=()) -> list[Path]:
+    """Remove the least recently used libraries (by their record's time: built, or last loaded) until the store
+    holds at most ``max_bytes``; never those in ``keep``. Returns what was removed."""
+    keep = {str(k) for k in keep}
+    found = sorted(records(), key=lambda r: r["used"])  # least recently used first
+    total = sum(r.get("bytes", 0) or Path(r["path"]).stat().st_size for r in found)
+    removed = []
+    for record in found:
+        if total <= max_bytes:
+            break
+        if record["path"] in keep:
+            continue
+        log.info("removing the compiled pass %s (least recently used; the store is capped at %.1f GB)",
+                 Path(record["path"]).name, max_bytes / 1e9)
+        remove(Path(record["path"]))
+        total -= record.get("bytes", 0)
+        removed.append(Path(record["path"]))
+    return removed
+
+
+def mark_used(path: Path) -> None:
+    """Record that the library at ``path`` was just loaded (its record's time), for the least-recently-used order."""
+    try:
+        os.utime(path.with_suffix(".json"))
+    except OSError:
+        pass
 
 
 def _take_library(package: Path, to: Path) -> None:
@@ -210,14 +252,6 @@ def _take_library(package: Path, to: Path) -> None:
             raise RuntimeError(f"expected one library in the compiled package, found {len(libraries)}")
         with archive.open(libraries[0]) as src, open(to, "wb") as dst:
             shutil.copyfileobj(src, dst, 16 << 20)
-
-
-def superseded(path: Path, key: dict) -> list[Path]:
-    """The stored packages that the package at ``path`` (under ``key``) replaces: the same weights and kind of pass
-    (the one-token step, or verify passes of any range) under another key (an older verispec, torch, range of verify
-    widths, or another CPU)."""
-    return [Path(old["path"]) for old in records() if old["path"] != str(path)
-            and old["key"].get("weights") == key["weights"] and (old["key"].get("width") == 1) == (key["width"] == 1)]
 
 
 def remove(path: Path) -> None:
@@ -236,7 +270,7 @@ def records() -> list[dict]:
             continue
         stored = next((p for p in (meta.with_suffix(".so"), meta.with_suffix(LEGACY_SUFFIX)) if p.exists()), None)
         if stored is not None:
-            out.append({**record, "path": str(stored)})
+            out.append({**record, "path": str(stored), "used": meta.stat().st_mtime})
     return sorted(out, key=lambda r: r.get("built", ""), reverse=True)
 
 

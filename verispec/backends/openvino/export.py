@@ -97,10 +97,21 @@ def export_dir(ref: str, weights: str = "fp32") -> Path:
         weights = "fp32"  # a transformers folder's own weights are its float32 ones
     name = Path(ref).stem if Path(ref).exists() else ref.replace("/", "--")
     out = cache_dir() / "openvino" / f"{name}-{weights}-{_source_key(folder, weights, gguf)}"
-    if not (out / MODEL_XML).exists() or not (out / VERISPEC_XML).exists():
-        export(folder, out, weights, gguf)
-        _remove_outdated(out, folder, weights)
+    if not _complete(out):
+        from filelock import FileLock
+
+        out.parent.mkdir(parents=True, exist_ok=True)
+        # one exporter per entry: another process (a Ray replica on a fresh cache) waits here, then finds it done
+        with FileLock(str(out) + ".lock"):
+            if not _complete(out):
+                export(folder, out, weights, gguf)
+                _remove_outdated(out, folder, weights)
     return out
+
+
+def _complete(out: Path) -> bool:
+    """An export is complete once its record is written: the last file, written after both graphs."""
+    return (out / MODEL_XML).exists() and (out / VERISPEC_XML).exists() and (out / "verispec_export.json").exists()
 
 
 def _remove_outdated(out: Path, folder: Path, weights: str) -> None:
@@ -128,8 +139,11 @@ def gguf_source(ref: str) -> Path | None:
 
 
 def export(folder: Path, out: Path, weights: str = "fp32", gguf: Path | None = None) -> Path:
-    """Export the transformers model in ``folder`` to ``out`` (written whole to a temporary folder, then moved);
-    ``as-is`` replaces the float32 weights with ``gguf``'s own blocks (``gguf_blocks``)."""
+    """Export the transformers model in ``folder`` to ``out`` (written whole to a temporary folder of a unique name,
+    then renamed into place: a reader never sees half an export); ``as-is`` replaces the float32 weights with
+    ``gguf``'s own blocks (``gguf_blocks``). ``export_dir`` calls it holding the entry's lock."""
+    from tqdm.auto import tqdm
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -147,6 +161,7 @@ def export(folder: Path, out: Path, weights: str = "fp32", gguf: Path | None = N
     tokenizer = AutoTokenizer.from_pretrained(folder)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    progress = tqdm(total=2, desc=f"OpenVINO export ({weights})", unit="graph")
     try:
         for xml, custom_mask in ((MODEL_XML, False), (VERISPEC_XML, True)):
             # GenAI's graph keeps the layout optimum-intel exports; verispec's own runs each group of projections
@@ -163,6 +178,7 @@ def export(folder: Path, out: Path, weights: str = "fp32", gguf: Path | None = N
                 log.warning("%s: %s", xml, held[xml].summary())
             ov.save_model(ov_model, tmp / xml, compress_to_fp16=weights == "fp16")
             del ov_model
+            progress.update()
         _save_tokenizer(tokenizer, tmp)
         model.config.save_pretrained(tmp)
         if model.generation_config is not None:
@@ -174,10 +190,13 @@ def export(folder: Path, out: Path, weights: str = "fp32", gguf: Path | None = N
             {"source": str(folder), "weights": weights, "export_version": EXPORT_VERSION,
              **({"gguf": str(gguf), "gguf_blocks": {x: {"kinds": h.kinds, "float32": h.float32}
                                                    for x, h in held.items()}} if held else {})}, indent=2))
-        if out.exists():
-            shutil.rmtree(out)
+        if out.exists():  # an incomplete export left by a stopped process: moved aside first, then removed
+            stale = Path(tempfile.mkdtemp(prefix=out.name + ".stale.", dir=out.parent))
+            out.rename(stale / "old")
+            shutil.rmtree(stale, ignore_errors=True)
         tmp.rename(out)
     finally:
+        progress.close()
         if tmp.exists():
             shutil.rmtree(tmp)
     return out
