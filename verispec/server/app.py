@@ -213,6 +213,7 @@ class Server:
         if self.config.compile_job is not None:
             self.config.compile_job.stop()
         self.tokenizing.shutdown(wait=False, cancel_futures=True)
+        log.warning("shut down: admitting nothing, batch worker and background work stopped")
 
     async def deltas(self, jobs: list[Job], request: Request, slots: list) -> AsyncIterator[tuple[int, str]]:
         """``(sample index, text delta)`` of an admitted request's jobs, then ``(index, DONE)`` as each ends, stepped by the batch worker (its samples as
