@@ -343,7 +343,7 @@ def load(ref: str, dtype: str | torch.dtype = "float32", device: str | None = No
     folder = resolve(ref)
     source = str(folder) if folder is not None else ref
     try:
-        with transformers_progress_bars(False):
+        with transformers_progress_bars(folder is None):  # a hub id may download: show it; a local load is quiet
             tokenizer = AutoTokenizer.from_pretrained(source)
             model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
     except OSError as exc:

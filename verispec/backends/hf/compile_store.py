@@ -170,6 +170,30 @@ def _environment(name: str, value: str):
             os.environ[name] = old
 
 
+@contextmanager
+def _elapsed(what: str):
+    """A line on a terminal's stderr counting the seconds of a long step (a build takes minutes); nothing elsewhere."""
+    import threading
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(desc=what, bar_format="{desc}: {elapsed}", disable=None, leave=False)
+    done = threading.Event()
+
+    def tick() -> None:
+        while not done.wait(1.0):
+            bar.refresh()
+
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    try:
+        yield
+    finally:
+        done.set()
+        ticker.join()
+        bar.close()
+
+
 def save(exported, path: Path, key: dict, name: str) -> float:
     """Compile ``exported`` (a ``torch.export.ExportedProgram``) and store its library at ``path``; returns the
     seconds."""
@@ -184,7 +208,8 @@ def save(exported, path: Path, key: dict, name: str) -> float:
     # folder of ours, removed afterwards (C++ kernels are then compiled afresh for every build; builds are rare)
     work = tempfile.mkdtemp(prefix="verispec-build-")
     try:
-        with warnings.catch_warnings(), _environment("TORCHINDUCTOR_CACHE_DIR", work):
+        with warnings.catch_warnings(), _environment("TORCHINDUCTOR_CACHE_DIR", work), \
+                _elapsed(f"compiling {name} ({'one-token step' if key.get('width') == 1 else 'passes'})"):
             warnings.simplefilter("ignore", FutureWarning)  # torch's own pytree deprecations
             # a copy of the options: inductor adds its own keys to the dict it is given
             torch._inductor.aoti_compile_and_package(exported, package_path=str(partial),
