@@ -148,7 +148,7 @@ def _add_data_arguments(t, *, eagle: bool) -> None:
                         "file read whole (.txt, .md, code); repeatable. Each is tokenized as it stands, cut into "
                         "sequences of --text-seq-tokens and teacher-forced per batch like --features online data, "
                         "with the target's distribution as the label at every position; training only "
-                        "(scripts/offline_corpus.py gathers text found offline)")
+                        "(experiments/offline_corpus.py gathers text found offline)")
     x.add_argument("--text-seq-tokens", type=int, default=512, metavar="N",
                    help="tokens per text sequence (default: 512)")
     x.add_argument("--text-max-tokens", type=int, metavar="N",

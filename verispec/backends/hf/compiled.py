@@ -341,7 +341,7 @@ def _export(shadow: nn.Module, width: int = 1, widths: tuple[int, int] | None = 
     """``torch.export`` of a pass of ``width`` tokens (the one-token step by default) with the cache's size (columns)
     dynamic: one program for every length; with ``widths`` (lowest, highest) the pass width is dynamic too, one
     program for every verify pass in that range, exported at the width in the range nearest ``example`` (4 or 8
-    measured the same). ``scripts/compiled_width.py`` exports other widths and dtypes with it."""
+    measured the same). ``experiments/compiled_width.py`` exports other widths and dtypes with it."""
     config = shadow.config
     kv = FixedKV(capacity=3 * GROWTH)
     # lay out the buffers with an eager pass of two tokens (no_grad, not inference mode: export writes into them)

@@ -4,7 +4,7 @@ A position's logits must come out bit for bit the same whether the position is c
 one row of a wide verify pass; otherwise greedy speculation can flip an argmax that plain decoding would not. In
 float32 the rows differ by ~1e-6 (identity is measured, not promised); in bfloat16 by up to 0.5 in the logits
 (docs/kernels.md), which flips tokens. Two parts of the default model's pass depend on the width there
-(``scripts/width_invariance.py``, ``scripts/linear_width_identity.py``):
+(``experiments/width_invariance.py``, ``experiments/linear_width_identity.py``):
 
 * SDPA: its split of the keys and queries into blocks depends on how many rows the pass has;
 * the packed linears' one-row path: a row computed alone (M = 1) can differ from the same row in a product of two or

@@ -1,0 +1,29 @@
+"""The repository as a newcomer clones it: self-contained (nothing points outside it), the package apart from the
+lab notebook (experiments/ indexed, never imported by verispec/)."""
+
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tracked() -> list[Path]:
+    out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    return [ROOT / line for line in out.splitlines() if line]
+
+
+def test_nothing_points_outside_the_clone():
+    texts = [p for p in tracked() if p.suffix in (".py", ".md", ".toml", ".yml", ".yaml", ".sh") or p.name == "run"]
+    offenders = [str(p.relative_to(ROOT)) for p in texts if p.exists() and "../shared" in p.read_text(errors="replace")]
+    assert not offenders
+
+
+def test_experiments_live_apart_and_each_is_indexed():
+    assert not (ROOT / "scripts").exists()
+    index = (ROOT / "experiments" / "README.md").read_text()
+    scripts = sorted(p.name for p in (ROOT / "experiments").glob("*.py"))
+    assert scripts and [s for s in scripts if f"| {s} |" not in index] == []
+    importing = [str(p.relative_to(ROOT)) for p in (ROOT / "verispec").rglob("*.py")
+                 if re.search(r"^\s*(from|import)\s+experiments\b", p.read_text(), re.M)]
+    assert not importing
