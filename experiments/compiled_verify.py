@@ -1,4 +1,4 @@
-"""Compiled verify passes against eager ones, beside the compiled one-token step (docs/results.md, 2026-11-27 15:15
+"""Compiled verify passes against eager ones, beside the compiled one-token step (docs/results-archive.md, 2026-11-27 15:15
 UTC).
 
     python experiments/compiled_verify.py [--prompts 12] [--tokens 128] [--drafters none,ngram,eagle] [--widths 1,2,5,9,17]

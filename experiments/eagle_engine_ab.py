@@ -1,4 +1,4 @@
-"""The EAGLE head's engines side by side on one compiled target (docs/results.md, 2026-11-28).
+"""The EAGLE head's engines side by side on one compiled target (docs/results-archive.md, 2026-11-28).
 
     python experiments/eagle_engine_ab.py [--prompts 18] [--tokens 128] [--engines torch,compiled] [--temperature 0]
                                       [--k 0] [--tree]

@@ -1,4 +1,4 @@
-"""What the CPU plugin's own knobs do to an OpenVINO int4 pass (docs/results.md, 2026-11-26 14:24 UTC; issue 35).
+"""What the CPU plugin's own knobs do to an OpenVINO int4 pass (docs/results-archive.md, 2026-11-26 14:24 UTC; issue 35).
 
     python experiments/openvino_knobs.py                      # every configuration below
     python experiments/openvino_knobs.py base,dq0             # some of them

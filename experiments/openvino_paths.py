@@ -1,4 +1,4 @@
-"""The OpenVINO backend's pass paths side by side, in one process, interleaved per prompt (docs/results.md,
+"""The OpenVINO backend's pass paths side by side, in one process, interleaved per prompt (docs/results-archive.md,
 2026-11-25 15:00 UTC).
 
     python experiments/openvino_paths.py engines --weights bf16          # paged attention against the stateful graph

@@ -1,4 +1,4 @@
-"""Where an OpenVINO speculative step's time goes, and what a drafter does with the steps (docs/results.md,
+"""Where an OpenVINO speculative step's time goes, and what a drafter does with the steps (docs/results-archive.md,
 2026-11-26 10:15 UTC; issue 35).
 
     python experiments/openvino_step_budget.py widths --weights int4       # pass cost per static width, 300 cached tokens

@@ -1,4 +1,4 @@
-"""Where a decoding step's milliseconds go, plain decoding against a drafter, on one loaded target (docs/results.md,
+"""Where a decoding step's milliseconds go, plain decoding against a drafter, on one loaded target (docs/results-archive.md,
 2026-11-28 13:40 UTC).
 
     python experiments/step_overhead.py [--prompts 6] [--tokens 128] [--backend llamacpp] [--weights f16] [--drafter eagle]

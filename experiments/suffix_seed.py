@@ -1,4 +1,4 @@
-"""How much a suffix store seeded with the target's own answers adds (docs/results.md, 2026-11-26 05:00 UTC).
+"""How much a suffix store seeded with the target's own answers adds (docs/results-archive.md, 2026-11-26 05:00 UTC).
 
     python experiments/suffix_seed.py --data DATA --answers 1000 --max-tokens 200000
 

@@ -96,7 +96,7 @@ def test_audit_passes_in_bfloat16(bf16_model):
 
 def test_packed_float32_greedy_equals_transformers_generate_on_plain_weights(default_model):
     """verispec runs prepacked weights where the CPU can; transformers' generate runs the plain ones. On these prompts
-    the greedy tokens agree (the share over Spec-Bench is measured by experiments/kernel_identity.py, docs/results.md)."""
+    the greedy tokens agree (the share over Spec-Bench is measured by experiments/kernel_identity.py, docs/results-archive.md)."""
     plain = load_model("smollm2-135m", dtype="float32", pack=False)
     decoder = SpeculativeDecoder(default_model)
     for prompt in PROMPTS:

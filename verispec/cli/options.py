@@ -81,8 +81,7 @@ def add_backend_options(g: argparse._ArgumentGroup) -> None:
                    help="openvino backend: a one-sequence pass of up to the largest of these widths is padded to the "
                         "next of them and runs on a graph of static shapes (default auto: 1,2,4,6, and 8,10 too where "
                         "passes of 7-10 tokens measure cheaper on them, timed once per CPU; none: every pass on the "
-                        "dynamic graph). 8,10 ran suffix drafts 3-14%% faster on AMD EPYC Zen 3 and Zen 4, costing "
-                        "~3 s more at load and ~250 MB (docs/openvino.md)")
+                        "dynamic graph). Static graphs cost load time and memory; measurements: docs/openvino.md)")
     add_compile_option(g)
     add_cost_cache_option(g)
 
@@ -104,8 +103,7 @@ def add_compile_option(g: argparse._ArgumentGroup) -> None:
                         "--max-batch 1 compiles them in the background and switches when ready); on: compile now if "
                         "none is stored (a few minutes once per model and machine, then seconds to load; needs a "
                         "C++ compiler); off: always eager. "
-                        f"${COMPILE_ENV} sets the default. "
-                        "Plain decoding ran 1.67x faster on a 2-core EPYC (docs/kernels.md)")
+                        f"${COMPILE_ENV} sets the default. What it buys per CPU: docs/kernels.md")
 
 
 def load_args_model(args, ref: str, **overrides):

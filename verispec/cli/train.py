@@ -128,8 +128,8 @@ def _add_data_arguments(t, *, eagle: bool) -> None:
     d.add_argument("--gen-batch-size", type=int, default=32, help="answers generated together (default: 32)")
     d.add_argument("--gen-backend", default="transformers", choices=["transformers", "llamacpp"],
                    help="what writes the answers: transformers' generate, or llama.cpp's batch engine on the "
-                        "target's GGUF weights (F16 unless --gen-dtype says float32; CPU only; 2-3x faster on a 2-core "
-                        "AVX2 Zen 3, docs/results.md). The hidden states and labels always come from the transformers "
+                        "target's GGUF weights (F16 unless --gen-dtype says float32; CPU only; measured: docs/eagle.md). "
+                        "The hidden states and labels always come from the transformers "
                         "target (default: transformers)")
     d.add_argument("--answers-per-prompt", type=int, default=1, metavar="N",
                    help="answers per prompt: the first greedy, the others sampled at --answer-temperature (default: "

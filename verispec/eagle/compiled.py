@@ -6,7 +6,7 @@ launched from Python. ``StepGraph`` (the step as a function of plain tensors, th
 too) is exported with the number of new pairs (1 to ``MAX_ROWS``) and of cached pairs dynamic and compiled like the
 target's one-token step (``verispec.backends.hf.compile_store``: frozen weights, ``max_autotune``, stored on disk
 under a key of the head's weights, config, code, CPU and versions). Measured on a 2-core AMD EPYC Zen 3 (AVX2, no
-bfloat16), 300 cached pairs: 1.53 ms a one-pair step with its logits against 3.03 ms eager (docs/results.md,
+bfloat16), 300 cached pairs: 1.53 ms a one-pair step with its logits against 3.03 ms eager (docs/results-archive.md,
 2026-11-28).
 
 ``CompiledHeadSteps`` has the torch head's ``step_logits``; the drafter calls whichever engine it was given. A

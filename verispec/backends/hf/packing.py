@@ -2,7 +2,7 @@
 
 On CPU, ``torch.nn.functional.linear`` hands matmuls to MKL (float32) or oneDNN (bfloat16) with the weight in its
 plain layout. Packing the weight once into the blocked layout oneDNN's kernels want makes decoding's skinny matmuls
-(1 to ~64 rows against a big weight) faster. Measured (docs/results.md, "CPU kernels"; docs/kernels.md):
+(1 to ~64 rows against a big weight) faster. Measured (docs/results-archive.md, "CPU kernels"; docs/kernels.md):
   * AMD EPYC, AVX2 only, float32, 2 threads: all the default model's linears with weights streamed from memory
     took 46.1 ms (MKL) against 32.6 ms packed at 1 row, 95.3 against 44.9 ms at 9 rows;
   * Intel Xeon, AVX-512 bf16, bfloat16: a one-token forward took 39.8 ms plain against 33.6 ms packed.
