@@ -108,8 +108,9 @@ def test_a_seed_that_makes_wide_passes_dear_gives_way_to_this_process_measuremen
         curve.observe(2, 0.027)
     assert curve(9) == pytest.approx(0.025 + 8 * 0.002, rel=0.2)  # now the live line: wide passes are cheap
     assert controller.verify_length(8, None, True).n >= 3
-    # only what this process measured or confirmed is stored for the next one
-    assert curve.stored().keys() == {1, 2}
+    # what this process measured or confirmed is stored for the next one; the widths it never timed go along,
+    # marked as passed on untimed once
+    assert curve.stored().keys() == poisoned.keys() and curve.unconfirmed() == {w: 1 for w in poisoned if w > 2}
     for _ in range(3):
         curve.observe(9, 0.031)  # a live wide pass finds the seed stale: that stored width is measured again
     assert curve.measured()[9] == pytest.approx(0.031) and 3 in curve._seeded  # the rest wait for their steps
@@ -119,10 +120,11 @@ def test_a_seed_that_makes_wide_passes_dear_gives_way_to_this_process_measuremen
     for _ in range(3):
         curve.observe(1, 0.010)
         curve.observe(2, 0.012)
-    assert curve(5) == pytest.approx(0.018, rel=0.15) and curve.stored().keys() == {1, 2}  # optimistic until timed
+    assert curve(5) == pytest.approx(0.018, rel=0.15) and curve.unconfirmed() == {5: 1}  # optimistic until timed
     for _ in range(3):
         curve.observe(5, 0.020)  # timed: confirmed, stored, and on the line again
     assert curve(5) == pytest.approx(0.020, rel=0.05) and curve.stored().keys() == {1, 2, 5}
+    assert curve.unconfirmed() == {}
 
 
 def test_a_calibration_timed_under_load_gives_way_too_and_is_stored_for_the_next_process():
@@ -131,7 +133,7 @@ def test_a_calibration_timed_under_load_gives_way_too_and_is_stored_for_the_next
     curve = CostCurve()
     curve.seed({1: 0.010}, stored=True)  # from an earlier process, never confirmed here
     curve.seed({2: 0.030, 5: 0.045, 9: 0.060}, stored=False)  # this process's calibration, under load
-    assert curve.stored().keys() == {2, 5, 9}  # what it measured itself is passed on; the unconfirmed store is not
+    assert curve.stored().keys() == {1, 2, 5, 9} and curve.unconfirmed() == {1: 1}  # the store's width: untimed
     for _ in range(3):
         curve.observe(1, 0.010)
         curve.observe(2, 0.011)  # the load is gone: 3x below the calibrated value, so every provisional width goes
@@ -145,6 +147,35 @@ def test_a_calibration_timed_under_load_gives_way_too_and_is_stored_for_the_next
     for _ in range(3):
         curve.observe(3, 0.031)
     assert curve(9) < 0.045 and curve.seeded  # widths 2 and 3 draw the line; widths 1 and 9 are still unconfirmed
+
+
+def test_stored_widths_nobody_times_are_passed_on_for_a_few_processes_then_dropped(store):
+    """A process whose controller runs narrow passes passes on the wide widths it inherited (so the next one-shot
+    process does not calibrate them again), for at most MAX_AGE processes in a row; timing one resets its age."""
+    from verispec.controller import UNCONFIRMED
+
+    key = {"model": "aging"}
+    measurements.save(COST_RECORD, key, {"1": 0.010, "2": 0.012, "9": 0.030})
+    for generation in range(1, CostCurve.MAX_AGE + 1):
+        curve = CostCurve()
+        curve.key = key
+        stored = dict(measurements.load(COST_RECORD, key))
+        ages = {int(w): a for w, a in (stored.pop(UNCONFIRMED, None) or {}).items()}
+        curve.seed({int(w): v for w, v in stored.items()}, ages=ages)
+        for _ in range(3):  # this process times widths 1 and 2 only
+            curve.observe(1, 0.010)
+            curve.observe(2, 0.012)
+        save_cost_curve(curve, force=True)
+        record = measurements.load(COST_RECORD, key)
+        if generation < CostCurve.MAX_AGE:
+            assert record["9"] == pytest.approx(0.030) and record[UNCONFIRMED] == {"9": generation}
+        else:
+            assert "9" not in record and UNCONFIRMED not in record  # nobody timed it for MAX_AGE processes
+    curve = CostCurve()
+    curve.seed({1: 0.010, 9: 0.030}, ages={9: 2})
+    for _ in range(3):
+        curve.observe(9, 0.031)  # timed here: confirmed, its age starts again
+    assert 9 in curve.stored() and curve.unconfirmed() == {1: 1}
 
 
 def test_calibration_keeps_the_faster_time_of_each_width_as_provisional(monkeypatch):

@@ -90,8 +90,13 @@ class CostCurve:
     measurements say: once it has timed two widths itself, a pass costs the lower of the seeded line and the line
     through its own widths. Otherwise a stored curve that once measured wide passes under load (3.6x a step at
     width 3, where they cost 1.2x) kept the controller at its narrowest draft, which never timed a wide pass again
-    to find the seed stale, in this process and in every later one that read the curve back. Only confirmed and
-    live widths are stored again (``stored``).
+    to find the seed stale, in this process and in every later one that read the curve back.
+
+    What is stored again (``stored``): the widths this process measured or confirmed, and, for at most ``MAX_AGE``
+    processes in a row, the stored widths it never timed (their age counted in the record: ``unconfirmed``). A
+    process whose controller runs narrow passes only thus passes on the wide widths it inherited, and the next
+    one-shot process does not calibrate them again (that re-measurement had been 7-14% of a one-shot `generate`'s
+    wall time); a width nobody has timed for ``MAX_AGE`` processes is dropped and timed afresh.
 
     The engine's calibration (a few passes timed at the first request) enters the same way (``seed(...,
     stored=False)``): a load on the machine during those few passes had locked a whole run into one-token drafts
@@ -102,6 +107,7 @@ class CostCurve:
     SEED_WEIGHT = 2.0
     STALE_AFTER = 3
     STALE_FACTOR = 1.5
+    MAX_AGE = 4  # processes in a row that may pass on a stored width without timing it
 
     def __init__(self, smoothing: float = 0.1, prior_slope: float = 0.1) -> None:
         self.smoothing = smoothing
@@ -111,6 +117,7 @@ class CostCurve:
         self._live_line: tuple[float, float, float, float] | None = None
         self._seeded: dict[int, float] = {}  # width -> the stored value it started from
         self._from_store: set[int] = set()  # seeded widths read from an earlier process (not this one's calibration)
+        self._ages: dict[int, int] = {}  # stored widths: how many processes in a row passed them on untimed
         self._live: dict[int, list[float]] = {}  # this process's first measurements at seeded widths
         self.changed = False  # measured since it was last stored
         self.key: dict | None = None  # what it is stored under (shared_cost_curve); None: never stored
@@ -127,17 +134,20 @@ class CostCurve:
         else:
             mean.add(min(seconds, 3 * mean.value))  # one stall (a page fault, another process) is not the curve
 
-    def seed(self, measured: dict[int, float], stored: bool = True) -> None:
-        """Start from ``measured`` (width -> seconds): an earlier process's curve, or with ``stored=False`` this
-        process's calibration; either is provisional until live steps confirm it (see the class docstring)."""
+    def seed(self, measured: dict[int, float], stored: bool = True, ages: dict[int, int] | None = None) -> None:
+        """Start from ``measured`` (width -> seconds): an earlier process's curve (``ages``: how many processes
+        had passed each width on without timing it), or with ``stored=False`` this process's calibration; either is
+        provisional until live steps confirm it (see the class docstring)."""
         for width, seconds in measured.items():
             if int(width) >= 1 and float(seconds) > 0:
                 self._means[int(width)] = RunningMean(float(seconds), self.SEED_WEIGHT, self.smoothing)
                 self._seeded[int(width)] = float(seconds)
                 if stored:
                     self._from_store.add(int(width))
+                    self._ages[int(width)] = int((ages or {}).get(int(width), 0))
                 else:
                     self._from_store.discard(int(width))
+                    self._ages.pop(int(width), None)
         self._line = self._live_line = None
 
     @property
@@ -176,11 +186,20 @@ class CostCurve:
     def measured(self) -> dict[int, float]:
         return {w: m.value for w, m in sorted(self._means.items())}
 
+    def _untimed(self, width: int) -> bool:
+        """A width read from the store that this process has not timed."""
+        return width in self._seeded and width in self._from_store and width not in self._live
+
     def stored(self) -> dict[int, float]:
-        """What is worth storing for the next process: the widths this process measured or confirmed (a seeded
-        width never timed here is left out rather than passed on unchecked)."""
+        """What is worth storing for the next process: the widths this process measured or confirmed, and the
+        stored widths it never timed while fewer than ``MAX_AGE`` processes have passed them on so (``unconfirmed``
+        gives their new ages)."""
         return {w: m.value for w, m in sorted(self._means.items())
-                if w not in self._seeded or w not in self._from_store or w in self._live}
+                if not self._untimed(w) or self._ages.get(w, 0) + 1 < self.MAX_AGE}
+
+    def unconfirmed(self) -> dict[int, int]:
+        """The ages to store with ``stored``'s untimed widths (processes in a row that passed each on)."""
+        return {w: self._ages.get(w, 0) + 1 for w in self.stored() if self._untimed(w)}
 
     def __bool__(self) -> bool:
         return bool(self._means)
@@ -250,6 +269,7 @@ def _weighted_median(values: list[tuple[float, float]]) -> float:
 
 _CURVES: "weakref.WeakKeyDictionary[object, dict[object, CostCurve]]" = weakref.WeakKeyDictionary()
 COST_RECORD = "cost-curve"  # the kind of record a curve is stored as (verispec.backends.measurements)
+UNCONFIRMED = "unconfirmed"  # a record's entry: the ages of the widths passed on untimed (CostCurve.MAX_AGE)
 SAVE_INTERVAL_S = 10.0
 
 
@@ -271,7 +291,9 @@ def shared_cost_curve(target, trees: bool = False) -> CostCurve:
             curve.key = {**curve.key, "passes": "trees"}
         stored = measurements.load(COST_RECORD, curve.key)
         if stored:
-            curve.seed({int(w): s for w, s in stored.items()})
+            stored = dict(stored)
+            ages = {int(w): int(a) for w, a in (stored.pop(UNCONFIRMED, None) or {}).items()}
+            curve.seed({int(w): s for w, s in stored.items()}, ages=ages)
             log.info("step costs of %s from an earlier run: %s", target.name, stored)
     return curve
 
@@ -284,7 +306,11 @@ def save_cost_curve(curve: CostCurve, force: bool = False) -> None:
     if not force and now - curve.saved_at < SAVE_INTERVAL_S:
         return
     curve.saved_at, curve.changed = now, False
-    measurements.save(COST_RECORD, curve.key, {str(w): s for w, s in curve.stored().items()})
+    record: dict = {str(w): s for w, s in curve.stored().items()}
+    ages = curve.unconfirmed()
+    if ages:
+        record[UNCONFIRMED] = {str(w): a for w, a in ages.items()}
+    measurements.save(COST_RECORD, curve.key, record)
 
 
 class Acceptance:
