@@ -107,7 +107,7 @@ class CostCurve:
     SEED_WEIGHT = 2.0
     STALE_AFTER = 3
     STALE_FACTOR = 1.5
-    MAX_AGE = 4  # processes in a row that may pass on a stored width without timing it
+    MAX_AGE = 8  # processes in a row that may pass on a stored width without timing it
 
     def __init__(self, smoothing: float = 0.1, prior_slope: float = 0.1) -> None:
         self.smoothing = smoothing
