@@ -8,6 +8,8 @@ Starts, on the built-in model and the same GGUF file, all on loopback with the s
 - ``llama-server ngram-mod``: the same with ``--spec-type ngram-mod`` (its pool shared by all slots);
 - ``verispec llamacpp``: ``verispec serve --backend llamacpp --max-batch L`` (n-gram drafter, cost controller);
 - ``verispec transformers``: ``verispec serve --max-batch L`` (float32, n-gram drafter, cost controller);
+- ``verispec default``: ``verispec serve --max-batch L`` with nothing else: the engine ``--backend auto`` picks (on the
+  model's own weights) and the default drafter (suffix);
 
 then, for every level, runs ``verispec bench-serve`` against each server in turn (rotating the order each round,
 so a slow spell of a shared machine hits all servers of a level alike). Writes each bench-serve folder,
@@ -31,7 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from batch_serving import bench, machine_line  # noqa: E402
 from serving import Server  # noqa: E402
 
-SERVERS = ["llama-server", "llama-server ngram-mod", "verispec llamacpp", "verispec transformers"]
+SERVERS = ["llama-server", "llama-server ngram-mod", "verispec llamacpp", "verispec transformers",
+           "verispec default"]
 
 
 def start(name: str, args, slots: int, gguf: Path, binary: Path):
@@ -41,7 +44,10 @@ def start(name: str, args, slots: int, gguf: Path, binary: Path):
     if name.startswith("llama-server"):
         extra = ["--spec-type", "ngram-mod"] if name.endswith("ngram-mod") else []
         return LlamaServer(binary, gguf, args.threads, extra, parallel=slots, ctx=2048 * slots, alias=args.target)
-    backend = ["--backend", "llamacpp"] if name.endswith("llamacpp") else []
+    if name == "verispec default":
+        return Server("--target", args.target, "--max-batch", str(slots), "--max-queue", "64", "--threads", threads,
+                      *shlex.split(args.verispec_args), timeout=900, env={"VERISPEC_BACKEND": None})
+    backend = ["--backend", "llamacpp"] if name.endswith("llamacpp") else ["--backend", "transformers"]
     return Server("--target", args.target, "--max-batch", str(slots), "--max-queue", "64", "--threads", threads,
                   "--drafter", "ngram", *backend, *shlex.split(args.verispec_args), timeout=900)
 
