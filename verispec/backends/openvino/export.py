@@ -211,7 +211,7 @@ def trace(model, custom_mask: bool = False):
     """The model as an OpenVINO graph with the cache as explicit inputs and outputs (stateless). ``custom_mask``:
     the mask input is 4-D and additive, and every layer's hidden states are a second output."""
     import torch
-    from transformers.cache_utils import DynamicCache
+    from transformers.cache_utils import DynamicCache, DynamicLayer
 
     ov = import_openvino()
     cfg = model.config
@@ -227,6 +227,11 @@ def trace(model, custom_mask: bool = False):
         def forward(self, input_ids, attention_mask, position_ids, *rest):
             logit_rows, past = (rest[0], rest[1:]) if custom_mask else (None, rest)
             cache = DynamicCache(config=self.inner.config)
+            # sliding-window layers as full ones: the graph keeps every position and the mask decides what a layer
+            # sees (a sliding layer would count positions it was given directly as none, and cut its cache); the
+            # backend caps a model's context at its window (``OpenVINOModel.context_length``), where both agree
+            cache.layers[:layers] = [DynamicLayer() if getattr(layer, "is_sliding", False) else layer
+                                     for layer in cache.layers[:layers]]
             for i, layer in enumerate(cache.layers[:layers]):
                 # set the past directly: DynamicLayer.update concatenates onto an empty 1-D tensor, which the
                 # converter cannot shape
