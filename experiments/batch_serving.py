@@ -39,9 +39,9 @@ CONFIGS = {
 ONE_SLOT_LEVELS = {1, 8}
 
 
-def bench(url: str, level: int, requests: int, max_tokens: int, out: Path) -> dict:
+def bench(url: str, level: int, requests: int, max_tokens: int, out: Path, extra: list[str] = ()) -> dict:
     cmd = [sys.executable, "-m", "verispec", "bench-serve", url, "--concurrency", str(level), "--requests",
-           str(requests), "--max-tokens", str(max_tokens), "--out", str(out), "--no-plots"]
+           str(requests), "--max-tokens", str(max_tokens), "--out", str(out), "--no-plots", *extra]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if not done.stdout.strip():
         raise RuntimeError(f"bench-serve failed: {done.stderr[-2000:]}")

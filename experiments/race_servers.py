@@ -64,6 +64,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--llama-server", help="llama-server binary (default: found as verispec bench finds it)")
     ap.add_argument("--verispec-args", default="", help="more options for both verispec servers")
+    ap.add_argument("--bench-args", default="", help="more options for bench-serve, e.g. \"--limit 3\" (3 questions "
+                                                    "of each Spec-Bench group instead of the first ones)")
     args = ap.parse_args()
     from verispec.backends import load_model
     from verispec.bench.llama_server import find_binary
@@ -87,7 +89,8 @@ def main() -> int:
                 for name in order:
                     t0 = time.perf_counter()
                     folder = f"{name.replace(' ', '-')}-c{level}" + (f"-r{r}" if args.rounds > 1 else "")
-                    summary = bench(servers[name].url, level, args.requests, args.max_tokens, args.out / folder)
+                    summary = bench(servers[name].url, level, args.requests, args.max_tokens, args.out / folder,
+                                    shlex.split(args.bench_args))
                     summary["round"] = r
                     rows.setdefault(level, {}).setdefault(name, []).append(summary)
                     print(f"round {r} c={level} {name}: {summary.get('output_tokens_per_second')} tok/s, "
@@ -121,7 +124,8 @@ def write_table(rows: dict, names: list[str], args, gguf: Path, binary: Path) ->
         lines.append(f"| {level} | " + " | ".join(cells + ratios + tpot) + f" | {errors} |")
     text = "\n".join(lines) + "\n"
     command = (f"python experiments/race_servers.py --out {args.out} --levels {args.levels} --requests {args.requests} "
-               f"--max-tokens {args.max_tokens} --rounds {args.rounds} --servers {shlex.quote(args.servers)}")
+               f"--max-tokens {args.max_tokens} --rounds {args.rounds} --servers {shlex.quote(args.servers)}"
+               + (f" --bench-args {shlex.quote(args.bench_args)}" if args.bench_args else ""))
     (args.out / "table.md").write_text(f"{machine_line()}\n\nModel file {gguf.name}; llama-server {binary}\n\n"
                                        f"`{command}`\n\n" + text)
     print(text)
