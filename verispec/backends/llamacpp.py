@@ -64,15 +64,13 @@ REBUILD = (f'CMAKE_ARGS="{NO_AMX_CMAKE_ARGS}" pip install --force-reinstall --no
 
 def _probe_code(path: Path, threads: int, extra_buffers: bool = True) -> str:
     """A child's script: load ``path`` and run a 4-token pass, as the first real pass would (``extra_buffers``
-    False: with llama.cpp's extra buffer types off, as ``no_extra_buffers`` loads it)."""
-    patch = "" if extra_buffers else (
-        "import llama_cpp.llama_cpp as C\n_defaults = C.llama_model_default_params\n"
-        "def _params():\n    p = _defaults()\n    p.use_extra_bufts = False\n    return p\n"
-        "C.llama_model_default_params = _params\n")
-    return (f"import llama_cpp\n{patch}"
-            f"llm = llama_cpp.Llama(model_path={str(path)!r}, n_ctx=64, n_batch=16, n_threads={threads}, "
-            f"verbose=False)\n"
-            f"llm.eval([1, 2, 3, 4])\n")
+    False: loaded as ``no_extra_buffers`` loads it)."""
+    return ("import llama_cpp\n"
+            "from verispec.backends.llamacpp import no_extra_buffers\n"
+            f"with no_extra_buffers(llama_cpp, off={not extra_buffers}):\n"
+            f"    llm = llama_cpp.Llama(model_path={str(path)!r}, n_ctx=64, n_batch=16, n_threads={threads}, "
+            "verbose=False)\n"
+            "llm.eval([1, 2, 3, 4])\n")
 
 
 def ensure_runs(path: Path, threads: int) -> bool:

@@ -127,8 +127,8 @@ class LlamaServer:
                     from ..backends.probe import describe
 
                     crashed = (f"\nit crashed ({describe(self.proc.returncode, '')}), --no-repack too; on Intel "
-                               "CPUs with AMX a native llama.cpp build faults in its AMX kernels: build llama-server without them "
-                               f"(cmake -S llama.cpp -B build -DLLAMA_CURL=OFF {NO_AMX_CMAKE_ARGS} && cmake --build "
+                               "CPUs with AMX a native llama.cpp build faults in its AMX kernels: build llama-server "
+                               f"without them (cmake -S llama.cpp -B build -DLLAMA_CURL=OFF {NO_AMX_CMAKE_ARGS} && cmake --build "
                                "build --target llama-server) and pass --llama-server build/bin/llama-server")
                 raise InvalidRequest(f"llama-server exited with code {self.proc.returncode} at start "
                                      f"({' '.join(self.args[1:])}):\n{self.log_tail()}{crashed}")

@@ -35,9 +35,9 @@ from ..drafters import NONE, drafter_names, get_spec
 from ..engine import SpeculativeDecoder
 from ..errors import InvalidRequest
 from .config import LocalSwitch, ServerConfig
-from .http import (APIError, CountRequests, GuardedStream, RequestTimeout, error_response, unavailable,
-                   validation_message)
-from .limits import RETRY_AFTER_S, Guard, body_too_large, key_matches
+from .http import (RETRY_AFTER_S, APIError, CountRequests, GuardedStream, RequestTimeout, error_response,
+                   unavailable, validation_message)
+from .limits import Guard, bearer, body_too_large, key_matches
 from .metrics import Metrics
 from .pool import SlotPool
 from .runs import DONE, BatchedRun, Job, ThreadedRun
@@ -419,9 +419,7 @@ class Server:
         token = self.config.admin_token
         if not token:
             return  # the API keys guard /admin, if the server has any (limits.Guard)
-        given = request.headers.get("authorization", "")
-        scheme, _, value = given.partition(" ")
-        if scheme.lower() != "bearer" or not key_matches(value.strip(), (token,)):
+        if not key_matches(bearer(request.scope["headers"]), (token,)):
             raise APIError(401, "admin endpoints need 'Authorization: Bearer <admin token>'", "authentication_error")
 
 

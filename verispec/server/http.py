@@ -29,10 +29,11 @@ class RequestTimeout(Exception):
                          "ask for fewer tokens, or start the server with a larger --request-timeout")
 
 
+RETRY_AFTER_S = 1  # what 429 and 503 answers tell a client to wait before retrying
+
+
 def unavailable(message: str) -> APIError:
     """A 503 that tells the client when to retry."""
-    from .limits import RETRY_AFTER_S
-
     return APIError(503, message, "service_unavailable", code="service_unavailable",
                     headers={"Retry-After": str(RETRY_AFTER_S)})
 

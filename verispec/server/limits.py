@@ -9,7 +9,8 @@ difference cannot tell how much of a guessed key was right.
 from __future__ import annotations
 
 import hmac
-import json
+
+from .http import error_response
 
 API_KEY_ENV = "VERISPEC_API_KEY"  # one key or several, comma-separated
 ADMIN_TOKEN_ENV = "VERISPEC_ADMIN_TOKEN"
@@ -37,7 +38,6 @@ def is_loopback(host: str) -> bool:
 
 
 OPEN_PATHS = ("/health",)  # answered without a key: load balancers and orchestrators probe it
-RETRY_AFTER_S = 1  # what 429 and 503 answers tell a client to wait before retrying
 
 
 def key_matches(given: str | None, keys: tuple[str, ...]) -> bool:
@@ -78,20 +78,18 @@ class Guard:
         guarded_elsewhere = path.startswith("/admin/") and self.admin_token
         if self.keys and path not in OPEN_PATHS and not guarded_elsewhere \
                 and not key_matches(bearer(headers), self.keys):
-            await _answer(send, 401, "missing or wrong API key: send 'Authorization: Bearer <key>' with a key this "
-                                     "server was started with (--api-key)", "authentication_error", "invalid_api_key",
-                          {"www-authenticate": "Bearer"})
+            refusal = error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>' with a key "
+                                          "this server was started with (--api-key)", "authentication_error",
+                                     code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            await refusal(scope, receive, send)
             return
         for name, value in headers:
             if name.lower() == b"content-length":
-                try:
-                    length = int(value)
-                except ValueError:
-                    await _answer(send, 400, "Content-Length is not a number", "invalid_request_error", None)
-                    return
-                if length > self.max_body_bytes:
-                    await _answer(send, 413, body_too_large(self.max_body_bytes), "invalid_request_error",
-                                  "request_too_large")
+                length = int(value) if value.isdigit() else None
+                if length is None or length > self.max_body_bytes:
+                    refusal = error_response(400, "Content-Length is not a number") if length is None else \
+                        error_response(413, body_too_large(self.max_body_bytes), code="request_too_large")
+                    await refusal(scope, receive, send)
                     return
         await self.app(scope, receive, send)
 
@@ -100,10 +98,3 @@ def body_too_large(limit: int) -> str:
     return (f"request body is larger than this server takes ({limit} bytes); send a shorter prompt, or start the "
             "server with a larger --max-body-bytes")
 
-
-async def _answer(send, status: int, message: str, type_: str, code: str | None, headers: dict | None = None) -> None:
-    body = json.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}}).encode()
-    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-           *((k.encode(), v.encode()) for k, v in (headers or {}).items())]
-    await send({"type": "http.response.start", "status": status, "headers": raw})
-    await send({"type": "http.response.body", "body": body})

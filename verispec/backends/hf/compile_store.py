@@ -246,9 +246,10 @@ def prune(max_bytes: int, keep=()) -> list[Path]:
     holds at most ``max_bytes``; never those in ``keep``. Returns what was removed."""
     keep = {str(k) for k in keep}
     found = sorted(records(), key=lambda r: r["used"])  # least recently used first
-    total = sum(r.get("bytes", 0) or Path(r["path"]).stat().st_size for r in found)
+    sizes = [Path(r["path"]).stat().st_size for r in found]
+    total = sum(sizes)
     removed = []
-    for record in found:
+    for record, size in zip(found, sizes):
         if total <= max_bytes:
             break
         if record["path"] in keep:
@@ -256,7 +257,7 @@ def prune(max_bytes: int, keep=()) -> list[Path]:
         log.info("removing the compiled pass %s (least recently used; the store is capped at %.1f GB)",
                  Path(record["path"]).name, max_bytes / 1e9)
         remove(Path(record["path"]))
-        total -= record.get("bytes", 0)
+        total -= size
         removed.append(Path(record["path"]))
     return removed
 
