@@ -71,6 +71,44 @@ def test_a_requests_first_proposal_is_not_a_per_token_draft_cost():
     assert c.draft_cost(1) == pytest.approx(0.001)
 
 
+def test_a_draft_models_catch_up_is_kept_apart_from_what_a_draft_token_costs():
+    """After plain steps a draft model first reads the tokens it missed. Counted as drafting, that time made each
+    draft token look dear (the controller then stayed plain); it is learnt per caught-up token instead."""
+    c = Controller(FixedCosts(0.1))
+    c.observe_draft(4, 0.5, catch_up=100, catch_up_seconds=0.4)  # the prompt, read by the first proposal
+    assert c.draft_cost(1) == pytest.approx(0.025) and not c.catch_up_seconds_per_token.count
+    c.observe_draft(4, 0.1 + 0.02, catch_up=20, catch_up_seconds=0.1)
+    assert c.catch_up_seconds_per_token.value == pytest.approx(0.005)
+    assert c.draft_cost(1) == pytest.approx((0.025 + 0.005) / 2)  # (0.12 - 0.1) / 4 per token, not 0.12 / 4
+
+
+def test_going_back_to_drafting_pays_the_catch_up_and_a_probe_is_judged_without_it():
+    c = controller(slope=0.05, acceptance=0.6, draft_seconds_per_token=0.001, first_probe_interval=1000)
+    assert c.draft_budget(4).n > 0 and c.state.behind == 0
+    c.catch_up_seconds_per_token = RunningMean(0.004, 1e9)  # a plain step is 0.01 s: 40% of one per token missed
+    c.state.speculating, c.state.behind = False, 3  # three plain steps the draft model has not read
+    assert c.draft_budget(4).n == 0  # a gain of ~1.5x does not cover 3 x 0.004 s in one step
+    assert c.state.behind == 4
+    c.observe_draft(2, 0.002 + 0.012, catch_up=3, catch_up_seconds=0.012)  # a probe caught up and drafted
+    assert c.state.behind == 0 and c.draft_budget(4).n > 0  # nothing owed: back to drafting
+    no_catch_up = controller(slope=0.05, acceptance=0.6, draft_seconds_per_token=0.001, first_probe_interval=1000)
+    no_catch_up.state.speculating = False
+    assert no_catch_up.draft_budget(4).n > 0  # the same step without a catch-up to pay speculates
+
+
+def test_a_draft_model_reports_what_it_caught_up_on(tiny_target, tiny_noisy_draft):
+    drafter = ModelDrafter(tiny_noisy_draft, tiny_target)
+    context = [5, 9, 3, 5, 9, 4, 7]
+    first = drafter.propose(context, 3)
+    assert first.catch_up == len(context) - 1 and first.catch_up_seconds > 0  # the prompt
+    step = drafter.propose([*context, first.tokens[0], 8], 3)  # one draft token accepted, then the target's token
+    assert step.catch_up == 0
+    later = drafter.propose([*context, first.tokens[0], 8, 1, 2, 3, 4], 3)  # 1, 2, 3 committed by plain steps
+    assert later.catch_up == 3 and later.catch_up_seconds > 0  # 4 is the newest: read while drafting
+    fresh = ModelDrafter(tiny_noisy_draft, tiny_target)
+    assert fresh.propose([*context, first.tokens[0], 8, 1, 2, 3, 4], 3).tokens == later.tokens  # same drafts
+
+
 def test_acceptance_counts_only_the_positions_reached():
     acc = Acceptance(prior=0.5, weight=0.0)
     acc.observe(verified=4, accepted=1)  # position 1 accepted, 2 rejected, 3 and 4 never reached

@@ -391,6 +391,7 @@ class RequestState:
     probe_pending: bool = False  # the current step is a probe
     probe_needs: float = 2.0  # tokens the probe's step must commit to pay for itself (see Controller._choose)
     drafted: bool = False  # the request's first proposal (which also reads the prompt) has been made
+    behind: int = 0  # plain steps since the drafter last ran: what a drafter that reads every token must catch up on
 
 
 class Controller:
@@ -425,6 +426,8 @@ class Controller:
         self.width_of: Callable[[int], int] | None = None
         self.other_tokens = 0.0
         self.draft_seconds_per_token = RunningMean(0.0, 0.0, 0.1)  # across requests
+        # what reading one committed token costs a drafter that catches up (a draft model after plain steps)
+        self.catch_up_seconds_per_token = RunningMean(0.0, 0.0, 0.1)
         self.state = self.start_request()
 
     # ------------------------------------------------------------------ lifecycle
@@ -473,6 +476,12 @@ class Controller:
     def draft_cost(self, n: int) -> float:
         return self.draft_seconds_per_token.value * n if self.draft_seconds_per_token.count else 0.0
 
+    def catch_up_cost(self) -> float:
+        """Seconds the drafter will spend reading the tokens committed by the plain steps since it last ran (0 for a
+        drafter that reports no catch-up)."""
+        mean = self.catch_up_seconds_per_token
+        return mean.value * self.state.behind if mean.count else 0.0
+
     def drafting_is_cheap(self, k: int, fed: int = 1) -> bool:
         return self.draft_cost(k) < self.cheap_draft * self.pass_cost(fed)
 
@@ -480,12 +489,15 @@ class Controller:
         return Decision(nodes, self.other_tokens + expected_tokens(accept), draft_seconds + self.pass_cost(fed + nodes))
 
     def _best(self, accept: list[float], fed: int, draft_cost: bool) -> tuple[Decision, Decision]:
-        """(best chain of 1..len(accept) tokens, plain step); E(n) accumulated as n grows."""
+        """(best chain of 1..len(accept) tokens, plain step); E(n) accumulated as n grows. With ``draft_cost`` a
+        draft also pays for the drafter's catch-up on the plain steps since it last ran: a one-time cost of going back
+        to drafting, which a probe pays (it is left out of what a probe must commit to count as paid)."""
         plain = self._decision([], fed, 0, 0.0)
         best = plain
+        catch_up = self.catch_up_cost() if draft_cost else 0.0
         for n, tokens in enumerate(expected_tokens_by_length(accept)[1:], 1):
             d = Decision(n, self.other_tokens + tokens,
-                         (self.draft_cost(n) if draft_cost else 0.0) + self.pass_cost(fed + n))
+                         (self.draft_cost(n) + catch_up if draft_cost else 0.0) + self.pass_cost(fed + n))
             if best.n == 0 or d.rate > best.rate:
                 best = d
         return best, plain
@@ -545,7 +557,10 @@ class Controller:
             best, _ = self._best([acc.at(i) for i in range(k_max)], fed, draft_cost=False)
             return Decision(k_max, best.predicted_tokens, best.predicted_seconds)
         best, plain = self._best([acc.at(i) for i in range(k_max)], fed, draft_cost=True)
-        return self._choose(best, plain, fed)
+        decision = self._choose(best, plain, fed)
+        if decision.n == 0:
+            self.state.behind += 1  # the drafter does not run this step: it will read this step's token later
+        return decision
 
     def verify_length(self, length: int, confidence: list[float] | None, deterministic: bool,
                       fed: int = 1) -> Decision:
@@ -574,12 +589,18 @@ class Controller:
         return best if best.n and best.rate > plain.rate else plain
 
     # ------------------------------------------------------------------ feedback
-    def observe_draft(self, proposed: int, seconds: float) -> None:
+    def observe_draft(self, proposed: int, seconds: float, catch_up: int = 0, catch_up_seconds: float = 0.0) -> None:
+        """A proposal of ``proposed`` tokens took ``seconds``, of which ``catch_up_seconds`` went to reading
+        ``catch_up`` committed tokens first (``Draft.catch_up``)."""
+        st = self.state
+        if catch_up > 0 and st.drafted:  # the prompt a request's first proposal reads is not a catch-up
+            self.catch_up_seconds_per_token.add(catch_up_seconds / catch_up)
         # a request's first proposal also reads the whole prompt (an EAGLE head, a draft model's prefill): a
         # one-time cost, not what each further draft token costs
-        if proposed and self.state.drafted:
-            self.draft_seconds_per_token.add(seconds / proposed)
-        self.state.drafted = self.state.drafted or bool(proposed)
+        if proposed and (st.drafted or catch_up):
+            self.draft_seconds_per_token.add(max(0.0, seconds - catch_up_seconds) / proposed)
+        st.drafted = st.drafted or bool(proposed)
+        st.behind = 0
 
     def observe_step(self, width: int, seconds: float) -> None:
         self.costs.observe(width, seconds)

@@ -452,7 +452,8 @@ class SpeculativeDecoder:
             budget = self._draft_budget(state, k, len(uncached))
             if budget > 0:
                 draft = self._propose(state, budget)
-                self.controller.observe_draft(len(draft), time.perf_counter() - t0)
+                self.controller.observe_draft(len(draft), time.perf_counter() - t0, draft.catch_up,
+                                              draft.catch_up_seconds)
                 if draft.parents is None:  # a chain: verify what pays; a tree is verified whole
                     decision = self.controller.verify_length(len(draft), draft.confidence, draft.probs is None,
                                                              len(uncached))

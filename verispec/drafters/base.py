@@ -24,12 +24,19 @@ class Draft:
     engine's controller calibrates it against what the target accepts and uses it to decide how much of the
     draft to verify. For sampled tokens it must depend on the distribution the token was drawn from (e.g. its
     largest probability), never on the drawn token itself: verifying sampled tokens selected by their own value
-    would bias them (see ``verispec.controller``)."""
+    would bias them (see ``verispec.controller``).
+
+    ``catch_up`` (optional): committed tokens the drafter had to read before it could draft, beyond the newest one
+    (a draft model after plain steps reads every token committed since it last ran), and ``catch_up_seconds`` the
+    time that reading took. The controller keeps that time apart from what each draft token costs, and counts it
+    when it weighs going back to drafting after plain steps."""
 
     tokens: list[int]
     probs: torch.Tensor | None = None
     parents: list[int] | None = None
     confidence: list[float] | None = None
+    catch_up: int = 0
+    catch_up_seconds: float = 0.0
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -45,7 +52,7 @@ class Draft:
         """The first n nodes (a prefix of a tree is a tree, since parents come first)."""
         return Draft(self.tokens[:n], None if self.probs is None else self.probs[:n],
                      None if self.parents is None else self.parents[:n],
-                     None if self.confidence is None else self.confidence[:n])
+                     None if self.confidence is None else self.confidence[:n], self.catch_up, self.catch_up_seconds)
 
 
 EMPTY_DRAFT = Draft([])

@@ -3,6 +3,7 @@ sampled q, with another tokenizer as text (``retokenize``)."""
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import torch
@@ -54,6 +55,8 @@ class ModelDrafter(DrafterBase):
         self._cache.truncate(keep)
         del self._cached[keep:]
         feed = list(context[keep:])
+        catch_up, catch_up_seconds = self._catch_up(feed)
+        feed = feed[catch_up:]
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         confidence: list[float] = []
@@ -67,8 +70,21 @@ class ModelDrafter(DrafterBase):
             tokens.append(token)
             probs.append(q)
             feed = [token]
-        return Draft(tokens, torch.stack(probs) if probs else None, confidence=confidence)
+        return Draft(tokens, torch.stack(probs) if probs else None, confidence=confidence, catch_up=catch_up,
+                     catch_up_seconds=catch_up_seconds)
     # observe(): nothing to learn; the next propose() realigns the cache with the committed context
+
+    def _catch_up(self, feed: list[int]) -> tuple[int, float]:
+        """Read all but the newest of ``feed`` in one pass of their own when there are more than a step leaves (the
+        accepted last draft token and the target's next one): the tokens committed by plain steps since the last
+        proposal, or the prompt. Returns (tokens read, seconds), which the controller keeps apart from the cost of
+        a draft token."""
+        if len(feed) <= 2:
+            return 0, 0.0
+        start = time.perf_counter()
+        self.draft.forward(self._cache, feed[:-1], last_only=True)
+        self._cached.extend(feed[:-1])
+        return len(feed) - 1, time.perf_counter() - start
 
 
 def build_model_drafter(target: TargetModel | None, draft: TargetModel, retokenize: str = "auto",
