@@ -3,6 +3,7 @@ sampled q, with another tokenizer as text (``retokenize``)."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Sequence
 
@@ -49,29 +50,43 @@ class ModelDrafter(DrafterBase):
 
     @torch.inference_mode()
     def propose(self, context: Sequence[int], k: int) -> Draft:
+        feed = self._realign(context)
+        catch_up, catch_up_seconds = self._catch_up(feed)
+        tokens, probs, confidence = self._draft(feed[catch_up:], k, self.generator)
+        return Draft(tokens, torch.stack(probs) if probs else None, confidence=confidence, catch_up=catch_up,
+                     catch_up_seconds=catch_up_seconds)
+
+    def _realign(self, context: Sequence[int]) -> list[int]:
+        """Keep the longest prefix of the cache shared with ``context`` (dropping rejected drafts); the tokens of
+        ``context`` the draft has still to read."""
         if self._cache is None:
             self._cache = self.draft.new_kv()
         keep = min(common_prefix_length(self._cached, context), len(context) - 1)
         self._cache.truncate(keep)
         del self._cached[keep:]
-        feed = list(context[keep:])
-        catch_up, catch_up_seconds = self._catch_up(feed)
-        feed = feed[catch_up:]
+        return list(context[keep:])
+
+    def _draft(self, feed: list[int], k: int, generator: torch.Generator | None,
+               stop: threading.Event | None = None) -> tuple[list[int], list[torch.Tensor], list[float]]:
+        """Up to k tokens sampled one at a time after reading ``feed``; every token but the last is read into the
+        cache. ``stop`` (set by another thread) ends the loop after the current pass."""
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         confidence: list[float] = []
         for _ in range(k):
+            if stop is not None and stop.is_set():
+                break
             logits = self.draft.forward(self._cache, feed, last_only=True).logits[-1]
             self._cached.extend(feed)
             q = self._distribution(logits)  # [vocab]
             # the draft model's largest probability (of the distribution, not of the token drawn from it)
             confidence.append(float(torch.softmax(logits.float(), dim=-1).max()))
-            token = sample(q, self.generator)
+            token = sample(q, generator)
             tokens.append(token)
             probs.append(q)
             feed = [token]
-        return Draft(tokens, torch.stack(probs) if probs else None, confidence=confidence, catch_up=catch_up,
-                     catch_up_seconds=catch_up_seconds)
+        return tokens, probs, confidence
+
     # observe(): nothing to learn; the next propose() realigns the cache with the committed context
 
     def _catch_up(self, feed: list[int]) -> tuple[int, float]:
@@ -88,18 +103,27 @@ class ModelDrafter(DrafterBase):
 
 
 def build_model_drafter(target: TargetModel | None, draft: TargetModel, retokenize: str = "auto",
-                        check_chat_template: bool = True) -> DrafterBase:
+                        check_chat_template: bool = True, parallel: bool = False) -> DrafterBase:
     """A ``ModelDrafter`` when the draft shares the target's tokens, a ``RetokenizingDrafter`` when it does not
-    (``retokenize`` auto), or as asked (on: always through text; off: refuse another tokenizer)."""
+    (``retokenize`` auto), or as asked (on: always through text; off: refuse another tokenizer). ``parallel``: the
+    next proposal is drafted while the target verifies (``verispec.drafters.ahead``)."""
     difference = None if target is None else different_vocabulary(target.tokenizer, draft.tokenizer)
     if retokenize == "on" or (retokenize == "auto" and difference is not None):
         if target is None:
             raise IncompatibleDrafter("a draft model with another tokenizer needs the target to translate to")
+        if parallel:
+            raise IncompatibleDrafter(f"--model-parallel drafts with a draft model that shares the target's tokenizer; "
+                                      f"this one drafts through text ({difference or 'retokenize on'}): leave "
+                                      "--model-parallel off")
         return RetokenizingDrafter(draft, target)
     if difference is not None:
         raise IncompatibleDrafter(f"{difference}. With --model-retokenize off a draft model must share the target's "
                                   "tokenizer; leave it at auto to draft through text (greedy drafts, lossless at any "
                                   "temperature)")
+    if parallel:
+        from .ahead import ParallelModelDrafter
+
+        return ParallelModelDrafter(draft, target, check_chat_template=check_chat_template)
     return ModelDrafter(draft, target, check_chat_template=check_chat_template)
 
 
@@ -108,6 +132,9 @@ register(DrafterSpec(
     lambda target, draft_model, **options: build_model_drafter(target, draft_model, **options),
     options=(Option("retokenize", str, "auto", "how --drafter model bridges tokenizers: auto (through text when the "
                     "draft's tokenizer differs from the target's), on (always through text), off (refuse another "
-                    "tokenizer) (default: auto)", choices=("auto", "on", "off"), metavar="MODE"),),
+                    "tokenizer) (default: auto)", choices=("auto", "on", "off"), metavar="MODE"),
+             Option("parallel", bool, False, "--drafter model drafts its next proposal on a thread of its own while "
+                    "the target verifies this one (draft || verify; lossless; a draft sharing the target's tokenizer; "
+                    "docs/draft-models.md) (default: off)"),),
     needs_draft_model=True,
 ))
