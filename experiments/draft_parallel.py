@@ -53,7 +53,7 @@ def main() -> None:
         t_threads, _, d_threads = threads.partition("/")
         target = model(args.target, int(t_threads))
         if kind == "plain":
-            decoders[config] = SpeculativeDecoder(target)
+            decoders[config] = SpeculativeDecoder(target, reuse_prefix=False)  # every answer prefills its prompt
             continue
         draft = model(args.draft, int(d_threads or t_threads))
         drafter = (ParallelModelDrafter if kind == "par" else ModelDrafter)(draft, target, check_chat_template=False)

@@ -391,7 +391,8 @@ class RequestState:
     probe_pending: bool = False  # the current step is a probe
     probe_needs: float = 2.0  # tokens the probe's step must commit to pay for itself (see Controller._choose)
     drafted: bool = False  # the request's first proposal (which also reads the prompt) has been made
-    behind: int = 0  # plain steps since the drafter last ran: what a drafter that reads every token must catch up on
+    k_max: int = 1  # the longest draft the current step may ask for
+    behind: int = 0  # tokens a drafter that reads every token has not read: the prompt, then one per plain step
 
 
 class Controller:
@@ -450,10 +451,13 @@ class Controller:
         self._costs = curve
         return True
 
-    def start_request(self) -> RequestState:
+    def start_request(self, prompt_tokens: int = 0) -> RequestState:
+        """A new request of ``prompt_tokens`` tokens, which a drafter that catches up (a draft model) reads with its
+        first proposal."""
         self.follow_source()
         acceptance = self.history.copy(self.request_weight)
-        self.state = RequestState(acceptance, probe_interval=self.first_probe_interval)
+        self.state = RequestState(acceptance, probe_interval=self.first_probe_interval,
+                                  behind=max(0, prompt_tokens - 1))
         return self.state
 
     @property
@@ -477,10 +481,12 @@ class Controller:
         return self.draft_seconds_per_token.value * n if self.draft_seconds_per_token.count else 0.0
 
     def catch_up_cost(self) -> float:
-        """Seconds the drafter will spend reading the tokens committed by the plain steps since it last ran (0 for a
-        drafter that reports no catch-up)."""
+        """Seconds the drafter will spend reading what it has not read: the prompt before its first proposal, then
+        the tokens committed by plain steps since it last ran (0 for a drafter that reports no catch-up). Paid once,
+        it serves the drafting steps that follow: a decision counts it spread over ``first_probe_interval`` steps,
+        the run the probing schedule gives a drafter to prove itself."""
         mean = self.catch_up_seconds_per_token
-        return mean.value * self.state.behind if mean.count else 0.0
+        return mean.value * self.state.behind / self.first_probe_interval if mean.count else 0.0
 
     def drafting_is_cheap(self, k: int, fed: int = 1) -> bool:
         return self.draft_cost(k) < self.cheap_draft * self.pass_cost(fed)
@@ -531,7 +537,7 @@ class Controller:
             return best
         st.plain_run += 1
         st.acceptance.relax(self.longrun, self.plain_relax)
-        if st.plain_run >= st.probe_interval:
+        if st.plain_run >= st.probe_interval and self._could_pay(fed, best.n if tree else None):
             st.plain_run = 0
             st.probe_pending = True
             k = best.n if tree else min(self.probe_length, best.n)
@@ -540,10 +546,22 @@ class Controller:
             return Decision(k, best.predicted_tokens, best.predicted_seconds, True)
         return plain
 
+    def _could_pay(self, fed: int, tree_nodes: int | None) -> bool:
+        """Whether drafting could beat a plain step were every draft token accepted, its catch-up counted: a probe
+        of a drafter that cannot is skipped (a draft model that costs more than its target's wide passes save, as
+        on llama.cpp's quantized kernels, whose 2-token pass costs about two 1-token passes)."""
+        if tree_nodes is not None:
+            return True
+        plain = self._decision([], fed, 0, 0.0)
+        depth = max(1, self.state.k_max)
+        best, _ = self._best([1.0] * depth, fed, draft_cost=True)
+        return best.n > 0 and best.rate > plain.rate * (1 + self.margin)
+
     # ------------------------------------------------------------------ decisions
     def draft_budget(self, k_max: int, fed: int = 1, tree_depth: int | None = None) -> Decision:
         """Draft tokens (tree nodes with ``tree_depth``) to ask for; 0 = a plain step with no drafting work."""
         self.state.probe_pending = False
+        self.state.k_max = k_max
         if k_max <= 0 or not self.active:
             return Decision(max(k_max, 0), 1.0, 0.0)
         acc = self.state.acceptance
@@ -593,7 +611,7 @@ class Controller:
         """A proposal of ``proposed`` tokens took ``seconds``, of which ``catch_up_seconds`` went to reading
         ``catch_up`` committed tokens first (``Draft.catch_up``)."""
         st = self.state
-        if catch_up > 0 and st.drafted:  # the prompt a request's first proposal reads is not a catch-up
+        if catch_up > 0:
             self.catch_up_seconds_per_token.add(catch_up_seconds / catch_up)
         # a request's first proposal also reads the whole prompt (an EAGLE head, a draft model's prefill): a
         # one-time cost, not what each further draft token costs

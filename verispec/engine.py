@@ -302,7 +302,7 @@ class SpeculativeDecoder:
         """After prefill: start the drafter and the controller on this request."""
         if self.drafter is not None:
             self.drafter.reset(state.sampling, state.generator)
-            self.controller.start_request()
+            self.controller.start_request(len(state.tokens))
             if calibrate:
                 self._calibrate(state, k)
 
