@@ -22,7 +22,7 @@ import time
 from verispec import SpeculativeDecoder
 from verispec.backends import load_model
 from verispec.bench.prompts import load_questions, select
-from verispec.drafters.ahead import ParallelModelDrafter
+from verispec.drafters.model import ParallelModelDrafter
 from verispec.drafters.model import ModelDrafter
 
 

@@ -11,7 +11,7 @@ from tiny import loaded, noisy_copy
 from verispec.audit import chi_square
 from verispec import IncompatibleDrafter, ModelDrafter, SamplingParams, SpeculativeDecoder
 from verispec.drafters import make_drafter
-from verispec.drafters.ahead import ParallelModelDrafter
+from verispec.drafters.model import ParallelModelDrafter
 
 PROMPTS = [[5, 9, 3, 5, 9, 4, 7, 5, 9, 3], [1, 2, 3, 4, 5, 6, 7, 8]]
 
@@ -89,7 +89,7 @@ def test_a_failing_worker_costs_a_warning_not_the_answer(tiny_target, tiny_noisy
         return real(self, feed, k, generator, stop)
 
     monkeypatch.setattr(ParallelModelDrafter, "_draft", flaky)
-    with caplog.at_level(logging.WARNING, logger="verispec.drafters.ahead"):
+    with caplog.at_level(logging.WARNING, logger="verispec.drafters.model"):
         out = SpeculativeDecoder(tiny_target, drafter, k=3, k_policy="fixed").generate(PROMPTS[1], max_new_tokens=20)
     assert out.token_ids == expected
     assert "drafting ahead failed (RuntimeError: the draft's context window is full)" in caplog.text
