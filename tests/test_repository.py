@@ -28,3 +28,25 @@ def test_experiments_live_apart_and_each_is_indexed():
     importing = [str(p.relative_to(ROOT)) for p in (ROOT / "verispec").rglob("*.py")
                  if re.search(r"^\s*(from|import)\s+experiments\b", p.read_text(), re.M)]
     assert not importing
+
+
+def test_the_loop_calls_hooks_instead_of_probing_for_them():
+    """The engine and the batch loop call a target's and a drafter's optional hooks as they are: the defaults live in
+    ``TargetModelBase`` and ``DrafterBase`` (which the engine requires), so adding a hook never means a lookup."""
+    probe = re.compile(r"\b(hasattr|getattr)\(\s*(self\.|decoder\.)?(target|drafter)\b")
+    found = {name: probe.findall((ROOT / "verispec" / name).read_text()) for name in ("engine.py", "batching.py")}
+    assert found == {"engine.py": [], "batching.py": []}
+
+
+def test_the_engine_refuses_what_is_not_a_target_or_a_drafter(tiny_target):
+    import pytest
+
+    from verispec import InvalidRequest, SpeculativeDecoder
+
+    class Lookalike:  # a protocol's shape without its base class
+        name, feature_layers, tree_depth = "lookalike", (), None
+
+    with pytest.raises(InvalidRequest, match="derive from verispec.drafters.DrafterBase"):
+        SpeculativeDecoder(tiny_target, Lookalike())
+    with pytest.raises(InvalidRequest, match="TargetModelBase"):
+        SpeculativeDecoder(Lookalike())

@@ -312,7 +312,7 @@ class BatchEngine:
         seconds = time.perf_counter() - t0
         computed = self.target.pass_width(widths)
         self.costs = shared_cost_curve(self.target)  # the curve of the passes as they run now (a program came in)
-        if not (any(plan.contended for plan in plans) or getattr(self.target, "programs_loading", False)):
+        if not (any(plan.contended for plan in plans) or self.target.programs_loading):
             self.costs.observe(computed, seconds)  # not beside a program loading in the background
         c = self.counters
         c.passes += 1
@@ -415,9 +415,8 @@ def join_siblings(decoders: list[SpeculativeDecoder], group: dict | None) -> Non
     """Make the decoders' drafters draft their next requests as samples of one request (each from the others'
     text, where the drafter can: ``Drafter.join_siblings``), or, with None, as requests of their own."""
     for decoder in decoders:
-        hook = getattr(decoder.drafter, "join_siblings", None)
-        if hook is not None:
-            hook(group)
+        if decoder.drafter is not None:
+            decoder.drafter.join_siblings(group)
 
 
 def generate_samples(decoders: list[SpeculativeDecoder], prompt, seed: int | None = None,

@@ -21,9 +21,10 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .backends.base import KVCache, TargetModel, TargetPass, host_threads, provides_features, torch_threads
+from .backends.base import (KVCache, TargetModel, TargetModelBase, TargetPass, host_threads, provides_features,
+                            torch_threads)
 from .controller import COST, Controller, save_cost_curve, shared_cost_curve
-from .drafters.base import EMPTY_DRAFT, Draft, Drafter
+from .drafters.base import EMPTY_DRAFT, Draft, Drafter, DrafterBase
 from .drafters.ngram import NgramDrafter
 from .errors import InvalidRequest, check_whole
 from .features import FeatureBuffer
@@ -164,6 +165,12 @@ class SpeculativeDecoder:
         fill_padding: bool = True,
     ) -> None:
         _check_k(k)
+        if not isinstance(target, TargetModelBase):
+            raise InvalidRequest(f"{type(target).__name__} is not a verispec target: a backend's model class derives "
+                                 "from verispec.backends.base.TargetModelBase (load one with verispec.load_model)")
+        if drafter is not None and not isinstance(drafter, DrafterBase):
+            raise InvalidRequest(f"{type(drafter).__name__} is not a verispec drafter: drafters derive from "
+                                 "verispec.drafters.DrafterBase, which gives the protocol's defaults")
         if acceptance not in ACCEPTANCE_MODES:
             raise InvalidRequest(f"acceptance must be one of {', '.join(ACCEPTANCE_MODES)}, got {acceptance!r}")
         self.target = target
@@ -189,11 +196,10 @@ class SpeculativeDecoder:
                                  "use --backend transformers, or on llamacpp load it with features=True")
         self.fill_padding = fill_padding
         if self._trees and not target.supports_trees:
-            raise InvalidRequest(f"the {getattr(drafter, 'name', 'drafter')} drafter's token trees need a backend that "
+            raise InvalidRequest(f"the {drafter.name} drafter's token trees need a backend that "
                                  f"verifies trees (transformers or openvino; the {target.backend} backend verifies "
                                  "chains only): drop its tree option, pick a chain drafter, or change --backend")
-        if hasattr(target, "prepare"):  # optional: the graphs its passes run, compiled now
-            target.prepare(self.feature_layers, k + 1 if drafter is not None else 1, self._trees)
+        target.prepare(self.feature_layers, k + 1 if drafter is not None else 1, self._trees)  # e.g. compile graphs
 
     @property
     def drafter_name(self) -> str:
@@ -383,7 +389,7 @@ class SpeculativeDecoder:
         for a drafter that reads them. One that reads only a prompt's last rows (``prompt_feature_rows``) gets the
         others prefilled in a pass asking for none, which on llama.cpp would cost every row's logits."""
         layers = self.feature_layers
-        rows = getattr(self.drafter, "prompt_feature_rows", None) if layers else None
+        rows = self.drafter.prompt_feature_rows if layers else None
         start = len(state.cached_tokens)
         blind = 0 if rows is None else min(len(chunk), max(0, len(state.tokens) - 1 - rows - start))
         if blind:
@@ -397,7 +403,7 @@ class SpeculativeDecoder:
 
     def _loading(self) -> bool:
         """Whether the target loads a program in the background now (``TargetModel.programs_loading``)."""
-        return getattr(self.target, "programs_loading", False)
+        return self.target.programs_loading
 
     def _calibrate(self, state: SequenceState, k: int) -> None:
         """Seed the target's cost curve (once per model, pass state and process): time an engine step at the widths
@@ -510,8 +516,7 @@ class SpeculativeDecoder:
             n_own = n
         if self.drafter is not None and len(draft):
             self.drafter.observe(n_own)
-            if hasattr(self.drafter, "observe_logits"):  # optional: drafters that learn from the pass (lookahead)
-                self.drafter.observe_logits(out.logits[len(uncached) - 1 :])
+            self.drafter.observe_logits(out.logits[len(uncached) - 1 :])  # drafters that learn from it (lookahead)
         self._record_settle(state, plan, n_own, shared_pass_seconds, draft)
         return [*accepted, next_token], draft.depth, n_own
 

@@ -51,7 +51,28 @@ def torch_threads(n: int | None):
         torch.set_num_threads(old)
 
 
-class BorrowedEmbeddings:
+class TargetModelBase:
+    """Defaults of ``TargetModel``'s optional parts. Every backend's model class derives from it, so the engine and
+    the drafters call them as they are, never looking them up: a backend overrides what it has."""
+
+    supports_trees = False
+    supports_features = False
+    final_feature_layer: int | None = None  # a hidden-state layer returned without asking at load time (llama.cpp)
+
+    @property
+    def cost_state(self) -> object:
+        return None  # passes always run the same way
+
+    @property
+    def programs_loading(self) -> bool:
+        return False  # nothing loads in the background
+
+    def prepare(self, feature_layers: Sequence[int] = (), width: int | None = None, trees: bool = False) -> None:
+        """Ready the passes of up to ``width`` tokens, returning those layers' hidden states (token trees: with
+        ``trees``), before a first request needs them (the OpenVINO backend compiles its graphs then)."""
+
+
+class BorrowedEmbeddings(TargetModelBase):
     """For backends whose weights are not a transformers model: ``embedding_model`` loads a transformers copy of the
     same weights on first use (drafters such as EAGLE heads borrow its embeddings and lm_head). The backend sets
     ``_embedding_model_loader`` (None: no copy available) and ``_embedding_model = None``."""
@@ -175,9 +196,8 @@ class TargetModel(Protocol):
         """The tokens a batched pass over rows of these widths computes (padding included): what its cost
         depends on."""
 
-    # Optional, looked up by the engine: ``prepare(feature_layers, width, trees)`` readies the passes of up to
-    # ``width`` tokens, returning those layers' hidden states (token trees: with ``trees``), before a first request
-    # needs them (the OpenVINO backend compiles its graphs then).
+    def prepare(self, feature_layers: Sequence[int] = (), width: int | None = None, trees: bool = False) -> None:
+        """Optional (``TargetModelBase``: nothing to ready): ready the passes a first request needs."""
 
 
 def provides_features(target, layers) -> bool:
@@ -186,5 +206,5 @@ def provides_features(target, layers) -> bool:
     embeddings output is the final normed state) returns that one without being asked at load time."""
     if target.supports_features:
         return True
-    final = getattr(target, "final_feature_layer", None)
+    final = target.final_feature_layer
     return final is not None and all(i == final for i in layers)

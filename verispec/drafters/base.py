@@ -66,14 +66,15 @@ class Drafter(Protocol):
     0 = embeddings), () for none. The engine then calls ``propose(context, k, features=F)`` with F [n, L, H]: the
     target's hidden states at the last n committed positions before the pending one (n = len(context) - 1, every
     position, unless the prompt was prefilled without some), taken from the prefill and verify passes the engine runs
-    anyway (no extra target forward). A drafter may declare ``prompt_feature_rows`` (optional, looked up by the
-    engine): how many of a prompt's last rows it reads, None for all; on llama.cpp, where a row's hidden state costs
-    the row's logits too, the rest of the prompt is prefilled without them.
+    anyway (no extra target forward). ``prompt_feature_rows``: how many of a prompt's last rows it reads, None for
+    all; on llama.cpp, where a row's hidden state costs the row's logits too, the rest of the prompt is prefilled
+    without them.
 
     ``tree_depth``: the depth of the trees it drafts for the current request, None when it drafts chains; read before
     drafting, so the controller can budget nodes instead of chain positions.
 
-    ``DrafterBase`` gives the defaults (no hidden states, chains, nothing to reset or observe)."""
+    Every drafter derives from ``DrafterBase``, which gives the defaults (no hidden states, chains, nothing to reset
+    or observe) and the optional hooks (``observe_logits``, ``join_siblings``), so the engine calls them as they are."""
 
     name: str
     feature_layers: tuple[int, ...]
@@ -96,6 +97,7 @@ class DrafterBase:
     name = "drafter"
     feature_layers: tuple[int, ...] = ()
     tree_depth: int | None = None
+    prompt_feature_rows: int | None = None  # a prompt's last rows whose hidden states it reads (None: all)
 
     def reset(self, sampling: SamplingParams | None = None, generator: torch.Generator | None = None) -> None:
         pass
@@ -103,9 +105,9 @@ class DrafterBase:
     def observe(self, num_accepted: int) -> None:
         pass
 
-    # Optional, looked up by the engine (not defined here): ``observe_logits(logits)`` receives the target's logits
-    # of the last verify pass after ``observe``: row 0 after the pending token, row 1 + i after draft node i (the
-    # lookahead drafter reads its Jacobi iteration from them).
+    def observe_logits(self, logits: torch.Tensor) -> None:
+        """The target's logits of the last verify pass, after ``observe``: row 0 after the pending token, row 1 + i
+        after draft node i (the lookahead drafter reads its Jacobi iteration from them); by default unused."""
 
     def join_siblings(self, group: dict | None) -> None:
         """Draft the next requests as one of several samples of one request (``n`` > 1), sharing what this drafter

@@ -20,7 +20,7 @@ from ...errors import InvalidRequest, ModelNotFound
 from ...features import select_layers
 from ...tree import tree_inputs
 from .. import measurements
-from ..base import TargetPass, parse_dtype
+from ..base import TargetModelBase, TargetPass, parse_dtype
 from ..references import BUILTINS, resolve, transformers_progress_bars
 from .attention import use_grouped_sdpa
 from .cache import BatchKV, RowKV, TorchKV
@@ -41,7 +41,7 @@ SWITCHED_ON = ("1", "true", "yes", "on")
 
 
 @dataclass
-class LoadedModel:
+class LoadedModel(TargetModelBase):
     """A transformers causal LM with its tokenizer: the transformers backend of ``verispec.backends.base.TargetModel``."""
 
     model: torch.nn.Module
