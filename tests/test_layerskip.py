@@ -9,6 +9,7 @@ import torch
 from statistical_helpers import ALPHA, joint_p_value
 from tiny import loaded, make_model
 from verispec import InvalidRequest, SamplingParams, SpeculativeDecoder
+from verispec.backends.base import TargetModelBase
 from verispec.backends.hf.cache import TorchKV
 from verispec.drafters import get_spec, make_drafter
 from verispec.drafters.layerskip import LayerSkipDrafter
@@ -90,7 +91,7 @@ def test_layer_lists_are_parsed_and_printed_both_ways():
 
 
 def test_backends_that_cannot_skip_layers_say_so(deep_target):
-    class WholeGraph:
+    class WholeGraph(TargetModelBase):  # a backend that runs its whole graph in one call
         backend = "llamacpp"
 
     with pytest.raises(InvalidRequest, match="llamacpp backend cannot.*--backend transformers"):

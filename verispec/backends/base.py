@@ -58,6 +58,7 @@ class TargetModelBase:
     supports_trees = False
     supports_features = False
     final_feature_layer: int | None = None  # a hidden-state layer returned without asking at load time (llama.cpp)
+    supports_layer_skipping = False  # ``without_layers(skip)``: a view running a subset of its layers (layerskip)
 
     @property
     def cost_state(self) -> object:

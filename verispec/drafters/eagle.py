@@ -367,7 +367,7 @@ def _reads_inner_layers(target_ref: str, head) -> bool:
 def _check_features(target: TargetModel, layers) -> None:
     if provides_features(target, layers):
         return
-    final = getattr(target, "final_feature_layer", None)
+    final = target.final_feature_layer
     if final is not None:  # llama.cpp loaded without its eval callback: the final normed state only
         raise InvalidRequest(f"this eagle head reads the target's hidden states at layers {list(layers)}, and this "
                              f"{target.backend} model was loaded without them (it returns layer {final} only); load it "

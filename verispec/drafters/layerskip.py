@@ -40,8 +40,7 @@ class LayerSkipDrafter(ModelDrafter):
 
     def __init__(self, target: TargetModel, layers: str | Sequence[int] | Calibration = AUTO, *,
                  progress: bool = True):
-        without = getattr(target, "without_layers", None)
-        if without is None:
+        if target is None or not target.supports_layer_skipping:
             where = f"the {target.backend} backend cannot" if target is not None else "it needs the target to"
             raise InvalidRequest(f"layer skipping runs a subset of the target's own layers, which {where} do; use "
                                  "--backend transformers (llama.cpp and OpenVINO run the whole graph in one call)")
@@ -54,7 +53,7 @@ class LayerSkipDrafter(ModelDrafter):
         self.skipped = parse_skip(skip, count)
         # an automatic choice predicted to lose drafts nothing: no draft prefill, no probes, plain speed
         self.idle = self.calibration is not None and self.calibration.predicted_speedup <= 1.0
-        super().__init__(without(self.skipped), None)
+        super().__init__(target.without_layers(self.skipped), None)
         if self.idle:
             if isinstance(layers, str):  # said once, where the choice was looked up (not by a server's copies)
                 log.warning("layerskip drafts nothing for %s: no skipped layers are predicted to pay there (%s); "

@@ -59,6 +59,7 @@ class LoadedModel(TargetModelBase):
     backend = "transformers"
     supports_trees = True
     supports_features = True
+    supports_layer_skipping = True
 
     def __post_init__(self) -> None:
         if self.eos_token_ids is None:
