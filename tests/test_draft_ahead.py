@@ -101,3 +101,39 @@ def test_the_option_reaches_the_registry(tiny_target, tiny_noisy_draft, tiny_oth
     assert type(make_drafter("model", target=tiny_target, draft_model=tiny_noisy_draft)) is ModelDrafter
     with pytest.raises(IncompatibleDrafter, match="--model-parallel"):
         make_drafter("model", target=tiny_target, draft_model=tiny_other_draft, parallel=True, retokenize="on")
+
+
+def test_drafters_sharing_a_draft_model_take_turns_on_it(tiny_target, tiny_noisy_draft):
+    """A server's slots share one draft model; a llama.cpp context or an OpenVINO request runs one pass at a time, so
+    the workers and the foreground drafting of several drafters never run the model at once."""
+    import threading
+    import time
+
+    running, overlaps = [0], []
+    guard = threading.Lock()
+    real = tiny_noisy_draft.forward
+
+    def counted(*args, **kwargs):
+        with guard:
+            running[0] += 1
+            overlaps.append(running[0])
+        time.sleep(0.002)  # long enough for another thread to arrive
+        try:
+            return real(*args, **kwargs)
+        finally:
+            with guard:
+                running[0] -= 1
+
+    tiny_noisy_draft.forward = counted
+    try:
+        decoders = [SpeculativeDecoder(tiny_target, ParallelModelDrafter(tiny_noisy_draft, tiny_target), k=3,
+                                       k_policy="fixed") for _ in range(3)]
+        threads = [threading.Thread(target=d.generate, args=(PROMPTS[i % 2],), kwargs={"max_new_tokens": 20})
+                   for i, d in enumerate(decoders)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        del tiny_noisy_draft.forward
+    assert overlaps and max(overlaps) == 1

@@ -81,7 +81,7 @@ class ModelDrafter(DrafterBase):
         for _ in range(k):
             if stop is not None and stop.is_set():
                 break
-            logits = self.draft.forward(self._cache, feed, last_only=True).logits[-1]
+            logits = self._forward(feed)
             self._cached.extend(feed)
             q = self._distribution(logits)  # [vocab]
             # the draft model's largest probability (of the distribution, not of the token drawn from it)
@@ -94,6 +94,10 @@ class ModelDrafter(DrafterBase):
 
     # observe(): nothing to learn; the next propose() realigns the cache with the committed context
 
+    def _forward(self, feed: list[int]) -> torch.Tensor:
+        """The draft's logits after reading ``feed`` into its cache."""
+        return self.draft.forward(self._cache, feed, last_only=True).logits[-1]
+
     def _catch_up(self, feed: list[int]) -> tuple[int, float]:
         """Read all but the newest of ``feed`` in one pass of their own when there are more than a step leaves (the
         accepted last draft token and the target's next one): the tokens committed by plain steps since the last
@@ -102,12 +106,24 @@ class ModelDrafter(DrafterBase):
         if len(feed) <= 2:
             return 0, 0.0
         start = time.perf_counter()
-        self.draft.forward(self._cache, feed[:-1], last_only=True)
+        self._forward(feed[:-1])
         self._cached.extend(feed[:-1])
         return len(feed) - 1, time.perf_counter() - start
 
 
 # ----------------------------------------------------------------------------- drafting while the target verifies
+_LOCKS_GUARD = threading.Lock()
+
+
+def _forward_lock(model) -> threading.Lock:
+    """One lock per draft model object, for the passes of the drafters that run it from several threads."""
+    with _LOCKS_GUARD:
+        lock = model.__dict__.get("_verispec_forward_lock")
+        if lock is None:
+            lock = model.__dict__["_verispec_forward_lock"] = threading.Lock()
+        return lock
+
+
 @dataclass
 class _Ahead:
     context: list[int]  # the committed context the proposal below was drafted for
@@ -176,6 +192,12 @@ class ParallelModelDrafter(ModelDrafter):
             self._start(context + draft.tokens, len(draft.tokens))
         return draft
 
+    def _forward(self, feed: list[int]) -> torch.Tensor:
+        # a server's slots share one draft model, and a llama.cpp context or an OpenVINO infer request runs one pass
+        # at a time: this drafter's worker and the other slots' drafting take turns on it
+        with _forward_lock(self.draft):
+            return super()._forward(feed)
+
     def _use(self, ahead: _Ahead, k: int) -> Draft:
         """The worker's proposal cut to k tokens, or drafted on to k; the cache left as ``propose`` leaves it (every
         proposed token read but the last)."""
@@ -206,7 +228,7 @@ class ParallelModelDrafter(ModelDrafter):
     @torch.inference_mode()
     def _work(self, optimistic: list[int], k: int, generator: torch.Generator | None) -> None:
         try:
-            logits = self.draft.forward(self._cache, optimistic[-1:], last_only=True).logits[-1]
+            logits = self._forward(optimistic[-1:])
             self._cached.append(optimistic[-1])
             self._guess = int(torch.argmax(logits[: self.vocab_size]))
             self._guessed.set()
