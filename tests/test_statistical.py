@@ -5,6 +5,8 @@ tokens (32^3 outcomes) is computed exactly by enumeration and compared with samp
 The same test must *fail* for the lossy typical-acceptance mode, which shows it has power.
 """
 
+import copy
+
 import pytest
 import torch
 
@@ -27,24 +29,23 @@ def test_strict_speculative_sampling_matches_exact_joint_distribution(tiny_targe
     assert joint_p_value(decoder, sampling) > ALPHA
 
 
-class _Padded:
+def _padded(target):
     """The tiny target as if its passes were padded like OpenVINO's static widths (a pass of n tokens computes the
     next of 2, 4 and 6): the engine then fills the padding with prompt-lookup guesses."""
 
-    def __init__(self, target):
-        self._target = target
+    class Padded(type(target)):
+        def pass_width(self, widths):
+            return sum(next((w for w in (2, 4, 6) if w >= n), n) for n in widths)
 
-    def __getattr__(self, name):
-        return getattr(self._target, name)
-
-    def pass_width(self, widths):
-        return sum(next((w for w in (2, 4, 6) if w >= n), n) for n in widths)
+    padded = copy.copy(target)
+    padded.__class__ = Padded
+    return padded
 
 
 def test_guesses_in_filled_padding_keep_the_exact_joint_distribution(tiny_target):
     """A drafter that rarely matches (3-grams) leaves plain steps, whose padding slot carries a 1-gram guess: the
     output still follows the target's distribution exactly, and guesses were verified in the first three tokens."""
-    decoder = SpeculativeDecoder(_Padded(tiny_target), NgramDrafter(min_n=3, max_n=3), k=3, k_policy="fixed")
+    decoder = SpeculativeDecoder(_padded(tiny_target), NgramDrafter(min_n=3, max_n=3), k=3, k_policy="fixed")
     filled = [decoder.generate(PROMPT, max_new_tokens=3, temperature=1.0, seed=s).stats.filled for s in range(50)]
     assert sum(filled) > 25
     assert joint_p_value(decoder, SamplingParams(temperature=1.0)) > ALPHA
