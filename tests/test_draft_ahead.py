@@ -137,3 +137,19 @@ def test_drafters_sharing_a_draft_model_take_turns_on_it(tiny_target, tiny_noisy
     finally:
         del tiny_noisy_draft.forward
     assert overlaps and max(overlaps) == 1
+
+
+def test_a_command_that_ends_while_the_worker_drafts_exits_cleanly(tiny_dir):
+    """The last proposal's worker may still be drafting when a one-shot command returns: the interpreter waits for it
+    (as a daemon thread it was killed inside a torch call: "terminate called without an active exception", exit 134)."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "verispec", "generate", "w5 w9 w3 w5 w9", "--raw", "--target", str(tiny_dir),
+         "--backend", "transformers", "--drafter", "model", "--draft-model", str(tiny_dir), "--model-parallel",
+         "--k-policy", "fixed", "--k", "6", "--max-new-tokens", "20", "--json"],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "terminate called" not in result.stderr
+    assert '"drafted"' in result.stdout

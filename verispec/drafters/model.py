@@ -221,7 +221,9 @@ class ParallelModelDrafter(ModelDrafter):
         self._stop.clear()
         self._guessed.clear()
         self._optimistic, self._guess, self._ahead, self._failure = optimistic, -1, None, None
-        self._worker = threading.Thread(target=self._work, args=(optimistic, k, generator), daemon=True,
+        # not a daemon: a command that returns while the last worker drafts waits for it (a daemon thread killed inside
+        # a torch call at exit aborts the process)
+        self._worker = threading.Thread(target=self._work, args=(optimistic, k, generator), daemon=False,
                                         name="verispec-draft-ahead")
         self._worker.start()
 
