@@ -3,11 +3,9 @@
 import logging
 
 import pytest
-import torch
-from transformers import DynamicCache
 
 from statistical_helpers import ALPHA, PROMPT, SAMPLES, exact_joint, sampled_joint
-from tiny import loaded, noisy_copy
+from tiny import assert_draft_cache_is_a_fresh_pass, loaded, noisy_copy
 from verispec.audit import chi_square
 from verispec import IncompatibleDrafter, ModelDrafter, SamplingParams, SpeculativeDecoder
 from verispec.drafters import make_drafter
@@ -36,12 +34,7 @@ def test_a_draft_that_guesses_right_is_used_without_drafting_again(tiny_target, 
     assert noisy.misses > 0  # rejections: the worker's proposal was dropped
     # whatever the worker left behind, the draft's cache holds exactly the tokens it lists, as a fresh pass gives them
     noisy._join(stop=True)
-    assert len(noisy._cache) == len(noisy._cached)
-    fresh = DynamicCache()
-    with torch.no_grad():
-        tiny_noisy_draft.model(torch.tensor([noisy._cached]), cache=fresh, use_cache=True)
-    for mine, ref in zip(noisy._cache.cache.layers, fresh.layers):
-        torch.testing.assert_close(mine.keys, ref.keys, atol=1e-5, rtol=1e-4)
+    assert_draft_cache_is_a_fresh_pass(noisy, tiny_noisy_draft)
 
 
 def test_a_proposal_taken_from_the_worker_is_the_one_a_sequential_draft_makes(tiny_target, tiny_noisy_draft):

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from tiny import loaded, make_model, make_tokenizer
+from tiny import assert_draft_cache_is_a_fresh_pass, loaded, make_model, make_tokenizer
 from verispec import IncompatibleDrafter, InvalidRequest, ModelDrafter, NgramDrafter, SpeculativeDecoder
 
 PROMPTS = [[5, 9, 3, 5, 9, 4, 7], [3, 4, 5, 6, 7, 8, 9, 10, 3, 4, 5], [12, 30, 7]]
@@ -74,12 +74,7 @@ def test_draft_model_cache_rolls_back(tiny_target, tiny_noisy_draft):
     drafter = ModelDrafter(tiny_noisy_draft, tiny_target)
     decoder = SpeculativeDecoder(tiny_target, drafter, k=4, k_policy="fixed")
     decoder.generate(PROMPTS[0], max_new_tokens=25)
-    assert len(drafter._cache) == len(drafter._cached)
-    fresh = DynamicCache()
-    with torch.no_grad():
-        tiny_noisy_draft.model(torch.tensor([drafter._cached]), cache=fresh, use_cache=True)
-    for mine, ref in zip(drafter._cache.cache.layers, fresh.layers):
-        torch.testing.assert_close(mine.keys, ref.keys, atol=1e-5, rtol=1e-4)
+    assert_draft_cache_is_a_fresh_pass(drafter, tiny_noisy_draft)
 
 
 def test_prefix_reuse_gives_the_same_output(tiny_target):
@@ -241,3 +236,13 @@ def test_a_pass_called_outside_the_engine_builds_no_autograd_graph(tiny_target):
     kv = tiny_target.new_kv()
     out = tiny_target.forward(kv, [3, 4, 5], feature_layers=(1,))
     assert not out.logits.requires_grad and not out.hidden.requires_grad
+
+
+def test_the_engine_refuses_what_is_not_a_target_or_a_drafter(tiny_target):
+    class Lookalike:  # a protocol's shape without its base class
+        name, feature_layers, tree_depth = "lookalike", (), None
+
+    with pytest.raises(InvalidRequest, match="derive from verispec.drafters.DrafterBase"):
+        SpeculativeDecoder(tiny_target, Lookalike())
+    with pytest.raises(InvalidRequest, match="TargetModelBase"):
+        SpeculativeDecoder(Lookalike())

@@ -37,16 +37,3 @@ def test_the_loop_calls_hooks_instead_of_probing_for_them():
     found = {name: probe.findall((ROOT / "verispec" / name).read_text()) for name in ("engine.py", "batching.py")}
     assert found == {"engine.py": [], "batching.py": []}
 
-
-def test_the_engine_refuses_what_is_not_a_target_or_a_drafter(tiny_target):
-    import pytest
-
-    from verispec import InvalidRequest, SpeculativeDecoder
-
-    class Lookalike:  # a protocol's shape without its base class
-        name, feature_layers, tree_depth = "lookalike", (), None
-
-    with pytest.raises(InvalidRequest, match="derive from verispec.drafters.DrafterBase"):
-        SpeculativeDecoder(tiny_target, Lookalike())
-    with pytest.raises(InvalidRequest, match="TargetModelBase"):
-        SpeculativeDecoder(Lookalike())

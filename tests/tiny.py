@@ -55,3 +55,15 @@ def ancestors(parents: list[int], node: int) -> list[int]:
         found.append(node)
         node = parents[node]
     return found[::-1]
+
+
+def assert_draft_cache_is_a_fresh_pass(drafter, draft: LoadedModel) -> None:
+    """A model drafter's cache holds exactly the tokens it lists (``_cached``), with the keys a fresh pass gives."""
+    from transformers import DynamicCache
+
+    assert len(drafter._cache) == len(drafter._cached)
+    fresh = DynamicCache()
+    with torch.no_grad():
+        draft.model(torch.tensor([drafter._cached]), cache=fresh, use_cache=True)
+    for mine, ref in zip(drafter._cache.cache.layers, fresh.layers):
+        torch.testing.assert_close(mine.keys, ref.keys, atol=1e-5, rtol=1e-4)

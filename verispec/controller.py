@@ -391,7 +391,6 @@ class RequestState:
     probe_pending: bool = False  # the current step is a probe
     probe_needs: float = 2.0  # tokens the probe's step must commit to pay for itself (see Controller._choose)
     drafted: bool = False  # the request's first proposal (which also reads the prompt) has been made
-    k_max: int = 1  # the longest draft the current step may ask for
     behind: int = 0  # tokens a drafter that reads every token has not read: the prompt, then one per plain step
 
 
@@ -519,11 +518,12 @@ class Controller:
         """Expected committed tokens of a step that verifies this draft (a tree: ``length`` = its depth)."""
         return expected_tokens(self._estimate(length, confidence))
 
-    def _choose(self, best: Decision, plain: Decision, fed: int = 1, tree: bool = False) -> Decision:
+    def _choose(self, best: Decision, plain: Decision, fed: int = 1, tree: bool = False, length: int = 1) -> Decision:
         """Plain or speculative, with hysteresis and the probing schedule (a tree probes with its whole budget:
         what is in question is the cost of the wide pass). A probe brings the next one closer only if it paid: it
         committed as many tokens as a step of its width and drafting cost must to match a plain step (for a chain
-        probe, one accepted token where passes cost about the same; for a tree on a pass 3.6x a step, 3.6)."""
+        probe, one accepted token where passes cost about the same; for a tree on a pass 3.6x a step, 3.6). A chain
+        of up to ``length`` tokens that could not pay with every token accepted is not probed (``_could_pay``)."""
         st = self.state
         if best.n == 0:
             return plain
@@ -537,8 +537,10 @@ class Controller:
             return best
         st.plain_run += 1
         st.acceptance.relax(self.longrun, self.plain_relax)
-        if st.plain_run >= st.probe_interval and self._could_pay(fed, best.n if tree else None):
-            st.plain_run = 0
+        if st.plain_run >= st.probe_interval:
+            st.plain_run = 0  # looked at once an interval: a drafter that could not pay is asked again after the next
+            if not (tree or self._could_pay(fed, length)):
+                return plain
             st.probe_pending = True
             k = best.n if tree else min(self.probe_length, best.n)
             seconds = self.pass_cost(fed + k) + self.draft_cost(k)
@@ -546,22 +548,17 @@ class Controller:
             return Decision(k, best.predicted_tokens, best.predicted_seconds, True)
         return plain
 
-    def _could_pay(self, fed: int, tree_nodes: int | None) -> bool:
-        """Whether drafting could beat a plain step were every draft token accepted, its catch-up counted: a probe
-        of a drafter that cannot is skipped (a draft model that costs more than its target's wide passes save, as
-        on llama.cpp's quantized kernels, whose 2-token pass costs about two 1-token passes)."""
-        if tree_nodes is not None:
-            return True
-        plain = self._decision([], fed, 0, 0.0)
-        depth = max(1, self.state.k_max)
-        best, _ = self._best([1.0] * depth, fed, draft_cost=True)
+    def _could_pay(self, fed: int, length: int) -> bool:
+        """Whether a chain of up to ``length`` drafts could beat a plain step were every token accepted, its catch-up
+        counted: a probe of a drafter that cannot is skipped (a draft model that costs more than its target's wide
+        passes save, as on llama.cpp's quantized kernels, whose 2-token pass costs about two 1-token passes)."""
+        best, plain = self._best([1.0] * max(1, length), fed, draft_cost=True)
         return best.n > 0 and best.rate > plain.rate * (1 + self.margin)
 
     # ------------------------------------------------------------------ decisions
     def draft_budget(self, k_max: int, fed: int = 1, tree_depth: int | None = None) -> Decision:
         """Draft tokens (tree nodes with ``tree_depth``) to ask for; 0 = a plain step with no drafting work."""
         self.state.probe_pending = False
-        self.state.k_max = k_max
         if k_max <= 0 or not self.active:
             return Decision(max(k_max, 0), 1.0, 0.0)
         acc = self.state.acceptance
@@ -575,7 +572,7 @@ class Controller:
             best, _ = self._best([acc.at(i) for i in range(k_max)], fed, draft_cost=False)
             return Decision(k_max, best.predicted_tokens, best.predicted_seconds)
         best, plain = self._best([acc.at(i) for i in range(k_max)], fed, draft_cost=True)
-        decision = self._choose(best, plain, fed)
+        decision = self._choose(best, plain, fed, length=k_max)
         if decision.n == 0:
             self.state.behind += 1  # the drafter does not run this step: it will read this step's token later
         return decision
@@ -602,7 +599,7 @@ class Controller:
                     break
         best, plain = self._best(estimate[:n], fed, draft_cost=False)
         if self.drafting_is_cheap(length, fed):
-            return self._choose(best, plain, fed)  # this is the step's one plain-or-speculate decision
+            return self._choose(best, plain, fed, length=length)  # the step's one plain-or-speculate decision
         # the budget decided to speculate; with the draft paid for, verify what pays
         return best if best.n and best.rate > plain.rate else plain
 

@@ -135,21 +135,21 @@ class _Ahead:
 class ParallelModelDrafter(ModelDrafter):
     """Draft while the target verifies (``--model-parallel``): a draft model's next proposal is drafted on a thread of
     its own during the target's pass, from the continuation the pass would give if every draft token were accepted.
-    
+
     After each proposal of d_1..d_k a worker thread reads d_k into the draft's cache, takes the draft's most likely next
     token g as a guess of the target's bonus token, and drafts e_1..e_k after it (PEARL's "post-verify", Mirror-SD's
     draft ‖ verify). If the target accepts all of d and its bonus token is g, the committed context is exactly the one
     the worker drafted for, and e is the next proposal at no wait; otherwise the worker is stopped and its tokens are
     dropped, and the draft realigns its cache as a sequential draft does.
-    
+
     Lossless by construction: verification is unchanged, and a proposal used is drawn from the draft's distribution given
     the committed context (the worker's context is compared token for token), with that distribution returned as q.
     Sampling stays reproducible with a seed: each worker draws from a generator seeded from the request's own seed and
     the proposal's number, and a proposal the next step uses is always drafted to its full length (the wait, if any, is
     draft work a sequential draft would do anyway), so how far a worker got never changes a token.
-    
-    Threads: the worker and the target's pass run at once, each on the threads its backend was loaded with; on a 2-core
-    machine the draft model is best loaded with one (``--draft-threads 1``), measured in docs/draft-models.md.
+
+    Threads: the worker and the target's pass run at once, each on the threads its backend was loaded with (``--threads``
+    for both). On a 2-core CPU the two then share the cores and this loses to sequential drafting (docs/draft-models.md).
 
     ``hits`` / ``misses``: proposals taken from the worker / dropped."""
 
