@@ -12,7 +12,7 @@ import torch
 
 from verispec import SpeculativeDecoder, load_model
 from verispec.batching import BatchEngine
-from verispec.eagle.data import generate_answers, read_prompts, select_prompts
+from verispec.training.data import generate_answers, read_prompts, select_prompts
 
 
 def engine_answers(model, prompts, tokens, rows):

@@ -18,7 +18,7 @@ import time
 import torch
 
 from verispec import NgramDrafter, SpeculativeDecoder, load_model
-from verispec.backends.hf.compile_store import AUTOTUNE_ENV
+from verispec.backends.torch_cpu.compile_store import AUTOTUNE_ENV
 from verispec.bench.prompts import load_questions
 
 

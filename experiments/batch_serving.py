@@ -105,7 +105,7 @@ def _median(values: list) -> float | None:
 
 def machine_line() -> str:
     """Today's date and the CPU a serving measurement ran on, for the head of its table."""
-    from verispec.backends.hf.cpu import cpu_info
+    from verispec.backends.torch_cpu.cpu import cpu_info
 
     cpu = cpu_info()
     return f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} cores of {cpu['model']} ({', '.join(cpu['flags'])})"

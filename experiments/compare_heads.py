@@ -19,7 +19,7 @@ import random
 import torch
 
 from verispec import load_model
-from verispec.eagle.data import Sequence, load_meta, load_sequences, read_prompts, select_prompts
+from verispec.training.data import Sequence, load_meta, load_sequences, read_prompts, select_prompts
 from verispec.eagle.head import EagleHead
 from verispec.eagle.train import TrainConfig, validate, validation_split
 

@@ -26,7 +26,7 @@ import torch
 from torch._inductor import select_algorithm
 
 import verispec
-from verispec.backends.hf import compile_store
+from verispec.backends.torch_cpu import compile_store
 from verispec.backends.hf.compiled import FixedKV, _export, unpacked_copy
 
 GROUPED_ROWS = "verispec_experiment_grouped_rows"

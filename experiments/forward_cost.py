@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--pack", choices=("auto", "off", "both"), default="auto",
-                    help="prepacked oneDNN weights (verispec.backends.hf.packing): load_model's default, off, or both side by side")
+                    help="prepacked oneDNN weights (verispec.backends.torch_cpu.packing): load_model's default, off, or both side by side")
     ap.add_argument("--compile", choices=("off", "on", "both"), default="off",
                     help="the compiled one-token step (verispec.backends.hf.compiled; float32): off, on, or both side by side")
     args = ap.parse_args()

@@ -10,7 +10,7 @@ import json
 
 from verispec import SpeculativeDecoder, make_drafter
 from verispec.backends import load_model
-from verispec.backends.hf.cpu import bfloat16_dot_products, cpu_info
+from verispec.backends.torch_cpu.cpu import bfloat16_dot_products, cpu_info
 from verispec.bench.prompts import PACKAGED
 
 

@@ -13,7 +13,7 @@ import json
 import random
 
 from verispec import load_model
-from verispec.eagle.data import chat_ids
+from verispec.training.data import chat_ids
 
 
 def main() -> None:

@@ -20,7 +20,7 @@ import torch
 import torch._inductor.config as inductor_config
 
 from linear_kernels import median_seconds  # experiments/ is on the path when run as a script
-from verispec.backends.hf.cpu import PACK_BATCH_HINT, cpu_info
+from verispec.backends.torch_cpu.cpu import PACK_BATCH_HINT, cpu_info
 
 SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]  # one layer
 

@@ -1,6 +1,6 @@
 """How often do greedy outputs with prepacked float32 weights differ from transformers' own generate on plain weights?
 
-Packed float32 linears (verispec.backends.hf.packing) differ from MKL's in the last bits, so a near-tie can flip a greedy token.
+Packed float32 linears (verispec.backends.torch_cpu.packing) differ from MKL's in the last bits, so a near-tie can flip a greedy token.
 This loads the model twice (packed and plain), decodes the first turn of Spec-Bench questions greedily and compares,
 token for token: verispec plain decoding (packed) against transformers' ``generate`` (plain weights), and the n-gram
 drafter against plain decoding on the same packed weights (the guarantee).

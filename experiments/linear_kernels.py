@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from verispec.backends.hf.cpu import PACK_BATCH_HINT, cpu_info, packed_linear_works
+from verispec.backends.torch_cpu.cpu import PACK_BATCH_HINT, cpu_info, packed_linear_works
 
 SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]  # one layer
 

@@ -15,7 +15,7 @@ from torch import nn
 from transformers import AttentionInterface
 
 from verispec.backends import load_model
-from verispec.backends.hf.cpu import cpu_info
+from verispec.backends.torch_cpu.cpu import cpu_info
 
 
 def row_by_row_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):

@@ -32,7 +32,7 @@ MAX_DOC_BYTES = 2_000_000  # generated or data files beyond this are not prose o
 
 
 def wikipedia(prompts: Path, tokenizer, max_prompt_tokens: int):
-    from verispec.eagle.data import chat_ids
+    from verispec.training.data import chat_ids
 
     with open(prompts, encoding="utf-8") as fh:
         for line in fh:

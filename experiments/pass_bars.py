@@ -22,7 +22,7 @@ import time
 import torch
 
 from verispec import load_model
-from verispec.backends.hf.cpu import cpu_info
+from verispec.backends.torch_cpu.cpu import cpu_info
 
 CELLS = {"pytorch": (1, 9), "openvino": (1, 9, 10)}
 

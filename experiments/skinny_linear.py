@@ -18,7 +18,7 @@ import time
 import torch
 from torch.utils.cpp_extension import load_inline
 
-from verispec.backends.hf.cpu import PACK_BATCH_HINT, cpu_info
+from verispec.backends.torch_cpu.cpu import PACK_BATCH_HINT, cpu_info
 
 SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]  # one layer
 

@@ -13,9 +13,9 @@ import time
 import torch
 
 from verispec.backends import load_model
-from verispec.backends.hf.cpu import cpu_info
+from verispec.backends.torch_cpu.cpu import cpu_info
 from verispec.backends.hf.invariant import WIDTH_INVARIANT_ATTENTION
-from verispec.backends.hf.packing import PackedLinear
+from verispec.backends.torch_cpu.packing import PackedLinear
 
 WIDTHS = (1, 2, 4, 9, 17)
 TREES = {"tree of 10": [-1, -1, -1, 0, 0, 1, 3, 3, 5, 6],

@@ -164,7 +164,7 @@ def test_method_specs(tiny_target):
 
 def test_transformers_methods_run_plain_weights_unless_asked(tiny_dir):
     from verispec import load_model
-    from verispec.backends.hf.packing import packing_available
+    from verispec.backends.torch_cpu.packing import packing_available
 
     if not packing_available(torch.float32):
         pytest.skip("this torch build cannot pack float32 weights")
@@ -289,10 +289,14 @@ def test_per_method_target_options_load_their_own_target(tiny_target):
         return tiny_target
 
     build_method("baseline:dtype=bfloat16", tiny_target, load)
-    assert calls[-1] == (tiny_target.name, dict(backend=None, weights=None, features=False, dtype="bfloat16",
-                                                compiled=None))
-    build_method("ngram:weights=f16:k=4", tiny_target, load)
-    assert calls[-1][1]["weights"] == "f16" and calls[-1][1]["dtype"] is None
+    assert calls[-1] == (tiny_target.name, dict(backend=None, features=False, dtype="bfloat16"))
+    build_method("ngram:backend=llamacpp:weights=f16:k=4", tiny_target, load)
+    assert calls[-1][1] == dict(backend="llamacpp", features=False, weights="f16")
+    with pytest.raises(InvalidRequest, match="weights= is an option of the llamacpp and openvino backends, not "
+                                             "transformers: add backend=llamacpp"):
+        build_method("ngram:weights=f16", tiny_target, load)  # the run's target is a transformers one
+    build_method("ngram:backend=openvino:static=2+4", tiny_target, load)
+    assert calls[-1][1]["static_widths"] == "2+4"
     build_method("baseline:compile=1", tiny_target, load)
     assert calls[-1][1]["compiled"] == "on"
     build_method("ngram:compile=0", tiny_target, load)
@@ -301,7 +305,7 @@ def test_per_method_target_options_load_their_own_target(tiny_target):
     assert calls[-1][1]["compiled"] == "auto"
     build_method("ngram:backend=openvino:weights=int4:min_width=6", tiny_target, load)
     assert calls[-1][1]["min_width"] == 6 and calls[-1][1]["backend"] == "openvino"
-    with pytest.raises(InvalidRequest, match="min_width= pads the openvino backend"):
+    with pytest.raises(InvalidRequest, match="min_width= is an option of the openvino backend, not transformers"):
         build_method("ngram:min_width=6", tiny_target, load)
     with pytest.raises(InvalidRequest, match="compile= takes 0 / off, 1 / on or auto"):
         build_method("baseline:compile=yes", tiny_target, load)

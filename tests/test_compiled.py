@@ -1,5 +1,5 @@
 """The compiled one-token step (verispec.backends.hf.compiled), the fixed-buffer cache it runs on, and the compile
-cache on disk (verispec.backends.hf.compile_store).
+cache on disk (verispec.backends.torch_cpu.compile_store).
 
 The cache is checked eagerly (no compiler) against a fresh forward over the whole sequence, through rollbacks,
 trees and growth. The step is compiled once on a tiny model (AOTInductor, ~15-30 s) and must give greedy output
@@ -16,7 +16,7 @@ import torch
 from tiny import loaded, make_model
 
 from verispec.backends import COMPILE_ENV, compile_mode, default_compile_mode
-from verispec.backends.hf import compile_store
+from verispec.backends.torch_cpu import compile_store
 from verispec.backends.hf import compiled as compiled_module
 from verispec.backends.hf.cache import TorchKV
 from verispec.backends.hf.compiled import VERIFY_WIDTHS, FixedKV, unpacked_copy
@@ -24,7 +24,7 @@ from verispec.drafters.ngram import NgramDrafter
 from verispec.controller import shared_cost_curve
 from verispec.engine import SpeculativeDecoder
 from verispec.errors import InvalidRequest
-from verispec.backends.hf.packing import PackedLinear, pack_linear_layers
+from verispec.backends.torch_cpu.packing import PackedLinear, pack_linear_layers
 
 
 def _fresh(model, tokens):
@@ -349,7 +349,7 @@ def test_every_key_keeps_its_library_and_the_store_drops_the_least_recently_used
 TWO_BUILDS = """
 import sys, torch
 from pathlib import Path
-from verispec.backends.hf import compile_store
+from verispec.backends.torch_cpu import compile_store
 torch.manual_seed(0)
 layer = torch.nn.Linear(8, 4).eval()
 exported = torch.export.export(layer, (torch.ones(1, 8),))
@@ -407,7 +407,7 @@ def test_a_damaged_package_is_removed_and_never_run(store, caplog, tmp_path, mon
     damaged.parent.mkdir(parents=True)
     damaged.write_bytes(b"not a package")
     target = loaded(model)
-    with caplog.at_level(logging.WARNING, logger="verispec.backends.hf.compile_store"):
+    with caplog.at_level(logging.WARNING, logger="verispec.backends.torch_cpu.compile_store"):
         assert target.compile_step(cached_only=True) is False
     assert "did not load" in caplog.text and not damaged.exists()
     assert target.step is None and len(_greedy(target, None, [5, 9, 3], n=5)) == 5
@@ -437,7 +437,7 @@ def test_compile_is_refused_where_it_was_not_measured():
         load_model("no-such-model", dtype="bfloat16", compiled=True)
     with pytest.raises(InvalidRequest, match="transformers backend"):
         load_model("smollm2-135m", backend="llamacpp", compiled="on")
-    with pytest.raises(InvalidRequest, match="compile takes auto, on, off"):
+    with pytest.raises(InvalidRequest, match=r"compiled \(--compile\) takes auto, on, off, not 'sometimes'"):
         load_model("smollm2-135m", compiled="sometimes")
 
 
@@ -466,7 +466,7 @@ def test_a_server_compiles_in_the_background_switches_and_the_next_starts_compil
 
     monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))  # the child process stores its step here too
     monkeypatch.setenv(compile_store.AUTOTUNE_ENV, "0")  # the child builds faster (its kernels are not under test)
-    options = ServeOptions(target=str(tiny_dir), drafter="ngram", max_batch=1, compile="auto")
+    options = ServeOptions(target=str(tiny_dir), drafter="ngram", max_batch=1, backend_options={"compile": "auto"})
     config = build_server_config(options)
     job, target = config.compile_job, config.target
     assert job is not None and job.state == "eager" and target.step is None
@@ -481,7 +481,7 @@ def test_a_server_compiles_in_the_background_switches_and_the_next_starts_compil
     assert _greedy(target, NgramDrafter(), [5, 9, 3, 5], n=20) == expected
     restarted = build_server_config(options)
     assert restarted.compile_job is None and restarted.target.step is not None  # found on disk at start
-    batched = build_server_config(ServeOptions(target=str(tiny_dir), drafter="ngram", compile="auto"))
+    batched = build_server_config(ServeOptions(target=str(tiny_dir), drafter="ngram", backend_options={"compile": "auto"}))
     assert batched.compile_job is None and batched.target.step is None  # batched passes never use the step
     failing = BackgroundCompile(loaded(make_model(seed=8)), "no-such-model")
     failing.start()

@@ -1,12 +1,12 @@
-"""Text corpora as training signal (``verispec.eagle.corpus``): reading, cutting, storing, and training on them."""
+"""Text corpora as training signal (``verispec.training.corpus``): reading, cutting, storing, and training on them."""
 
 import json
 import random
 
 import pytest
 
-from verispec.eagle.corpus import build_text_dataset, load_text, pieces, read_documents
-from verispec.eagle.data import build_dataset, load_meta, load_sequences
+from verispec.training.corpus import build_text_dataset, load_text, pieces, read_documents
+from verispec.training.data import build_dataset, load_meta, load_sequences
 from verispec.errors import InvalidRequest
 
 LAYERS = (1, 2)

@@ -88,7 +88,7 @@ def test_train_eagle_answers_with_llama_cpp_as_transformers_would(default_model,
     transformers on a 2-core CPU); they are the target's greedy answers, token for token (F16 rounding may flip a
     near-tie on some CPU, hence one answer of eight may differ)."""
     from conftest import require_llama_cpp
-    from verispec.eagle.data import generate_answers, load_meta, load_sequences
+    from verispec.training.data import generate_answers, load_meta, load_sequences
 
     require_llama_cpp()
     prompts = tmp_path / "prompts.jsonl"

@@ -9,7 +9,7 @@ from verispec import EagleDrafter, ModelDrafter, NgramDrafter, SpeculativeDecode
 from verispec.audit import run_audit
 from verispec.batching import generate_batch
 from verispec.cli import DEFAULT_AUDIT_PROMPT
-from verispec.backends.hf.packing import packing_available
+from verispec.backends.torch_cpu.packing import packing_available
 
 pytestmark = pytest.mark.e2e
 

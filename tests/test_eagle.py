@@ -16,7 +16,7 @@ from verispec import EagleDrafter, IncompatibleDrafter, ModelNotFound, SamplingP
 from verispec.errors import InvalidRequest
 from verispec.audit import chi_square
 from verispec.drafters.base import Draft
-from verispec.eagle.data import Sequence, build_dataset, load_meta, load_sequences
+from verispec.training.data import Sequence, build_dataset, load_meta, load_sequences
 from verispec.eagle.head import EagleHead, HeadCache, head_config_for, ttt_mask
 from verispec.eagle.train import (TrainConfig, collate, draft_vocabulary, unrolled_states,
                                   validation_split)
@@ -190,7 +190,7 @@ def test_training_unroll_matches_what_the_drafter_computes(small_target):
     head = random_head(small_target)
     ids = [5, 9, 3, 5, 9, 4, 7, 11, 12, 3, 8, 20]
     hidden = features_of(small_target, ids).bfloat16().float()  # training data stores features in bfloat16
-    from verispec.eagle.data import Sequence as Seq
+    from verispec.training.data import Sequence as Seq
 
     batch = collate([Seq(torch.tensor(ids), 3, torch.cat([hidden, hidden[:, -1:]], dim=1))])
     with torch.no_grad():
@@ -303,7 +303,7 @@ def test_eagle_sampling_matches_exact_joint_distribution(small_target, trained_h
 
 def test_head_precision_auto_is_bfloat16_only_where_the_cpu_multiplies_it_natively(small_target, trained_head_dir,
                                                                                monkeypatch):
-    from verispec.backends.hf import cpu
+    from verispec.backends.torch_cpu import cpu
     from verispec.drafters import precision as head_precision
 
     native = cpu.bfloat16_dot_products()
@@ -393,7 +393,7 @@ def test_bfloat16_target_and_head_run(small_target, trained_head_dir):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_head_is_packed_where_the_cpu_can_with_the_same_logits_and_saves_unchanged(small_target, trained_head_dir,
                                                                                    tmp_path, dtype):
-    from verispec.backends.hf.packing import PackedLinear, packing_available
+    from verispec.backends.torch_cpu.packing import PackedLinear, packing_available
 
     if not packing_available(dtype):
         pytest.skip(f"this CPU cannot run oneDNN's packed {dtype} kernel (tests/test_packing.py covers the fallback)")
@@ -573,7 +573,7 @@ def test_validation_split_is_stable_as_data_grows():
 
 
 def test_draft_vocabulary_takes_the_most_frequent_answer_tokens():
-    from verispec.eagle.data import Sequence as Seq
+    from verispec.training.data import Sequence as Seq
 
     seqs = [Seq(torch.tensor([1, 1, 5, 5, 5, 7]), 2, torch.zeros(6, 1, 1)),
             Seq(torch.tensor([9, 7, 5, 8]), 1, torch.zeros(4, 1, 1))]
@@ -730,7 +730,7 @@ def test_eagle_with_a_lookup_branch(small_target, trained_head_dir):
 def test_token_only_data_trains_by_teacher_forcing_and_a_stopped_run_resumes_exactly(small_target, tmp_path):
     """--features online: the data holds tokens only and the target is run per batch; a run stopped after a step
     and resumed from checkpoint.pt ends with the same weights as one that never stopped."""
-    from verispec.eagle import runs
+    from verispec.training import runs
     from verispec.eagle.train import train_head
 
     rng = random.Random(3)
@@ -787,8 +787,8 @@ def test_train_eagle_online_features_with_a_time_limit(tiny_dir, tmp_path, capsy
 def test_schedule_ends_on_steps_or_minutes_and_signals_stop_a_run_between_steps():
     import signal
 
-    from verispec.eagle.runs import Schedule, StopSignals
-    from verispec.eagle.train import cosine_lr
+    from verispec.training.runs import Schedule, StopSignals
+    from verispec.training.loop import cosine_lr
 
     steps = Schedule(1e-3, total=100, warmup=10)
     assert [steps.lr(s) for s in (0, 9, 10, 55, 99)] == [cosine_lr(s, 100, 10, 1e-3) for s in (0, 9, 10, 55, 99)]
@@ -812,9 +812,9 @@ def test_schedule_ends_on_steps_or_minutes_and_signals_stop_a_run_between_steps(
 def test_training_uses_bfloat16_only_where_the_device_multiplies_it_natively(monkeypatch):
     """On a CPU without bfloat16 dot products autocast emulates it (a training step ~20x slower) and answering in
     bfloat16 is 4x slower: auto picks float32 there."""
-    from verispec.backends.hf import cpu
+    from verispec.backends.torch_cpu import cpu
     from verispec.cli.train import _gen_dtype
-    from verispec.eagle.runs import bf16_autocast
+    from verispec.training.runs import bf16_autocast
 
     for native in (True, False):
         monkeypatch.setattr(cpu, "bfloat16_dot_products", lambda native=native: native)

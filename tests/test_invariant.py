@@ -9,7 +9,7 @@ import torch
 from tiny import ancestors, loaded, make_model
 from verispec import NgramDrafter, SpeculativeDecoder
 from verispec.backends.hf import invariant
-from verispec.backends.hf.packing import PackedLinear, pack_linear_layers, packing_available
+from verispec.backends.torch_cpu.packing import PackedLinear, pack_linear_layers, packing_available
 
 needs_bf16_packing = pytest.mark.skipif(not packing_available(torch.bfloat16),
                                         reason="this CPU cannot run oneDNN's packed bfloat16 kernel; "

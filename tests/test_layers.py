@@ -19,13 +19,13 @@ PACKAGE = Path(__file__).resolve().parents[1] / "verispec"
 LAYERS = [
     ("entry points", ["verispec.cli", "verispec.__main__"]),
     ("services", ["verispec.server", "verispec.ray", "verispec.bench", "verispec.audit", "verispec.eagle.train",
-                  "verispec.eagle.data", "verispec.eagle.corpus", "verispec.medusa.train"]),
+                  "verispec.training", "verispec.medusa.train"]),
     ("the loop", ["verispec.batching", "verispec.engine", "verispec.controller"]),
     ("drafters", ["verispec.drafters", "verispec.eagle", "verispec.medusa", "verispec.compat"]),
     ("backends", ["verispec.backends"]),
     ("pure helpers", ["verispec.verify", "verispec.sampling", "verispec.tree", "verispec.text", "verispec.stats",
                       "verispec.analysis", "verispec.errors", "verispec.features", "verispec.prefix",
-                      "verispec.version", "verispec.jsonl"]),
+                      "verispec.version", "verispec.jsonl", "verispec.options"]),
 ]
 
 
@@ -137,3 +137,39 @@ def test_the_loop_and_drafters_reach_the_target_through_the_protocol_only(module
     allowed = {"verispec.backends.base", "verispec.backends.measurements"}
     backends = {m for m in graph[module] if m.startswith("verispec.backends") and m not in allowed}
     assert not backends, f"{module} imports backend module(s) {backends}"
+
+
+# the backends' shared parts: the protocol, the registry, model references, stored measurements and timing, the
+# choice of --backend auto, what bench's peers take, and PyTorch's CPU kernels; every other module under
+# verispec.backends belongs to one backend
+SHARED_BACKEND_MODULES = {"verispec.backends", "verispec.backends.base", "verispec.backends.registry",
+                          "verispec.backends.references", "verispec.backends.measurements",
+                          "verispec.backends.timing", "verispec.backends.choice", "verispec.backends.probe",
+                          "verispec.backends.peers", "verispec.backends.torch_cpu"}
+
+
+def concrete_backend_imports(root: Path) -> list[str]:
+    graph = import_graph(root)
+    found = []
+    for module, targets in sorted(graph.items()):
+        if module.startswith(f"{root.name}.backends"):
+            continue
+        for target in sorted(targets):
+            shared = target in SHARED_BACKEND_MODULES or target.startswith("verispec.backends.torch_cpu.")
+            if target.startswith(f"{root.name}.backends.") and not shared:
+                found.append(f"{module} imports {target}")
+    return found
+
+
+def test_nothing_outside_the_backends_imports_a_backend_module():
+    """A backend is reached through ``load_model`` and its registered spec (``verispec.backends.registry``), never by
+    importing its module: adding one touches no file above ``verispec.backends``."""
+    assert concrete_backend_imports(PACKAGE) == []
+
+
+def test_a_planted_backend_import_is_caught(tmp_path):
+    copy = tmp_path / "verispec"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__", "weights"))
+    with open(copy / "drafters" / "ngram.py", "a") as fh:
+        fh.write("\n\ndef _planted():\n    from ..backends.llamacpp import default_threads\n")
+    assert concrete_backend_imports(copy) == ["verispec.drafters.ngram imports verispec.backends.llamacpp"]

@@ -91,12 +91,13 @@ def test_layer_lists_are_parsed_and_printed_both_ways():
 
 
 def test_backends_that_cannot_skip_layers_say_so(deep_target):
-    class WholeGraph(TargetModelBase):  # a backend that runs its whole graph in one call
+    class WholeGraph(TargetModelBase):  # a backend that runs its whole graph in one call (declares no skipping)
         backend = "llamacpp"
 
     with pytest.raises(InvalidRequest, match="llamacpp backend cannot.*--backend transformers"):
         LayerSkipDrafter(WholeGraph(), "1")
-    with pytest.raises(InvalidRequest, match="runs on transformers, not on the llamacpp backend"):
+    with pytest.raises(InvalidRequest, match="layerskip drafter needs a target that runs a subset of its own layers "
+                                             r"\(transformers\), which the llamacpp backend's target is not"):
         make_drafter("layerskip", WholeGraph(), layers="1")
 
 

@@ -66,8 +66,13 @@ def test_missing_llama_cpp_python_names_the_install_command(monkeypatch):
 
 
 def test_every_weight_format_is_offered_on_the_command_line():
+    from verispec.backends import entry_options
     from verispec.backends.openvino.export import WEIGHTS as OPENVINO_WEIGHTS
-    from verispec.cli.options import WEIGHT_CHOICES
+    from verispec.cli import build_parser
 
-    assert set(WEIGHT_CHOICES) == set(llamacpp.WEIGHT_FORMATS) | {"auto"} | set(OPENVINO_WEIGHTS)
+    weights = entry_options()["weights"]  # one --weights, with the formats of every backend that takes it
+    assert set(weights.choices) == set(llamacpp.WEIGHT_FORMATS) | {"auto"} | set(OPENVINO_WEIGHTS)
+    assert "llamacpp: " in weights.help and "; openvino: " in weights.help
+    for fmt in weights.choices:
+        assert build_parser().parse_args(["generate", "hi", "--weights", fmt]).weights == fmt
     assert llamacpp.WEIGHT_FORMATS["bf16"] == 32  # LLAMA_FTYPE_MOSTLY_BF16 (llama.h)

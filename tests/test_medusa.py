@@ -13,7 +13,7 @@ from statistical_helpers import ALPHA, PROMPT, joint_p_value
 from tiny import loaded, make_model
 from verispec import IncompatibleDrafter, ModelNotFound, SamplingParams, SpeculativeDecoder
 from verispec.drafters.medusa import MedusaDrafter
-from verispec.eagle.data import build_dataset
+from verispec.training.data import build_dataset
 from verispec.errors import InvalidRequest
 from verispec.medusa.head import MedusaHeads, config_for
 from verispec.medusa.train import MedusaTrainConfig, head_mask, train_medusa
@@ -298,8 +298,8 @@ def test_medusa_trains_on_token_only_data_and_a_stopped_run_resumes_exactly(smal
     and a run stopped after a step then resumed ends with the weights of one that never stopped."""
     import dataclasses
 
-    from verispec.eagle.data import load_sequences
-    from verispec.eagle.runs import CHECKPOINT
+    from verispec.training.data import load_sequences
+    from verispec.training.runs import CHECKPOINT
 
     rng = random.Random(4)
     prompts = [[rng.randrange(3, 32) for _ in range(rng.randrange(3, 9))] for _ in range(40)]
@@ -325,7 +325,7 @@ def test_medusa_trains_on_token_only_data_and_a_stopped_run_resumes_exactly(smal
 
 def test_heads_are_packed_where_the_cpu_can_with_the_same_logits_and_save_unchanged(small_target, trained_heads,
                                                                                     tmp_path):
-    from verispec.backends.hf.packing import PackedLinear, packing_available
+    from verispec.backends.torch_cpu.packing import PackedLinear, packing_available
 
     if not packing_available(torch.float32):
         pytest.skip("this CPU cannot run oneDNN's packed float32 kernel (tests/test_packing.py covers the fallback)")

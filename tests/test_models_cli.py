@@ -41,7 +41,7 @@ def test_directory_without_config(tmp_path):
 
 
 def test_unknown_dtype(tiny_dir):
-    with pytest.raises(ValueError, match="unknown dtype 'int3'"):
+    with pytest.raises(ValueError, match="dtype \\(--dtype\\) takes float32, bfloat16, float16, not 'int3'"):
         load_model(str(tiny_dir), dtype="int3")
 
 

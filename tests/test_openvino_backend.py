@@ -293,9 +293,11 @@ def test_the_eagle_heads_openvino_graph_drafts_for_a_transformers_target_in_bflo
 
 
 def test_refuses_what_it_does_not_take(ov_target):
-    with pytest.raises(InvalidRequest, match="takes --weights as-is"):
+    with pytest.raises(InvalidRequest, match=r"dtype \(--dtype\) applies to the transformers backend, not openvino"):
         load_model("smollm2-135m", backend="openvino", dtype="bfloat16")
-    with pytest.raises(InvalidRequest, match="compile"):
+    with pytest.raises(InvalidRequest, match=r"the openvino backend's weights \(--weights\) takes as-is, .*not 'q8_0'"):
+        load_model("smollm2-135m", backend="openvino", weights="q8_0")
+    with pytest.raises(InvalidRequest, match=r"compiled \(--compile\) applies to the transformers backend"):
         load_model("smollm2-135m", backend="openvino", compiled=True)
 
 
@@ -575,7 +577,7 @@ def test_one_sequence_passes_run_padded_on_graphs_of_static_shapes_with_the_dyna
     for bad in ((0, 4), (1, 4), (65,)):
         with pytest.raises(InvalidRequest, match="static width"):
             load_model(str(tiny_dir), backend="openvino", threads=1, min_width=2, static_widths=bad)
-    with pytest.raises(InvalidRequest, match="static_widths applies to the openvino backend"):
+    with pytest.raises(InvalidRequest, match=r"static_widths \(--static-widths\) applies to the openvino backend"):
         load_model(str(tiny_dir), static_widths=(2,))
 
 
@@ -643,7 +645,7 @@ def test_static_widths_from_the_command_line(tiny_dir):
     with pytest.raises(InvalidRequest, match=r"whole numbers joined by ',' \(2,4,6\), none or auto"):
         parse_static_widths("2;4")
     plain = build_parser().parse_args(["generate", "hi", "--static-widths", "2,4"])
-    with pytest.raises(InvalidRequest, match="--static-widths applies to --backend openvino only"):
+    with pytest.raises(InvalidRequest, match=r"static_widths \(--static-widths\) applies to the openvino backend, not transformers"):
         load_args_model(plain, str(tiny_dir))
 
 
@@ -653,8 +655,8 @@ def test_a_server_runs_the_static_widths_it_is_given(tiny_dir):
     options = ServeOptions.from_mapping({"target": str(tiny_dir), "backend": "openvino", "threads": 1,
                                          "drafter": "ngram", "static-widths": "2,4,6,8,10"})
     assert build_server_config(options).target.static_widths == (2, 4, 6, 8, 10)
-    with pytest.raises(InvalidRequest, match="--static-widths applies to --backend openvino only"):
-        build_server_config(ServeOptions(target=str(tiny_dir), drafter="ngram", static_widths="2,4"))
+    with pytest.raises(InvalidRequest, match=r"static_widths \(--static-widths\) applies to the openvino backend, not transformers"):
+        build_server_config(ServeOptions(target=str(tiny_dir), drafter="ngram", backend_options={"static_widths": "2,4"}))
 
 
 def test_static_widths_auto_keeps_the_extra_graphs_only_where_they_measure_cheaper(tiny_dir, tmp_path, monkeypatch):

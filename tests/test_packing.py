@@ -6,11 +6,11 @@ import pytest
 import torch
 from tiny import loaded, make_model
 
-from verispec.backends.hf import cpu
+from verispec.backends.torch_cpu import cpu
 from verispec.backends.hf.cache import new_cache
 from verispec.drafters.ngram import NgramDrafter
 from verispec.engine import SpeculativeDecoder
-from verispec.backends.hf.packing import PackedLinear, pack_linear_layers, packing_available
+from verispec.backends.torch_cpu.packing import PackedLinear, pack_linear_layers, packing_available
 
 AVX2_ERROR = ("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert or avx512bw, avx512vl "
               "and avx512dq")

@@ -129,8 +129,8 @@ def test_which_drafters_need_the_llama_cpp_callback():
     assert not needs("--drafter", "medusa") and not needs("--drafter", "ngram") and not needs("--drafter", "eagle")
     assert needs("--drafter", "eagle", "--eagle-head", "fused")
     assert needs("--drafter", "eagle", "--eagle-head", "/no/such/head")  # unknown: the drafter's own error speaks
-    assert resolve_head("smollm2-135m", None, "llamacpp") == SHIPPED_FINAL["smollm2-135m"]
-    assert resolve_head("smollm2-135m", None) == resolve_head("smollm2-135m", "fused", "llamacpp") \
+    assert resolve_head("smollm2-135m", None, prefer_final=True) == SHIPPED_FINAL["smollm2-135m"]
+    assert resolve_head("smollm2-135m", None) == resolve_head("smollm2-135m", "fused", prefer_final=True) \
         == SHIPPED["smollm2-135m"]
     assert resolve_head("smollm2-135m", "final") == SHIPPED_FINAL["smollm2-135m"]
     fused, final = (HeadConfig.load(resolve_head("smollm2-135m", name)) for name in ("fused", "final"))

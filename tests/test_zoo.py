@@ -13,7 +13,7 @@ import torch
 from statistical_helpers import ALPHA, joint_p_value
 from tiny import loaded
 from verispec import ModelDrafter, NgramDrafter, SamplingParams, SpeculativeDecoder
-from verispec.backends.hf import compile_store
+from verispec.backends.torch_cpu import compile_store
 from verispec.backends.hf.compiled import FixedKV
 from verispec.drafters.layerskip import LayerSkipDrafter
 from verispec.drafters.lookahead import LookaheadDrafter

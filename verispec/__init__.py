@@ -1,7 +1,7 @@
 """verispec: lossless speculative decoding for Hugging Face causal language models."""
 
 from .backends import BUILTINS, DEFAULT_MODEL, load_model
-from .backends.hf import LoadedModel
+from .backends import LoadedModel
 from .drafters import (Draft, Drafter, DrafterBase, DrafterSpec, EagleDrafter, ModelDrafter, NgramDrafter, Option,
                        drafter_names, make_drafter)
 from .drafters.registry import register as register_drafter

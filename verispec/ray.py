@@ -131,12 +131,8 @@ class VerispecServer:
     def __init__(self, options: dict, control, threads: int, metrics_host: str = "127.0.0.1") -> None:
         args = server_options(options)
         args.check()
-        if args.backend == "transformers":
-            import torch
-
-            torch.set_num_threads(threads)  # the CPUs Ray reserved for this replica, not the whole node's
-        elif args.threads is None:
-            args.threads = threads
+        if args.threads is None:
+            args.threads = threads  # the CPUs Ray reserved for this replica, not the whole node's (every backend)
         self.config = build_server_config(args)
         self.config.switch = RaySwitch(control, self.config.speculation)
         self.control = control

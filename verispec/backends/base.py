@@ -17,7 +17,6 @@ import torch
 
 from ..errors import InvalidRequest
 
-BACKENDS = ("transformers", "llamacpp", "openvino")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -59,6 +58,17 @@ class TargetModelBase:
     supports_features = False
     final_feature_layer: int | None = None  # a hidden-state layer returned without asking at load time (llama.cpp)
     supports_layer_skipping = False  # ``without_layers(skip)``: a view running a subset of its layers (layerskip)
+    # a row's hidden state comes only with that row's logits (llama.cpp): heads read a prompt's last rows only
+    hidden_states_cost_logits = False
+    openvino_core = None  # the ``openvino.Core`` its graphs run in, if any: an EAGLE head's graph joins it
+    compiles_steps = False  # its one-token step may run compiled (``step``), now or once compiled in the background
+    step = None  # that compiled step, while it runs one
+
+    @property
+    def changed_model(self) -> str:
+        """Why the weights it runs are not the model's own (a format that quantizes them again), or "" when they
+        are: every result made with such a target says so, as the lossy acceptance rule does."""
+        return ""
 
     @property
     def cost_state(self) -> object:
@@ -132,7 +142,7 @@ class TargetModel(Protocol):
     """A target causal LM behind one of the backends."""
 
     name: str
-    backend: str  # one of BACKENDS
+    backend: str  # its registered backend's name (``verispec.backends.registry``): for messages and records only
     tokenizer: object  # a transformers tokenizer (same ids and chat template on every backend)
     dtype: torch.dtype  # of the logits' computation as reported ("float32" for GGUF weights run by llama.cpp)
     eos_token_ids: frozenset[int]

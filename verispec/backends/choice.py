@@ -9,24 +9,24 @@ second for speculation (``timing.auto_score``) is stored with the other measurem
 later runs read the stored choice.
 
 Options only one backend takes decide it without timing: ``dtype`` other than float32 or ``compiled="on"``
-(transformers), a llama.cpp weight format such as ``q8_0`` (llamacpp), an OpenVINO one such as ``int4`` (openvino).
+(transformers), a llama.cpp weight format such as ``q8_0`` (llamacpp), an OpenVINO one such as ``int4`` (openvino):
+whatever the registered backends' declared options accept (``verispec.backends.registry``).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import InvalidRequest
 from . import measurements, timing
+from .registry import AUTO, backend_names, backend_specs, get_backend
 
 log = logging.getLogger(__name__)
 
-AUTO = "auto"
 ENV = "VERISPEC_BACKEND"  # the command line's and server's default --backend (auto unless set)
 RECORD = "backend-auto"  # the kind of record the choice is stored as (verispec.backends.measurements)
-MODULES = {"openvino": "openvino", "llamacpp": "llama_cpp", "transformers": "torch"}
 
 
 @dataclass(frozen=True)
@@ -41,79 +41,58 @@ class BackendChoice:
 
 
 def default_backend() -> str:
-    """The command line's and server's default ``--backend``: $VERISPEC_BACKEND (auto, transformers, llamacpp or
-    openvino), else auto."""
+    """The command line's and server's default ``--backend``: $VERISPEC_BACKEND (auto or a registered backend),
+    else auto."""
     import os
 
-    from ..errors import InvalidRequest
-    from .base import BACKENDS
-
     value = os.environ.get(ENV, "").strip().lower() or AUTO
-    if value not in (AUTO, *BACKENDS):
-        raise InvalidRequest(f"${ENV} is {value!r}; set it to one of {AUTO}, {', '.join(BACKENDS)}")
+    if value not in (AUTO, *backend_names()):
+        raise InvalidRequest(f"${ENV} is {value!r}; set it to one of {AUTO}, {', '.join(backend_names())}")
     return value
 
 
 def installed(backend: str) -> bool:
-    return importlib.util.find_spec(MODULES[backend]) is not None
-
-
-def _is_gguf(ref: str) -> bool:
-    from .references import BUILTINS
-
-    return ref in BUILTINS or (Path(ref).expanduser().is_file() and ref.endswith(".gguf"))
-
-
-def _is_local(ref: str) -> bool:
-    from .references import BUILTINS
-
-    return ref in BUILTINS or Path(ref).expanduser().exists()
+    return get_backend(backend).installed()
 
 
 def candidates(ref: str) -> list[str]:
-    """The installed backends that run ``ref``'s own weights, in order of preference on a tie."""
-    found = []
-    if _is_local(ref) and installed("openvino"):
-        found.append("openvino")
-    if _is_gguf(ref) and installed("llamacpp"):
-        found.append("llamacpp")
-    return [*found, "transformers"]
+    """The installed backends that run ``ref``'s own weights, the preferred first (a tie goes to it)."""
+    found = [spec for spec in backend_specs() if installed(spec.name) and spec.runs_own_weights(ref)]
+    return [spec.name for spec in sorted(found, key=lambda spec: -spec.preference)]
 
 
-def implied(dtype, weights: str, compiled) -> str | None:
-    """The backend that options only it takes name, or None."""
-    import torch
-
-    from .base import parse_dtype
-    from .llamacpp import WEIGHT_FORMATS
-    from .openvino.export import WEIGHTS as OPENVINO_WEIGHTS
-
-    if parse_dtype(dtype) != torch.float32 or compiled in (True, "on"):
-        return "transformers"
-    if weights in ("as-is", AUTO):
-        return None
-    if weights in WEIGHT_FORMATS:
-        return "llamacpp"
-    if weights in OPENVINO_WEIGHTS:
-        return "openvino"
-    return None
+def implied(options: dict) -> str | None:
+    """The backend that options only it takes name, or None (every backend, or several, take them)."""
+    taking = []
+    for spec in backend_specs():
+        try:
+            spec.keywords(options)
+        except InvalidRequest:
+            continue
+        taking.append(spec.name)
+    return taking[0] if len(taking) == 1 else None
 
 
-def choose(ref: str, load, dtype="float32", weights: str = "as-is", compiled="off", threads: int | None = None
-           ) -> BackendChoice:
-    """What ``--backend auto`` runs ``ref`` on (timing the installed candidates once, see the module); ``load`` is
-    ``verispec.load_model`` (passed in: nothing under ``backends`` imports the package's entry point)."""
-    named = implied(dtype, weights, compiled)
+def choose(ref: str, load, options: dict | None = None, **keywords) -> BackendChoice:
+    """What ``--backend auto`` runs ``ref`` on (timing the installed candidates once, see the module), given the
+    load ``options`` asked for (see ``verispec.load_model``); ``load`` is ``verispec.load_model`` (passed in: nothing
+    under ``backends`` imports the package's entry point)."""
+    options = {**(options or {}), **keywords}
+    named = implied(options)
     if named is not None:
-        return BackendChoice(named, weights, "the only backend that takes the options given")
+        return BackendChoice(named, str(options.get("weights") or "as-is"),
+                             "the only backend that takes the options given")
     found = candidates(ref)
+    if not found:
+        raise InvalidRequest(f"no installed backend runs {ref!r}")
     if len(found) == 1:
-        missing = [b for b in ("openvino", "llamacpp") if not installed(b)]
+        missing = [name for name in sorted(backend_names(), key=lambda n: -get_backend(n).preference)
+                   if not installed(name)]
         return BackendChoice(found[0], "as-is", "the only installed engine for this model" + (
             f" (not installed: {', '.join(missing)})" if missing else ""))
-    from .llamacpp import default_threads
+    from os import sched_getaffinity
 
-    threads = threads or default_threads()
+    threads = options.get("threads") or max(1, len(sched_getaffinity(0)))
     key = {**measurements.machine(), "model": ref, "source": _fingerprint(ref), "candidates": found,
            "threads": threads, "v": 1}
     known = measurements.load(RECORD, key)

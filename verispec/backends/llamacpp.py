@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import importlib.util
 import logging
 import os
 import threading
@@ -29,9 +30,11 @@ import numpy as np
 import torch
 
 from ..errors import InvalidRequest, ModelNotFound
+from ..options import Option
 from . import timing
 from .base import BorrowedEmbeddings, TargetPass
 from .llamacpp_states import FeatureTap, LayerInputs, architecture
+from .registry import BackendSpec, register
 from .timing import AUTO_CONTEXT, AUTO_PREFILL, AUTO_WIDTHS, auto_score, time_passes  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
@@ -249,8 +252,13 @@ class LlamaCppModel(BorrowedEmbeddings):
     supports_trees = False
     host_threads = 1  # torch's share while this backend's own threads run passes (base.host_threads)
     supports_features = False
+    hidden_states_cost_logits = True  # a row's hidden state comes with its logits only
     final_feature_layer: int  # hidden_states[n_layer], the final normed state: returned with or without ``features``
     dtype = torch.float32  # logits come as float32; the weights' format is ``weights``
+
+    @property
+    def changed_model(self) -> str:
+        return f"llama.cpp {self.weights} re-quantizes the weights" if str(self.weights).startswith("q") else ""
 
     def __init__(self, path: Path, tokenizer, name: str, *, weights: str = "as-is", threads: int | None = None,
                  context: int | None = None, sequences: int = DEFAULT_SEQUENCES, batch: int = 512,
@@ -517,8 +525,7 @@ class LlamaCppModel(BorrowedEmbeddings):
         """``llama_decode`` of the filled batch; with ``embeddings`` the final normed state of every row that asks
         for logits is kept too, and the inputs of ``layers`` for every row (``LayerInputs.keep``). The embeddings
         output is switched only when a pass wants otherwise than the one before: a switch costs llama.cpp a graph
-        rebuild (measured: a final-state pass after a plain one +0.6-0.9 ms, and the plain pass after it +0.5-1.0
-        ms; final-state passes in a row cost what plain ones do), so a head's decoding pays no switch per step and
+        rebuild on the next pass (final-state passes in a row cost what plain ones do; docs/llamacpp.md), so a head's decoding pays no switch per step and
         plain decoding pays nothing."""
         llama_cpp = self._llama
         if embeddings != self._embeddings_on:
@@ -650,3 +657,30 @@ def load(ref: str, weights: str = "as-is", threads: int | None = None, features:
 
     return LlamaCppModel(chosen.path, tokenizer, ref, weights=chosen.name, threads=threads, features=features,
                          **more, embedding_model=embedding_model)
+
+
+def _is_gguf(ref: str) -> bool:
+    from .references import BUILTINS
+
+    return ref in BUILTINS or (Path(ref).expanduser().is_file() and ref.endswith(".gguf"))
+
+
+register(BackendSpec(
+    "llamacpp",
+    summary="llama.cpp on the GGUF file, as CPU users run it: every drafter, chains only",
+    load=load,
+    install=INSTALL_HINT,
+    installed=lambda: importlib.util.find_spec("llama_cpp") is not None,
+    runs_own_weights=_is_gguf,
+    preference=1,
+    options=(
+        Option("weights", str, "as-is", "the GGUF's weight format; as-is (default) runs the file as shipped, "
+               "f32/f16/q8_0/... convert it once (cached), auto times the candidates on this CPU once and picks the "
+               "fastest for speculation", choices=WEIGHT_CHOICES, metavar="FORMAT"),
+        Option("threads", int, None, "CPU threads (default: the cores this process may use)"),
+        Option("features", bool, False, "hidden states of layers before the final one through an eval callback, "
+               "where this llama.cpp has no layer-input outputs (EAGLE heads of four layers)", exposed=False),
+        Option("sequences", int, None, f"KV sequences the context holds at once (default {DEFAULT_SEQUENCES}; a "
+               "batch of N requests needs N)", exposed=False),
+    ),
+))

@@ -44,7 +44,7 @@ def machine() -> dict[str, Any]:
     import torch
 
     from ..version import __version__
-    from .hf.cpu import cpu_info
+    from .torch_cpu.cpu import cpu_info
 
     info = cpu_info()
     return {"cpu": info["model"], "cpu_flags": list(info["flags"]), "verispec": __version__,

@@ -10,7 +10,7 @@ from importlib import metadata
 
 import torch
 
-from ..backends.hf.cpu import cpu_info, linear_kernel
+from ..backends.torch_cpu.cpu import cpu_info, linear_kernel
 
 
 def _version(package: str) -> str | None:
@@ -34,7 +34,7 @@ def environment(dtype: str, device: str, packed_layers: int = 0, kernel: str | N
         "dtype": dtype,
         "device": device,
         "linear_kernel": kernel,
-        "packed_linear_layers": packed_layers,  # weights prepacked for oneDNN (verispec.backends.hf.packing; VERISPEC_PACK=0 off)
+        "packed_linear_layers": packed_layers,  # weights prepacked for oneDNN (verispec.backends.torch_cpu.packing; VERISPEC_PACK=0 off)
         "kernels": {name: linear_kernel(dt) for name, dt in (("float32", torch.float32), ("bfloat16", torch.bfloat16))},
         "torch_threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),

@@ -123,7 +123,7 @@ class LlamaServer:
                 crashed = ""
                 # killed by a signal with --no-repack too: a build whose kernels fault on this CPU anyway
                 if self.proc.returncode < 0 and "--no-repack" in self.args:
-                    from ..backends.llamacpp import NO_AMX_CMAKE_ARGS
+                    from ..backends.peers import NO_AMX_CMAKE_ARGS
                     from ..backends.probe import describe
 
                     crashed = (f"\nit crashed ({describe(self.proc.returncode, '')}), --no-repack too; on Intel "
@@ -221,7 +221,7 @@ def build_llama_server_peer(spec: str, opts: dict[str, str], gguf_path: Path, th
     """Start the server for ``spec`` on ``gguf_path`` and return a method that sends it prompts."""
     import httpx
 
-    from ..backends.llamacpp import default_threads
+    from ..backends.peers import default_threads
 
     exe = find_binary(binary)
     kind = opts.pop("spec", "")

@@ -19,7 +19,7 @@ from .method import Method, Run
 
 def build_llamacpp_peer(spec: str, kind: str, opts: dict, gguf_path, threads: int | None, eos_ids) -> Method:
     """A peer over the GGUF file at ``gguf_path``; it stops at ``eos_ids`` (the target's end tokens)."""
-    from ..backends.llamacpp import default_threads, ensure_runs, import_llama_cpp, no_extra_buffers
+    from ..backends.peers import default_threads, ensure_runs, import_llama_cpp, no_extra_buffers
 
     llama_cpp = import_llama_cpp()
     draft = None

@@ -95,40 +95,25 @@ def build_method(spec: str, target, load: Callable | None, default_k: int = 8, d
                                    target.eos_token_ids)
     if head.startswith(("hf:", "llamacpp")) and "policy" in raw_opts:
         raise InvalidRequest(f"{spec!r}: policy is an option of verispec methods, not of {head}")
-    backend, weights, dtype = raw_opts.pop("backend", None), raw_opts.pop("weights", None), raw_opts.pop("dtype", None)
-    compiled = raw_opts.pop("compile", None)
-    min_width = raw_opts.pop("min_width", None)
-    if min_width is not None:
-        if backend != "openvino":
-            raise InvalidRequest(f"{spec!r}: min_width= pads the openvino backend's passes; add backend=openvino")
-        min_width = int(_number("min_width", min_width))
-    static = raw_opts.pop("static", None)
-    if static is not None:
-        if backend != "openvino":
-            raise InvalidRequest(f"{spec!r}: static= names the openvino backend's static pass widths; add "
-                                 "backend=openvino")
-        from ..backends.openvino.widths import parse_static_widths
-
-        try:
-            static = parse_static_widths(static, "+")
-        except InvalidRequest as exc:
-            raise InvalidRequest(f"{spec!r}: static=: {exc}") from None
-    if compiled is not None:
-        if compiled not in ("0", "1", "auto", "on", "off"):
-            raise InvalidRequest(f"{spec!r}: compile= takes 0 / off, 1 / on or auto, got {compiled!r}")
-        if head.startswith(("hf:", "llamacpp")):
-            raise InvalidRequest(f"{spec!r}: compile= is an option of verispec methods on the transformers backend")
-        compiled = {"0": "off", "1": "on"}.get(compiled, compiled)
-    if head.startswith("hf:") and (backend or weights):
-        raise InvalidRequest(f"{spec!r}: transformers' methods run the transformers backend; drop backend=/weights=")
-    if dtype and (backend == "llamacpp" or (not backend and target.backend == "llamacpp")):
-        raise InvalidRequest(f"{spec!r}: dtype= applies to the transformers backend; on llama.cpp use weights=")
+    backend = raw_opts.pop("backend", None)
+    if head.startswith("hf:"):
+        for key in ("compile", "compiled"):
+            if key in raw_opts:
+                raise InvalidRequest(f"{spec!r}: compile= is an option of verispec methods on the transformers "
+                                     "backend (transformers' own methods run eagerly)")
+        if backend or "weights" in raw_opts:
+            raise InvalidRequest(f"{spec!r}: transformers' methods run the transformers backend; drop "
+                                 "backend=/weights=")
+        load_opts = {}
+    else:
+        own = "llamacpp" if head.startswith("llamacpp") else backend or target.backend
+        load_opts = _load_options(spec, raw_opts, own)
     if head == "llamacpp" or head.startswith("llamacpp:"):
-        if backend or refs:
+        if backend or refs or set(load_opts) - {"weights"}:
             raise InvalidRequest(f"{spec!r}: llama.cpp peers take k=, ngram= (lookup) and weights= only")
         from .llamacpp_peers import build_llamacpp_peer
 
-        model = load(target.name, backend="llamacpp", weights=weights or "as-is")
+        model = load(target.name, backend="llamacpp", weights=load_opts.get("weights") or "as-is")
         opts = {key: _number(key, v) for key, v in raw_opts.items()}
         return build_llamacpp_peer(spec, head.partition(":")[2], opts, model.path, threads, target.eos_token_ids)
     if head.startswith("hf:"):
@@ -136,8 +121,8 @@ def build_method(spec: str, target, load: Callable | None, default_k: int = 8, d
     if head == "arctic" or head.startswith("arctic:"):
         if refs:
             raise InvalidRequest(f"{spec!r}: unexpected part {refs[0]!r} (options are written key=value)")
-        if backend or weights or dtype or compiled is not None:
-            target = load(target.name, backend=backend, weights=weights, dtype=dtype, compiled=compiled)
+        if backend or load_opts:
+            target = load(target.name, backend=backend, **load_opts)
         return _arctic_method(spec, head.partition(":")[2], raw_opts, target, default_k, default_policy)
     name = NONE if head == "baseline" else head
     if name not in drafter_names():
@@ -153,11 +138,9 @@ def build_method(spec: str, target, load: Callable | None, default_k: int = 8, d
             named[drafter_spec.reference_option] = refs[0]
         hidden = drafter_spec.inner_layers(target.name, named)
     if hidden and not target.supports_features:  # a llama.cpp run: load a copy that gives hidden states
-        target = load(target.name, backend=backend, weights=weights, features=True)
-    elif backend or weights or dtype or compiled is not None:
-        target = load(target.name, backend=backend, weights=weights, features=hidden, dtype=dtype, compiled=compiled,
-                      **({"min_width": min_width} if min_width is not None else {}),
-                      **({"static_widths": static} if static is not None else {}))
+        target = load(target.name, backend=backend, **{**load_opts, "features": True})
+    elif backend or load_opts:
+        target = load(target.name, backend=backend, features=hidden, **load_opts)
     policy = raw_opts.pop("policy", default_policy)
     if policy not in K_POLICIES:
         raise InvalidRequest(f"{spec!r}: policy must be one of {', '.join(K_POLICIES)}, got {policy!r}")
@@ -182,7 +165,32 @@ def build_method(spec: str, target, load: Callable | None, default_k: int = 8, d
     decoder = SpeculativeDecoder(target, drafter, k=k, reuse_prefix=False, k_policy=policy)
     return Method(spec, _verispec_runner(decoder), "verispec", decoder.drafter_name,
                   k if drafter is not None else None, _kernel(target), target=target,
-                  changed_model=changed_model(target))
+                  changed_model=target.changed_model)
+
+
+BENCH_KEYS = {"compile": "compiled", "static": "static_widths"}  # bench spec keys that differ from the load option's
+
+
+def _load_options(spec: str, opts: dict[str, str], backend: str) -> dict:
+    """The backend options a method spec sets (popped from ``opts``), parsed by the option each backend declares;
+    one that ``backend`` (the method's own, else the run's) does not take is refused with where it applies."""
+    from ..backends import backend_specs, get_backend
+
+    own = get_backend(backend)
+    found = {}
+    for key in [k for k in opts if BENCH_KEYS.get(k, k) in {o.name for s in backend_specs() for o in s.options}]:
+        name, value = BENCH_KEYS.get(key, key), opts.pop(key)
+        if not own.takes(name):
+            where = [s.name for s in backend_specs() if s.takes(name)]
+            raise InvalidRequest(f"{spec!r}: {key}= is an option of the {' and '.join(where)} backend"
+                                 f"{'s' if len(where) > 1 else ''}, not {own.name}: add backend={where[0]}"
+                                 + (" (on llama.cpp choose weights=)" if name == "dtype" else ""))
+        if name == "compiled":
+            if value not in ("0", "1", "auto", "on", "off"):
+                raise InvalidRequest(f"{spec!r}: compile= takes 0 / off, 1 / on or auto, got {value!r}")
+            value = {"0": "off", "1": "on"}.get(value, value)
+        found[name] = own.option(name).parse(value, spec)
+    return found
 
 
 def _arctic_method(spec: str, kind: str, opts: dict[str, str], target, default_k: int, default_policy: str) -> Method:
@@ -246,19 +254,6 @@ def _hf_method(spec: str, head: str, refs: list[str], opts: dict, target, load: 
     model = target if pack or not target.packed_layers or load is None else load(target.name, pack=False,
                                                                                   compiled=False)
     return Method(spec, _hf_runner(model, extra), "transformers", kind, k, _kernel(model))
-
-
-def changed_model(target) -> str:
-    """Why ``target`` runs other weights than the model's own ("" when it runs them): a format that quantizes them
-    again (OpenVINO int8/int4 through NNCF, llama.cpp's q8_0/q4_0/q4_1 conversions)."""
-    from ..backends.openvino.export import CHANGES_MODEL
-
-    weights = getattr(target, "weights", "as-is")
-    if target.backend == "openvino" and weights in CHANGES_MODEL:
-        return f"OpenVINO {weights} re-quantizes the weights (NNCF)"
-    if target.backend == "llamacpp" and str(weights).startswith("q"):
-        return f"llama.cpp {weights} re-quantizes the weights"
-    return ""
 
 
 def _kernel(target) -> str:

@@ -33,8 +33,8 @@ def _type_name(t) -> str:
 
 def build_openvino_peer(spec: str, kind: str, opts: dict[str, str], target_ref: str, threads: int | None,
                         eos_ids) -> Method:
-    from ..backends.llamacpp import default_threads
-    from ..backends.openvino.export import WEIGHTS, export_dir, import_openvino, inference_precision
+    from ..backends.peers import OPENVINO_WEIGHTS as WEIGHTS, default_threads, export_dir, import_openvino, \
+        inference_precision
 
     if kind not in KINDS:
         raise InvalidRequest(f"unknown OpenVINO peer {spec!r}; choose openvino, openvino:lookup or openvino:draft=REF")

@@ -156,7 +156,7 @@ def cmd_compile(args) -> int:
     import torch
 
     from ..backends import load_model
-    from ..backends.hf import COMPILED_VERIFY_ENV
+    from ..backends import COMPILED_VERIFY_ENV
 
     if args.threads is not None:
         if args.threads < 1:
@@ -205,13 +205,13 @@ def _compile_eagle_head(target):
     drafts)."""
     import torch
 
-    from ..drafters.eagle import compiled_steps
+    from ..eagle.engines import compiled_steps
     from ..drafters.precision import head_dtype
     from ..eagle.head import EagleHead
     from ..eagle.weights import resolve_head
 
     try:
-        folder = resolve_head(target.name, None, target.backend)
+        folder = resolve_head(target.name, None, prefer_final=target.final_feature_layer is not None)
     except ModelNotFound:
         return None
     if head_dtype("auto", target) != torch.float32:
@@ -220,7 +220,7 @@ def _compile_eagle_head(target):
 
 
 def cmd_cache_prune(args) -> int:
-    from ..backends.hf import compile_store
+    from ..backends.torch_cpu import compile_store
 
     if args.max_gb is not None and args.max_gb < 0:
         raise InvalidRequest(f"--max-gb must be >= 0, got {args.max_gb}")
@@ -235,9 +235,9 @@ def cmd_cache_prune(args) -> int:
 def cmd_models(args) -> int:
     import torch
 
-    from ..backends.hf.cpu import cpu_info, linear_kernel
+    from ..backends.torch_cpu.cpu import cpu_info, linear_kernel
     from ..backends import cache_dir
-    from ..backends.hf import PACK_ENV, pack_from_environment
+    from ..backends import PACK_ENV, pack_from_environment
 
     for name, spec in BUILTINS.items():
         cached = (cache_dir() / "models" / name / "config.json").exists()
@@ -277,7 +277,7 @@ def _size(folder: Path) -> int:
 
 
 def print_compiled_steps() -> None:
-    from ..backends.hf import compile_store
+    from ..backends.torch_cpu import compile_store
 
     found = compile_store.records()
     print(f"compiled passes: {len(found)} in {compile_store.folder()} (verispec compile builds a model's; delete a "
@@ -322,9 +322,9 @@ def resolve_auto_backend(args) -> None:
         return
     from ..backends import load_model
     from ..backends.choice import choose
+    from ..backends.registry import options_from
 
-    picked = choose(getattr(args, "target", None) or DEFAULT_MODEL, load_model, getattr(args, "dtype", "float32"),
-                    getattr(args, "weights", "as-is"), getattr(args, "compile", "off"), getattr(args, "threads", None))
+    picked = choose(getattr(args, "target", None) or DEFAULT_MODEL, load_model, options_from(args))
     args.backend = picked.backend
     print(f"verispec: {picked.summary()}", file=sys.stderr)
 

@@ -11,10 +11,8 @@ import sys
 from pathlib import Path
 
 from ..errors import InvalidRequest
-from ..backends.base import BACKENDS
-from ..backends.choice import ENV as BACKEND_ENV, default_backend
-from .options import WEIGHT_CHOICES, add_compile_option, add_cost_cache_option
-from ..backends import BUILTINS, DEFAULT_MODEL, DTYPES
+from .options import add_backend_options
+from ..backends import BUILTINS, DEFAULT_MODEL
 
 DEFAULT_METHODS = "baseline,ngram,hf:pld"
 
@@ -40,19 +38,8 @@ def _target_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--target", default=DEFAULT_MODEL, metavar="REF",
                    help=f"target model: built-in name ({', '.join(BUILTINS)}), local directory, .gguf or hub id "
                         f"(default: {DEFAULT_MODEL})")
-    g.add_argument("--dtype", default="float32", choices=list(DTYPES),
-                   help="transformers backend: weights and activations (default: float32)")
-    g.add_argument("--threads", type=int,
-                   help="CPU threads: torch's (default: torch's choice) and llama.cpp's (default: the usable cores)")
-    g.add_argument("--backend", default=default_backend(), choices=("auto", *BACKENDS),
-                   help="backend of verispec methods without backend= (default: auto, the fastest installed engine "
-                        "on this CPU that runs the model's own weights, timed once and stored; "
-                        f"${BACKEND_ENV} sets the default)")
-    g.add_argument("--weights", default="as-is", choices=WEIGHT_CHOICES,
-                   help="llamacpp / openvino backends: weight format for methods without weights= (default: as-is, "
-                        "the model's own weights: a GGUF's blocks; int8/int4 on openvino re-quantize, a changed model)")
-    add_compile_option(g)
-    add_cost_cache_option(g)
+    add_backend_options(g, "what runs verispec methods without backend= (a method's own backend=, weights=, "
+                           "dtype=, ... override these for it)")
 
 
 def add_parsers(sub) -> None:
@@ -114,7 +101,8 @@ def add_parsers(sub) -> None:
 def _setup(args):
     import torch
 
-    from ..backends import load_model
+    from ..backends import get_backend, load_model
+    from ..backends.registry import options_from
 
     if args.threads is not None:
         if args.threads < 1:
@@ -124,19 +112,19 @@ def _setup(args):
         raise InvalidRequest(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     loaded = {}
 
-    def load(ref: str, pack: bool | None = None, backend: str | None = None, weights: str | None = None,
-             features: bool = False, dtype: str | None = None, compiled: str | None = None,
-             min_width: int | None = None, static_widths: tuple[int, ...] | str | None = None):
-        backend = backend or getattr(args, "backend", "transformers")
-        weights = (weights or getattr(args, "weights", "as-is")) if backend in ("llamacpp", "openvino") else "as-is"
-        features = features and backend == "llamacpp"  # transformers always gives hidden states
-        dtype = (dtype or args.dtype) if backend == "transformers" else "float32"
-        if compiled is None:  # the run's --compile, for verispec's own passes on the transformers backend
-            compiled = getattr(args, "compile", "off") if backend == "transformers" and pack is not False else "off"
-        key = (ref, pack, backend, weights, features, dtype, compiled, min_width, static_widths)
+    def load(ref: str, backend: str | None = None, **asked):
+        """``ref`` on ``backend`` (default: the run's) with the run's options for that backend, the method's own
+        (``asked``, None = the run's) over them; loaded once per distinct set."""
+        spec = get_backend(backend or args.backend)
+        options = {name: value for name, value in options_from(args).items() if spec.takes(name)}
+        if asked.get("pack") is False and "compiled" in options:  # transformers' own methods: eager, unpacked
+            options["compiled"] = "off"
+        if not spec.takes("features"):  # hidden states come without asking on this backend
+            asked.pop("features", None)
+        options.update({name: value for name, value in asked.items() if value is not None})
+        key = (ref, spec.name, tuple(sorted(options.items(), key=lambda item: item[0])))
         if key not in loaded:
-            model = load_model(ref, dtype=dtype, pack=pack, backend=backend, weights=weights, threads=args.threads,
-                               features=features, compiled=compiled, min_width=min_width, static_widths=static_widths)
+            model = load_model(ref, backend=spec.name, **options)
             if hasattr(model, "wait_compiled"):  # a benchmark times the passes as they will run: programs loaded
                 model.wait_compiled()
             loaded[key] = model

@@ -6,10 +6,9 @@ from __future__ import annotations
 import argparse
 
 from ..backends.references import default_draft
-from ..backends import BUILTINS, COMPILE_ENV, COMPILE_MODES, DEFAULT_MODEL, DTYPES, default_compile_mode
-from ..backends.base import BACKENDS
+from ..backends import AUTO, BUILTINS, DEFAULT_MODEL, backend_specs, entry_options, get_backend
 from ..backends.choice import ENV as BACKEND_ENV, default_backend
-from ..backends import WEIGHT_CHOICES
+from ..options import Option
 from ..drafters import drafter_names, drafter_specs, get_spec, make_drafter, options_from
 from ..drafters.registry import NONE, needs_layer_callback
 
@@ -35,16 +34,7 @@ def model_options(p: argparse.ArgumentParser, drafter_default: str = "ngram") ->
                         "up to --k (for experiments)")
     for spec in drafter_specs():
         for o in spec.options:
-            if o.type is bool and o.default:  # on by default: --flag / --no-flag
-                g.add_argument(f"--{o.flag}", action=argparse.BooleanOptionalAction, default=True, help=o.help)
-            elif o.type is bool:
-                g.add_argument(f"--{o.flag}", action="store_true", help=o.help)
-            else:
-                g.add_argument(f"--{o.flag}", type=o.type, default=o.default, help=o.help,
-                               choices=o.choices or None, metavar=o.metavar or ("DIR" if o.type is str and not o.choices else None))
-    g.add_argument("--dtype", default="float32", choices=list(DTYPES),
-                   help="weights and activations; float32 (default) guarantees greedy output identical to plain "
-                        "decoding, bfloat16 only approximately (rounding differs between wide and narrow passes)")
+            add_option(g, o)
     g.add_argument("--acceptance", default="strict", choices=["strict", "typical"],
                    help="strict = rejection sampling, lossless (default); typical = Medusa-style typical "
                         "acceptance, LOSSY: faster but no longer the target's distribution")
@@ -59,30 +49,29 @@ def sampling_options(p: argparse.ArgumentParser, temperature: float) -> None:
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off, default)")
 
 
-def add_backend_options(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--backend", default=default_backend(), choices=("auto", *BACKENDS),
-                   help="what runs the target: auto (default: the fastest installed engine on this CPU that runs the "
-                        "model's own weights, timed once per model and CPU and stored; the choice is printed; "
-                        f"${BACKEND_ENV} sets the default), "
-                        "transformers (PyTorch, every drafter, token trees), "
-                        "llamacpp (llama.cpp on the GGUF file, as CPU users run it; every drafter, chains only; "
-                        "needs pip install \"verispec[llamacpp]\") or openvino (OpenVINO on the model exported once; "
-                        "every drafter, trees included; needs pip install \"verispec[openvino]\")")
-    g.add_argument("--weights", default="as-is", choices=WEIGHT_CHOICES,
-                   help="llamacpp backend: the GGUF's weight format; as-is (default) runs the file as shipped, f32/f16/"
-                        "q8_0/... convert it once (cached), auto times the candidates on this CPU once and picks the "
-                        "fastest for speculation; openvino backend: as-is (default; a GGUF's own quantized blocks, "
-                        "a transformers folder's float32 weights), fp32, bf16 (fp32 weights computed in bfloat16, "
-                        "where the CPU has it), fp16, int8 or int4 (NNCF: these two re-quantize, a changed model), auto (the fastest of fp32, fp16 and "
-                        "bf16 here)")
-    g.add_argument("--threads", type=int, default=None,
-                   help="llamacpp backend: CPU threads (default: the cores this process may use)")
-    g.add_argument("--static-widths", default=None, metavar="W,W,...|none|auto",
-                   help="openvino backend: a one-sequence pass of up to the largest of these widths is padded to the "
-                        "next of them and runs on a graph of static shapes (default auto: 1,2,4,6, and 8,10 too where "
-                        "passes of 7-10 tokens measure cheaper on them, timed once per CPU; none: every pass on the "
-                        "dynamic graph). Static graphs cost load time and memory; measurements: docs/openvino.md)")
-    add_compile_option(g)
+def add_option(g: argparse._ArgumentGroup, o: Option) -> None:
+    """A registered drafter's or backend's option as a command-line flag."""
+    default = o.entry_default()
+    if o.type is bool and default:  # on by default: --flag / --no-flag
+        g.add_argument(f"--{o.flag}", action=argparse.BooleanOptionalAction, default=True, help=o.help)
+    elif o.type is bool:
+        g.add_argument(f"--{o.flag}", action="store_true", help=o.help)
+    else:
+        bare = {"nargs": "?", "const": o.const} if o.const is not None else {}
+        g.add_argument(f"--{o.flag}", type=o.type, default=default, help=o.help, choices=o.choices or None,
+                       metavar=o.metavar or ("DIR" if o.type is str and not o.choices else None), **bare)
+
+
+def add_backend_options(g: argparse._ArgumentGroup, what: str = "what runs the target") -> None:
+    """``--backend`` and every registered backend's options (``verispec.backends.registry``)."""
+    engines = "; ".join(f"{spec.name} ({spec.summary}{'; needs ' + spec.install if spec.install else ''})"
+                        for spec in backend_specs())
+    g.add_argument("--backend", default=default_backend(), choices=(AUTO, *(s.name for s in backend_specs())),
+                   help=f"{what}: auto (default: the fastest installed engine on this CPU that runs the model's own "
+                        "weights, timed once per model and CPU and stored; the choice is printed; "
+                        f"${BACKEND_ENV} sets the default); {engines}")
+    for o in entry_options().values():
+        add_option(g, o)
     add_cost_cache_option(g)
 
 
@@ -93,33 +82,19 @@ def add_cost_cache_option(g: argparse._ArgumentGroup) -> None:
                         "what is stored)")
 
 
-def add_compile_option(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--compile", nargs="?", const="on", default=default_compile_mode(), choices=COMPILE_MODES,
-                   metavar="auto|on|off",
-                   help="transformers backend, float32 on CPU: one-token decoding steps and verify passes of 2-12 "
-                        "tokens compiled ahead of time (AOTInductor; the verify program where 4x the weights fit in "
-                        "half the free memory; prefills, trees and wider passes stay eager). auto (default): use the "
-                        "compiled programs stored by an earlier process, else decode eagerly (a server with "
-                        "--max-batch 1 compiles them in the background and switches when ready); on: compile now if "
-                        "none is stored (a few minutes once per model and machine, then seconds to load; needs a "
-                        "C++ compiler); off: always eager. "
-                        f"${COMPILE_ENV} sets the default. What it buys per CPU: docs/kernels.md")
-
-
 def load_args_model(args, ref: str, **overrides):
     """Load ``ref`` with the backend options in ``args`` (overrides win)."""
     from ..backends import load_model
 
-    backend = getattr(args, "backend", "transformers")
-    # llama.cpp returns hidden states before the final one only when asked at load time (four-layer EAGLE heads)
-    options = dict(dtype=args.dtype, backend=backend, weights=getattr(args, "weights", "as-is"),
-                   threads=getattr(args, "threads", None),
-                   features=backend == "llamacpp" and needs_layer_callback(args), compiled=getattr(args, "compile", "off"))
-    from ..backends.openvino.widths import static_widths_option
+    from ..backends.registry import options_from
 
-    options.update(static_widths_option(getattr(args, "static_widths", None), backend))
+    backend = getattr(args, "backend", "transformers")
+    options = options_from(args)
+    if backend != AUTO and get_backend(backend).takes("features"):
+        # hidden states before the final one, only where asked at load time (llama.cpp: four-layer EAGLE heads)
+        options["features"] = needs_layer_callback(args)
     options.update(overrides)
-    return load_model(ref, **options)
+    return load_model(ref, backend=backend, **options)
 
 
 def build_decoder(args):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..errors import InvalidRequest
 from ..backends import DEFAULT_MODEL, DTYPES
-from ..backends.hf import LoadedModel
+from ..backends import LoadedModel  # training reads a transformers target
 from ..drafters import get_spec
 
 
@@ -177,7 +177,7 @@ def _check_whole_numbers(*pairs) -> None:
 def _self_distillation(args, kind: str) -> tuple[Path, list[list[int]]]:
     """Step 1 of a trainer: the target's answers and hidden states cached on disk (resumable), and the held-out
     prompts for the final check. EAGLE caches its --layers beside the final state; Medusa the final state only."""
-    from ..eagle.data import build_dataset, read_prompts, select_prompts
+    from ..training.data import build_dataset, read_prompts, select_prompts
     from ..backends import cache_dir, load_model
 
     _check_whole_numbers(("--samples", args.samples, 2), ("--max-new-tokens", args.max_new_tokens, 1),
@@ -236,7 +236,7 @@ def _text_corpus(args, target) -> list[Path]:
     reused while the files stay the same); none without --text."""
     if not args.text:
         return []
-    from ..eagle.corpus import build_text_dataset, corpus_key
+    from ..training.corpus import build_text_dataset, corpus_key
     from ..backends import cache_dir
 
     key = corpus_key(args.text, target.name, args.text_seq_tokens, args.text_max_tokens)
@@ -275,13 +275,13 @@ def _engine_answers(ref: str, dtype: str, batch: int, longest: int) -> dict:
 
 
 def _gen_dtype(setting: str, device: str) -> str:
-    """--gen-dtype auto: bfloat16 on a GPU and on a CPU with bfloat16 dot products; float32 on other CPUs (an AVX2
-    Zen 3 answered at 9.6 tokens/s in bfloat16 against 37.6 in float32, batches of 32)."""
+    """--gen-dtype auto: bfloat16 on a GPU and on a CPU with bfloat16 dot products; float32 on other CPUs, which
+    emulate bfloat16 through float32 and answer several times slower in it (docs/eagle.md)."""
     if setting != "auto":
         return setting
     if device != "cpu":
         return "bfloat16"
-    from ..backends.hf.cpu import bfloat16_dot_products
+    from ..backends.torch_cpu.cpu import bfloat16_dot_products
 
     return "bfloat16" if bfloat16_dot_products() else "float32"
 

@@ -20,8 +20,8 @@ With ``suffix=True`` (chain mode only) a step whose context's suffix has a conti
 continuation and skips the head; the head drafts where the store has nothing, catching up on the skipped pairs in
 its next read. Copies of the prompt (translation, summarization, code edits) are where the head is weakest and a
 store's drafts are long and free. Greedy decoding only: when sampling, a copied token is accepted with the target's
-probability of it, the head's sampled drafts with sum(min(p, q)), and the head alone did better (Spec-Bench at
-temperature 0.7: 1.24x plain against 1.19x with the store first), so every step asks the head. The drafter is then
+probability of it, the head's sampled drafts with sum(min(p, q)), and the head alone measured better there
+(docs/suffix.md), so every step asks the head. The drafter is then
 named ``eagle+suffix``.
 
 With ``tree=True`` it proposes a tree instead (EAGLE-2's dynamic tree): each round expands the ``width`` most
@@ -35,12 +35,12 @@ distribution exactly.
 from __future__ import annotations
 
 import logging
-import threading
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
+from ..eagle.engines import ENGINES, choose_engine
 from ..eagle.head import CONFIG, EagleHead, HeadCache, HeadConfig
 from ..eagle.weights import resolve_head
 from ..errors import InvalidRequest, ModelNotFound, check_whole
@@ -55,9 +55,6 @@ from .registry import DrafterSpec, Option, register
 from .vocabulary import ContextVocabulary
 
 log = logging.getLogger(__name__)
-
-
-ENGINES = ("auto", "torch", "compiled", "openvino", "openvino-fp32")
 
 
 class EagleDrafter(DrafterBase):
@@ -79,22 +76,12 @@ class EagleDrafter(DrafterBase):
         self._lookup = NgramDrafter() if lookup else None
         self._suffix = SuffixDrafter() if suffix else None
         self.name = "eagle+lookup" if lookup else "eagle+suffix" if suffix else "eagle"
-        if engine not in ENGINES:
-            raise InvalidRequest(f"eagle engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-        chosen = engine == "auto"
-        if chosen:
-            engine = "openvino" if target.backend == "openvino" else "torch"
-        if engine.startswith("openvino") and precision not in ("auto", "float32"):
-            raise InvalidRequest(f"the eagle head's OpenVINO graph is converted from float32 weights; "
-                                 f"--eagle-precision {precision} is for --eagle-engine torch")
-        if engine == "compiled" and precision not in ("auto", "float32"):
-            raise InvalidRequest(f"the compiled eagle head runs float32 weights; --eagle-precision {precision} is for "
-                                 "--eagle-engine torch")
-        # the torch head's precision (``verispec.drafters.precision``); an OpenVINO graph is converted from float32
-        resolved = (head_dtype(precision, target) if engine == "torch" else torch.float32 if engine == "compiled"
-                    else target.dtype)
+        # what runs the head's chain steps (``verispec.eagle.engines``): the torch head, its compiled program or its
+        # graph on OpenVINO
+        self._engine = choose_engine(engine, precision, target, head_dtype(precision, target))
+        resolved = self._engine.dtype
         if not isinstance(head, EagleHead):
-            folder = resolve_head(target.name, head, target.backend)
+            folder = resolve_head(target.name, head, prefer_final=target.final_feature_layer is not None)
             if (folder / CONFIG).is_file():  # before the weights load (a folder without one: load says so)
                 _check_features(target, HeadConfig.load(folder).feature_layers)
             head = EagleHead.load(folder, dtype=resolved)
@@ -107,26 +94,9 @@ class EagleDrafter(DrafterBase):
         self.context_vocab = context_vocab
         self.vocab = ContextVocabulary(self.head.d2t, target.embedding_model.get_output_embeddings().weight.detach(),
                                        target.vocab_size, self.head.lm_head_d.dtype)
-        # what runs the head's chain steps: the torch head, its compiled program (``verispec.eagle.compiled``) or its
-        # graph on OpenVINO (``verispec.eagle.openvino``)
-        self.steps = self.head
-        if engine.startswith("openvino"):
-            from ..eagle.openvino import HeadSteps
-
-            # one thread: a step is too small to split (2 threads: 1.13 against 1.01 ms a step here); the target's
-            # OpenVINO core, so that both graphs share its executor
-            self.steps = HeadSteps(self.head, target.embedding_model, 1, "fp32" if engine == "openvino-fp32" else "int8",
-                                   core=getattr(target, "ov_core", None))
-        elif engine == "compiled" or (chosen and _compiles(target, self.head)):
-            # auto: a program stored earlier (``verispec compile``), where the target runs compiled too
-            compiled = compiled_steps(self.head, target, cached_only=engine != "compiled")
-            self.steps, engine = (self.head, "torch") if compiled is None else (compiled, "compiled")
-        self.engine = engine
-        # auto on a target that still runs eagerly (a server compiling it in the background): look again once the
-        # target's own step is there, since the same compile stores the head's program (``verispec compile``)
+        self.steps = self._engine.steps(self.head, target)
+        self.engine = self._engine.name
         self._target = target
-        self._await_compiled = (chosen and engine == "torch" and target.backend == "transformers"
-                                and getattr(target, "step", False) is None)
         self.prompt_feature_rows = prompt_feature_rows(prompt_rows, target)
         self._cache = HeadCache()
         self._tokens: list[int] = []  # the cache holds the pairs of positions origin..origin+len(cache)-1 of these
@@ -136,13 +106,9 @@ class EagleDrafter(DrafterBase):
     def reset(self, sampling: SamplingParams, generator: torch.Generator | None) -> None:
         self.sampling = sampling
         self.generator = generator
-        if self._await_compiled and getattr(self._target, "step", None) is not None:
-            self._await_compiled = False  # one look: the target's switch comes after the head's program is stored
-            if _compiles(self._target, self.head):
-                compiled = compiled_steps(self.head, self._target, cached_only=True)
-                if compiled is not None:
-                    self.steps, self.engine = compiled, "compiled"
-                    log.info("the eagle head's draft steps now run compiled")
+        upgraded = self._engine.upgrade(self.head, self._target)
+        if upgraded is not None:
+            self.steps, self.engine = upgraded, self._engine.name
         self.vocab.reset()  # the draft vocabulary grows by the request's context tokens
         self._lookup_draft: tuple[int, list[int]] | None = None  # (pending position, tokens) of the last branch
         if self._lookup is not None:
@@ -291,9 +257,9 @@ def prompt_feature_rows(setting: int | str | None, target: TargetModel) -> int |
     """How many of a prompt's last positions the head reads (None: all). ``auto``: all where hidden states come
     with the pass anyway (transformers, OpenVINO); ``PROMPT_ROWS_LLAMACPP`` on llama.cpp, whose passes return a
     row's hidden state only with the row's logits, so reading all of a prompt runs the lm_head over every row
-    (a 300-token prefill cost 1.36x plain there, docs/llamacpp.md)."""
+    (a long prefill then costs a good deal more than plain; docs/llamacpp.md)."""
     if setting == "auto":
-        return PROMPT_ROWS_LLAMACPP if target.backend == "llamacpp" else None
+        return PROMPT_ROWS_LLAMACPP if target.hidden_states_cost_logits else None
     if setting is None or setting == "all":
         return None
     if isinstance(setting, str) and setting.isdigit():
@@ -302,39 +268,6 @@ def prompt_feature_rows(setting: int | str | None, target: TargetModel) -> int |
         raise InvalidRequest(f"eagle prompt rows must be a whole number of at least 1, 'all' or 'auto'; got "
                              f"{setting!r}")
     return setting
-
-
-def _compiles(target: TargetModel, head: EagleHead) -> bool:
-    """Would ``engine=auto`` look for the head's compiled program: a float32 head on CPU drafting for a transformers
-    target whose own one-token step runs compiled (``--compile off`` keeps every part eager)."""
-    weight = head.fuse.weight
-    return (target.backend == "transformers" and getattr(target, "step", None) is not None
-            and weight.dtype == torch.float32 and weight.device.type == "cpu")
-
-
-def compiled_steps(head: EagleHead, target: TargetModel, cached_only: bool = False):
-    """The head's ``CompiledHeadSteps``, loaded (or, unless ``cached_only``, built) once per head object and shared
-    by the drafters that share the head; None where none is stored (``cached_only``) or compiling failed (warned)."""
-    from ..eagle.compiled import CompiledHeadSteps
-
-    with _COMPILED_LOCK:  # drafters of a server's slots share a head: one of them loads its program
-        steps = getattr(head, "_compiled_steps", None)
-        if steps is None:
-            try:
-                steps = CompiledHeadSteps.load_or_build(head, target.embedding_model, target.name,
-                                                        cached_only=cached_only)
-            except InvalidRequest:
-                raise
-            except Exception as exc:  # noqa: BLE001 - any compiler failure means: the torch head drafts
-                log.warning("compiling the eagle head failed (%s: %s); the torch head drafts", type(exc).__name__,
-                            str(exc).splitlines()[0] if str(exc) else "")
-                return None
-            if steps is not None:
-                object.__setattr__(head, "_compiled_steps", steps)
-        return steps
-
-
-_COMPILED_LOCK = threading.Lock()
 
 
 def _merge_chain(tree: Draft, chain: list[int]) -> Draft:
@@ -359,7 +292,7 @@ def _reads_inner_layers(target_ref: str, head) -> bool:
     if isinstance(head, EagleHead):
         return head.config.reads_inner_layers()
     try:
-        return HeadConfig.load(resolve_head(target_ref, head, "llamacpp")).reads_inner_layers()
+        return HeadConfig.load(resolve_head(target_ref, head, prefer_final=True)).reads_inner_layers()
     except (ModelNotFound, OSError, ValueError, TypeError, IndexError):
         return True
 

@@ -73,7 +73,8 @@ register(DrafterSpec(
     options=(Option("layers", str, AUTO, "decoder layers --drafter layerskip leaves out, as 10,12-14 (10+12-14 in a "
                     "bench method spec), or auto (default): chosen by a measurement on this target, run once (about "
                     "a minute) and stored", metavar="LAYERS"),),
-    backends=("transformers",),
+    runs_on=lambda target: target.supports_layer_skipping,
+    requirement="a target that runs a subset of its own layers (transformers)",
     offered_by_default=False,  # a server offers it when started with it: the first use on a model measures for a minute
     # a server's further drafters reuse the first one's choice instead of looking it up again
     share=lambda drafter: {"layers": drafter.calibration or drafter.skipped},

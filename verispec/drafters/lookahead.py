@@ -151,5 +151,6 @@ register(DrafterSpec(
              Option("context_pool", bool, True, "--drafter lookahead also pools the context's own n-grams (prompt "
                     "and answer so far; as the lookahead authors' POOL_FROM_PROMPT)", flag="lookahead-context-pool")),
     trees=lambda options: True, tree_option="",
-    backends=("transformers", "openvino"),
+    runs_on=lambda target: target.supports_trees,
+    requirement="a target that verifies token trees (transformers or openvino)",
 ))

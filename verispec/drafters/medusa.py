@@ -50,7 +50,7 @@ class MedusaDrafter(DrafterBase):
         self.tree, self.width = bool(tree), width
         # the heads read the last position's state only: on llama.cpp, where a row's state costs its logits, the
         # rest of a prompt is prefilled without them
-        self.prompt_feature_rows = 1 if target.backend == "llamacpp" else None
+        self.prompt_feature_rows = 1 if target.hidden_states_cost_logits else None
         self.context_vocab = context_vocab
         self.vocab = ContextVocabulary(self.heads.d2t, target.embedding_model.get_output_embeddings().weight.detach(),
                                        target.vocab_size, self.heads.lm_head_d.dtype)

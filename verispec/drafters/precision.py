@@ -25,7 +25,7 @@ def head_dtype(choice: str, target: TargetModel) -> torch.dtype:
     if choice != "auto":
         return getattr(torch, choice)
     if target.dtype == torch.float32 and target.device.type == "cpu":
-        from ..backends.hf.cpu import bfloat16_dot_products
+        from ..backends.torch_cpu.cpu import bfloat16_dot_products
 
         if bfloat16_dot_products():
             return torch.bfloat16

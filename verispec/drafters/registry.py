@@ -18,69 +18,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Callable
 
-from ..backends.base import BACKENDS
 from ..errors import InvalidRequest
+from ..options import SWITCH_WORDS, Option, parse_value  # noqa: F401 (re-exported)
 from .base import Drafter
 
 NONE = "none"  # plain decoding: no drafter (the off switch), listed with the registered names
-
-
-@dataclass(frozen=True)
-class Option:
-    """One option of a drafter: its factory keyword ``name``, its type (int, float, bool or str), default and help;
-    ``flag`` is its command-line name without dashes (default: DRAFTER-NAME); ``choices`` the values a str option
-    takes (empty: any)."""
-
-    name: str
-    type: type
-    default: Any
-    help: str
-    flag: str = ""
-    choices: tuple = ()
-    metavar: str = ""  # its value's name in help text (default for a str option: DIR)
-
-    @property
-    def dest(self) -> str:
-        """Its attribute name in parsed arguments and serve options (the flag with '_' for '-')."""
-        return self.flag.replace("-", "_")
-
-    def parse(self, value: Any, where: str) -> Any:
-        """``value`` (a string from a method spec or a config file, or already typed) as this option's type."""
-        try:
-            parsed = parse_value(self.name, value, self.type)
-        except InvalidRequest as exc:
-            raise InvalidRequest(f"{where}: {exc}") from None
-        if self.choices and parsed is not None and parsed not in self.choices:
-            raise InvalidRequest(f"{where}: option {self.name!r} takes {', '.join(map(str, self.choices))}, "
-                                 f"not {parsed!r}")
-        return parsed
-
-
-SWITCH_WORDS = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
-
-
-def parse_value(name: Any, value: Any, type_: type) -> Any:
-    """An option's value as ``type_`` (bool, int, float or str): given typed, or as the string a command line,
-    a config file (``serve run ... key=value``) or a bench method spec holds. None stays None."""
-    if value is None:
-        return None
-    if type_ is bool:
-        if isinstance(value, str):
-            if value.lower() not in SWITCH_WORDS:
-                raise InvalidRequest(f"option {name!r} is a switch: give true or false (1 or 0), not {value!r}")
-            return SWITCH_WORDS[value.lower()]
-        return bool(value)
-    if type_ in (int, float):
-        whole = type_ is int
-        if isinstance(value, bool) or not isinstance(value, (int, float, str)) or (whole and isinstance(value, float)):
-            raise InvalidRequest(f"option {name!r}: {value!r} is not a valid {type_.__name__} "
-                                 f"({'a whole number' if whole else 'a number'})")
-        try:
-            return type_(value)
-        except ValueError:
-            raise InvalidRequest(f"option {name!r}: {value!r} is not a valid {type_.__name__} "
-                                 f"({'a whole number' if whole else 'a number'})") from None
-    return str(value)
 
 
 @dataclass(frozen=True)
@@ -106,7 +48,8 @@ class DrafterSpec:
     inner_layers: Callable[[str, dict[str, Any]], bool] = lambda target, options: True
     trees: Callable[[dict[str, Any]], bool] | None = None
     tree_option: str = ""  # the option that turns trees on (named in messages)
-    backends: tuple[str, ...] = BACKENDS
+    runs_on: Callable[[Any], bool] = lambda target: True
+    requirement: str = ""  # what runs_on asks of a target, in words
     reference_option: str = ""  # the option a bench spec's bare reference sets (eagle:DIR -> head=DIR)
     # options that let more drafters of a server reuse what the first one loaded (weights), given that first one
     share: Callable[[Drafter], dict[str, Any]] | None = None
@@ -141,9 +84,9 @@ class DrafterSpec:
         if self.needs_draft_model and draft_model is None:
             raise InvalidRequest(f"the {self.name} drafter needs a draft model: pass --draft-model REF (a smaller, faster "
                                  "model; one with the target's tokenizer drafts best)")
-        if target is not None and target.backend not in self.backends:
-            raise InvalidRequest(f"the {self.name} drafter runs on {', '.join(self.backends)}, not on the "
-                                 f"{target.backend} backend")
+        if target is not None and not self.runs_on(target):
+            raise InvalidRequest(f"the {self.name} drafter needs {self.requirement}, which the {target.backend} "
+                                 "backend's target is not; choose another --backend or drafter")
         return self.factory(target, draft_model, **options)
 
 

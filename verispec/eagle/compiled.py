@@ -4,10 +4,9 @@ A chain step of the head is small (one decoder layer, the 8,192 draft-vocabulary
 parameters for the default model's head), so run eagerly most of its time goes to a dozen small ops and linears
 launched from Python. ``StepGraph`` (the step as a function of plain tensors, the graph the OpenVINO engine converts
 too) is exported with the number of new pairs (1 to ``MAX_ROWS``) and of cached pairs dynamic and compiled like the
-target's one-token step (``verispec.backends.hf.compile_store``: frozen weights, ``max_autotune``, stored on disk
-under a key of the head's weights, config, code, CPU and versions). Measured on a 2-core AMD EPYC Zen 3 (AVX2, no
-bfloat16), 300 cached pairs: 1.53 ms a one-pair step with its logits against 3.03 ms eager (docs/results-archive.md,
-2026-11-28).
+target's one-token step (``verispec.backends.torch_cpu.compile_store``: frozen weights, ``max_autotune``, stored on disk
+under a key of the head's weights, config, code, CPU and versions). What it buys per CPU: docs/eagle.md and
+docs/results-archive.md (2026-11-28).
 
 ``CompiledHeadSteps`` has the torch head's ``step_logits``; the drafter calls whichever engine it was given. A
 request's first step (no cached pairs, or more than ``MAX_ROWS`` new ones: the prompt's pairs) and trees run the
@@ -30,8 +29,8 @@ from .head import EagleHead, HeadCache, StepGraph, plain_copy
 log = logging.getLogger(__name__)
 
 # new pairs one program call takes: a draft token, or the pairs a verify pass accepted. More run the torch head, which
-# is as fast from ~32 pairs and faster beyond (its kernels are chosen for wide products; inductor's here for a few
-# rows): on the Zen 3, 16 pairs 2.55 against 2.93 ms, 32 4.02 against 3.86, 300 30.3 against 21.2
+# is as fast from about this many pairs and faster beyond (its kernels are chosen for wide products; inductor's here
+# for a few rows; measured in docs/results-archive.md, 2026-11-28)
 MAX_ROWS = 32
 
 
@@ -60,7 +59,7 @@ class CompiledHeadSteps:
         """The program of ``head`` (float32), loaded from the compile cache, else compiled now (about a minute for
         the default model's head on 2 cores) and stored; with ``cached_only`` None when none is stored. Raises what
         the compiler raises."""
-        from ..backends.hf import compile_store
+        from ..backends.torch_cpu import compile_store
 
         if head.fuse.weight.dtype != torch.float32 or head.fuse.weight.device.type != "cpu":
             raise InvalidRequest("the compiled eagle head runs float32 heads on CPU; use --eagle-engine torch for "

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import IncompatibleDrafter, ModelNotFound
-from ..backends.hf.packing import PackedLinear, pack_linear_layers, should_pack
+from ..backends.torch_cpu.packing import PackedLinear, pack_linear_layers, should_pack
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -127,6 +127,8 @@ class HeadCache:
 class EagleHead(nn.Module):
     """Trainable part of the drafter. ``embed`` and ``lm_head_d`` (the target's, frozen, restricted to the draft
     vocabulary) are attached with :meth:`attach` and are not parameters of the head."""
+
+    compiled_steps = None  # its program compiled ahead of time, once loaded (``verispec.eagle.engines``)
 
     def __init__(self, config: HeadConfig):
         super().__init__()

@@ -1,12 +1,11 @@
 """The EAGLE head's draft step on OpenVINO, for targets that run there.
 
-On the OpenVINO backend the target's passes use both cores through OpenVINO's own threads, and the torch head ran on
-the one thread left to torch: ~1.2 ms a draft token, most of it streaming the float32 draft lm_head (8,192 x 576),
-and the target's next pass ran ~1.5 ms slower after torch had run (measured on a Zen 5, 2026-11-26). Here the
-head's step (``EagleHead.step`` then ``EagleHead.logits``) is converted once to an OpenVINO graph, its weights
-compressed to int8 (NNCF), and run in the target's OpenVINO core on one thread: ~1 ms a one-token step at 300 cached
-positions, Python included (0.43 ms for the graph alone), and no slower target pass after it. The drafts change a
-little (int8 weights); the output cannot: drafts are verified by the target like any others.
+On the OpenVINO backend the target's passes use the cores through OpenVINO's own threads; a torch head runs on the
+thread left to torch, streams its float32 draft lm_head, and slows the target's next pass (two thread pools take
+turns on the same cores). Here the head's step (``EagleHead.step`` then ``EagleHead.logits``) is converted once to
+an OpenVINO graph, its weights compressed to int8 (NNCF), and run in the target's OpenVINO core on one thread, so
+both share one executor (measured in docs/eagle.md). The drafts change a little (int8 weights); the output cannot:
+drafts are verified by the target like any others.
 
 ``HeadSteps`` and the torch head share one method, ``step_logits``: the drafter calls whichever it was given.
 """
@@ -28,10 +27,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..backends.openvino.export import import_openvino
+from ..errors import InvalidRequest
 from .head import EagleHead, HeadCache, StepGraph, plain_copy
 
 log = logging.getLogger(__name__)
+
+
+def import_openvino():
+    """openvino, with a clear error naming the install command when it is missing."""
+    try:
+        import openvino
+    except ImportError:
+        raise InvalidRequest('the eagle head\'s OpenVINO engine needs openvino: pip install "verispec[openvino]"') \
+            from None
+    return openvino
 
 
 ROWS = (1, 8)  # the fixed numbers of new pairs: a draft token; the pairs a verify pass accepted (up to 8)
@@ -71,7 +80,7 @@ def graph_dir(head: EagleHead, weights: str) -> Path:
 
 def _convert(plain: EagleHead, weights: str):
     """The head's step traced and converted to OpenVINO (dynamic shapes), int8-compressed with ``weights`` int8
-    (~3.2 s for the shipped head on 2 cores: the trace 1.6 s, NNCF's import 0.9 s, its compression 0.75 s)."""
+    (seconds, once per drafter that loads the head: the trace, NNCF's import and its compression)."""
     ov = import_openvino()
     c = plain.config
     cached = 3

@@ -1,5 +1,6 @@
-"""Training an EAGLE head on self-distillation data (see ``data.py``): cached features, or token-only data
-teacher-forced through the target per batch; on CPU or a GPU (``device``), stoppable and resumable (``runs.py``).
+"""Training an EAGLE head on self-distillation data (``verispec.training.data``): cached features, or token-only data
+teacher-forced through the target per batch; on CPU or a GPU (``device``), stoppable and resumable, in the loop
+Medusa's heads train in too (``verispec.training.loop``).
 
 Loss: soft cross-entropy between the target's distribution over the draft vocabulary (its frozen lm_head applied
 to the cached final hidden state) and the head's q, at every position (the target's distribution is a valid label
@@ -10,23 +11,21 @@ per depth, top-1 agreement with the target's own next token and beta = sum_x min
 
 from __future__ import annotations
 
-import hashlib
-import math
 import random
-import time
-from collections import Counter
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from ..backends.hf import LoadedModel
-from .corpus import load_text
-from .data import Sequence, batch_features, load_meta, load_sequences
+from ..backends import LoadedModel  # training reads a transformers target
+from ..training.corpus import load_text
+from ..training.data import Sequence, batch_features, load_meta, load_sequences
+from ..training.loop import (TrainReport, draft_vocabulary, make_batches,
+                             train_loop, training_record, validation_split, vocabulary_coverage)
+from ..training.runs import bf16_autocast
 from .head import WEIGHTS, EagleHead, HeadConfig, head_config_for, ttt_mask
-from .runs import Schedule, StopSignals, bf16_autocast, load_checkpoint, save_checkpoint, scheduled_batches
 
 
 @dataclass
@@ -61,86 +60,6 @@ class Batch:
     loss_mask: torch.Tensor  # [B, T-1]: pairs i that are trained (every position with a label, or answers only)
     labels: torch.Tensor  # [B, T-1]: t_{i+2}, the next token in the text (0 where there is none)
     answer_mask: torch.Tensor  # [B, T-1]: pairs i whose t_{i+2} is in the target's own answer (scored there)
-
-
-@dataclass
-class TrainReport:
-    steps: int = 0
-    seconds: float = 0.0
-    train_tokens: int = 0
-    val_history: list[dict] = field(default_factory=list)
-    best: dict = field(default_factory=dict)
-    continued_from: dict = field(default_factory=dict)  # the training record of the --init-head checkpoint
-    tokens_per_second: float = 0.0  # trained positions per second of this run (the training signal's rate)
-    finished: bool = False  # the schedule ran to its end (False: stopped by Ctrl-C, SIGTERM or should_stop; --resume goes on)
-
-
-def draft_vocabulary(sequences: list[Sequence], size: int, vocab_size: int, always: set[int]) -> torch.Tensor:
-    """The ``size`` target ids the target emits most often in its answers (plus ``always``), sorted: d2t."""
-    counts = Counter()
-    for s in sequences:
-        counts.update(s.tokens[s.answer_start:].tolist())
-    chosen = set(always)
-    for token, _ in counts.most_common():
-        if len(chosen) >= size:
-            break
-        chosen.add(token)
-    for token in range(vocab_size):  # pad with the lowest ids when the answers use fewer distinct tokens
-        if len(chosen) >= size:
-            break
-        chosen.add(token)
-    return torch.tensor(sorted(chosen)[:size])
-
-
-def cosine_lr(step: int, total: int, warmup: int, peak: float) -> float:
-    """Linear warm-up to ``peak``, then cosine decay to a tenth of it at step ``total``."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    frac = (step - warmup) / max(1, total - warmup)
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
-
-
-def validation_split(sequences: list[Sequence], count: int, seed: int = 0) -> tuple[list[Sequence], list[Sequence]]:
-    """(train, validation): every answer to the ``count`` prompts that hash lowest (seeded) is held out (``count``
-    sequences when each prompt has one answer).
-
-    The split depends on the prompts, not on their order or number, and it is stable as data grows: a sequence
-    held out from a larger set was held out from every smaller set that contains it. So a head continued on more
-    data (``init_head``) is never validated on answers its first round trained on, and a prompt answered twice
-    (greedy and sampled) is never trained on through one answer while validated on the other."""
-    def key(s: Sequence) -> bytes:
-        return hashlib.sha256(f"{seed}:".encode() + s.tokens[: s.answer_start].numpy().astype("<i8").tobytes()).digest()
-
-    keys = [key(s) for s in sequences]
-    chosen = set(sorted(set(keys))[:count])
-    held = {i for i, k in enumerate(keys) if k in chosen}
-    return ([s for i, s in enumerate(sequences) if i not in held], [s for i, s in enumerate(sequences) if i in held])
-
-
-def make_batches(sequences: list[Sequence], batch_tokens: int, rng: random.Random) -> list[list[Sequence]]:
-    """Length-sorted batches of at most ``batch_tokens`` padded tokens, in random order."""
-    order = sorted(sequences, key=lambda s: len(s.tokens))
-    batches, current = [], []
-    for s in order:
-        if current and len(s.tokens) * (len(current) + 1) > batch_tokens:
-            batches.append(current)
-            current = []
-        current.append(s)
-    if current:
-        batches.append(current)
-    rng.shuffle(batches)
-    return batches
-
-
-def epoch_batches(train: list[Sequence], text: list[Sequence], batch_tokens: int,
-                  rng: random.Random) -> list[list[Sequence]]:
-    """One epoch's batches: the answers', then the text corpus's (token-only, so never in a batch with cached
-    features), shuffled together."""
-    batches = make_batches(train, batch_tokens, rng)
-    if text:
-        batches += make_batches(text, batch_tokens, rng)
-        rng.shuffle(batches)
-    return batches
 
 
 def collate(sequences: list[Sequence], select: list[int] | None = None, prompt_loss: bool = False,
@@ -215,8 +134,6 @@ def train_head(target: LoadedModel, data_dir: str | Path, out_dir: str | Path, c
     teacher-forced through the target batch by batch on ``config.device``, where the target must live too.
     ``text_dirs``: text corpora (``corpus.py``) teacher-forced the same way, added to the training set only.
     ``should_stop(step)`` (or Ctrl-C / SIGTERM) ends the run after a step with a checkpoint; ``config.resume`` goes on."""
-    from tqdm import tqdm
-
     meta = load_meta(data_dir)
     device = torch.device(config.device)
     config = replace(config, bf16_autocast=bf16_autocast(config.bf16_autocast, device))  # the record says which
@@ -285,108 +202,63 @@ def train_head(target: LoadedModel, data_dir: str | Path, out_dir: str | Path, c
     head.lm_head_d = head.lm_head_d.float()
     head.embed = _FrozenEmbedding(model.get_input_embeddings().weight.detach().float())
     full_head = model.get_output_embeddings().weight.detach().float()  # [V, H], for validation beta
-    d2t = head.d2t
 
-    params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    batches_per_epoch = len(epoch_batches(train, text, config.batch_tokens, random.Random(0)))
-    total = max(1, batches_per_epoch * config.epochs)
-
-    report = TrainReport(continued_from=continued_from)
-    best_score = -1.0
-    step, seconds_before = 0, 0.0
     settings = asdict(config) | {"feature_layers": layers, "text": text_record.get("files") or None}
-    if config.resume:
-        state = load_checkpoint(out_dir, settings)
-        head.load_state_dict(state["weights"])
-        opt.load_state_dict(state["optimizer"])
-        step, total, best_score = state["step"], state["total"], state["best_score"]
-        seconds_before = state["seconds"]
-        report = TrainReport(**state["report"])
-        log(f"resuming at step {step} of {total} ({seconds_before:.0f} s trained so far)")
+    objective = _EagleObjective(head, config, val, full_head, collate_kw, out_dir, meta, coverage)
+    return train_loop(objective, config, train, text, out_dir, settings, TrainReport(continued_from=continued_from),
+                      rng, validate_first=bool(config.init_head), progress=progress, log=log, should_stop=should_stop)
 
-    def checkpoint() -> None:
-        report.steps, report.seconds = step, elapsed()
-        save_checkpoint(out_dir, {"settings": settings, "step": step, "total": total, "best_score": best_score,
-                                  "seconds": elapsed(), "report": asdict(report), "optimizer": opt.state_dict(),
-                                  "weights": {k: v.detach().cpu() for k, v in head.state_dict().items()}})
 
-    autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=config.bf16_autocast)
-    if config.init_head and not config.resume:  # where the continued head starts, on this run's validation answers
-        metrics = validate(head, val, config, full_head, **collate_kw)
-        metrics.update(step=0, epoch=0, seconds=0.0)
-        report.val_history.append(metrics)
-        log(_format_metrics(metrics))
-        # the head continued from is the one to beat: a run that makes it no better leaves it as it was
-        best_score, report.best = metrics["est_tokens_per_step"], metrics
-        _save(head, out_dir, meta, config, report, coverage)
-    # the clock starts after that first validation, so --max-minutes is all training
-    schedule = Schedule(config.lr, total, config.warmup_steps, config.max_minutes, seconds_before)
-    elapsed = schedule.seconds
-    bar = tqdm(total=total, initial=step, desc="training EAGLE head", unit="step", disable=not progress)
-    stopped = False
-    with StopSignals() as signals:
-        for epoch, index, seqs in scheduled_batches(lambda: epoch_batches(train, text, config.batch_tokens, rng),
-                                                    config.epochs, step):
-            if schedule.done(step):
-                break
-            if signals.requested or (should_stop is not None and should_stop(step)):
-                stopped = True
-                break
-            batch = collate(seqs, prompt_loss=config.prompt_loss, **collate_kw)
-            for group in opt.param_groups:
-                group["lr"] = schedule.lr(step)
+class _EagleObjective:
+    """The EAGLE head's part of ``verispec.training.loop.train_loop``: the unrolled (training-time test) soft
+    cross-entropy, per-depth validation, and its folder."""
+
+    what = "EAGLE head"
+
+    def __init__(self, head: EagleHead, config: TrainConfig, val: list[Sequence], full_head: torch.Tensor,
+                 collate_kw: dict, out_dir, meta: dict, coverage: float):
+        self.module = head
+        self.config, self.val, self.full_head, self.collate_kw = config, val, full_head, collate_kw
+        self.out_dir, self.meta, self.coverage = out_dir, meta, coverage
+
+    def loss(self, seqs: list[Sequence], autocast: dict):
+        head, config = self.module, self.config
+        batch = collate(seqs, prompt_loss=config.prompt_loss, **self.collate_kw)
+        with torch.autocast(**autocast):
+            states = unrolled_states(head, batch, config.ttt_steps)
+        loss, weight_sum, accs = 0.0, 0.0, []
+        for s, g in enumerate(states):
+            mask = batch.loss_mask.clone()
+            mask[:, :s] = False
+            if not mask.any():
+                continue
+            with torch.no_grad():  # the target's distribution over the draft vocabulary
+                p = torch.softmax(batch.final[:, 1:][mask].float() @ head.lm_head_d.T, dim=-1)
             with torch.autocast(**autocast):
-                states = unrolled_states(head, batch, config.ttt_steps)
-            loss, weight_sum = 0.0, 0.0
-            accs = []
-            for s, g in enumerate(states):
-                mask = batch.loss_mask.clone()
-                mask[:, :s] = False
-                if not mask.any():
-                    continue
-                with torch.no_grad():  # the target's distribution over the draft vocabulary
-                    p = torch.softmax(batch.final[:, 1:][mask].float() @ head.lm_head_d.T, dim=-1)
-                with torch.autocast(**autocast):
-                    lg = head.logits(g[mask])  # only where there is a label: the logits dominate the cost
-                logq = torch.log_softmax(lg.float(), dim=-1)
-                loss = loss + (config.step_decay ** s) * -(p * logq).sum(-1).mean()
-                weight_sum += config.step_decay ** s
-                with torch.no_grad():  # top-1 on the answer positions among the trained ones
-                    scored = batch.answer_mask[mask]
-                    hit = d2t[lg.argmax(-1)] == batch.labels[mask]
-                    accs.append(hit[scored].float().mean().item() if scored.any() else 0.0)
-            loss = loss / weight_sum
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
-            opt.step()
-            step += 1
-            report.train_tokens += int(batch.loss_mask.sum())
-            bar.update(1)
-            bar.set_postfix(epoch=epoch + 1, loss=f"{loss.item():.3f}", top1="/".join(f"{a:.2f}" for a in accs))
-            if step % config.val_every == 0 or schedule.done(step):
-                metrics = validate(head, val, config, full_head, **collate_kw)
-                metrics.update(step=step, epoch=epoch + 1, seconds=round(elapsed(), 1))
-                report.val_history.append(metrics)
-                log(_format_metrics(metrics))
-                if metrics["est_tokens_per_step"] > best_score:
-                    best_score = metrics["est_tokens_per_step"]
-                    report.best = metrics
-                    report.steps, report.seconds = step, elapsed()
-                    _save(head, out_dir, meta, config, report, coverage)
-                checkpoint()
-    bar.close()
-    report.steps = step
-    report.seconds = elapsed()
-    report.tokens_per_second = round(report.train_tokens / max(report.seconds, 1e-9), 1)
-    report.finished = not stopped
-    checkpoint()
-    if stopped:
-        log(f"stopped at step {step} of {total} ({elapsed():.0f} s trained); go on with --resume")
-    if (Path(out_dir) / WEIGHTS).exists():
-        _save_training_record(out_dir, meta, config, report, coverage)
-    return report
+                lg = head.logits(g[mask])  # only where there is a label: the logits dominate the cost
+            logq = torch.log_softmax(lg.float(), dim=-1)
+            loss = loss + (config.step_decay ** s) * -(p * logq).sum(-1).mean()
+            weight_sum += config.step_decay ** s
+            with torch.no_grad():  # top-1 on the answer positions among the trained ones
+                scored = batch.answer_mask[mask]
+                hit = head.d2t[lg.argmax(-1)] == batch.labels[mask]
+                accs.append(hit[scored].float().mean().item() if scored.any() else 0.0)
+        if not weight_sum:
+            return None, 0, accs
+        return loss / weight_sum, int(batch.loss_mask.sum()), accs
+
+    def validate(self) -> dict:
+        return validate(self.module, self.val, self.config, self.full_head, **self.collate_kw)
+
+    def describe(self, metrics: dict) -> str:
+        return _format_metrics(metrics)
+
+    def save(self, report: TrainReport) -> None:
+        _save(self.module, self.out_dir, self.meta, self.config, report, self.coverage)
+
+    def record(self, report: TrainReport) -> None:
+        if (Path(self.out_dir) / WEIGHTS).exists():
+            _save_training_record(self.out_dir, self.meta, self.config, report, self.coverage)
 
 
 class _FrozenEmbedding(torch.nn.Module):
@@ -472,18 +344,6 @@ def _init_from_target_layer(head: EagleHead, model, index: int) -> None:
                 state[name].copy_(weight.float())
 
 
-def vocabulary_coverage(sequences: list[Sequence], d2t: torch.Tensor) -> float:
-    """The share of answer tokens in ``sequences`` that the draft vocabulary ``d2t`` holds."""
-    allowed = torch.zeros(int(max(d2t.max().item(), max(int(s.tokens.max()) for s in sequences))) + 1, dtype=torch.bool)
-    allowed[d2t] = True
-    hit = total = 0
-    for s in sequences:
-        answer = s.tokens[s.answer_start:]
-        hit += int(allowed[answer].sum())
-        total += len(answer)
-    return hit / max(1, total)
-
-
 @torch.no_grad()
 def validate(head: EagleHead, sequences: list[Sequence], config: TrainConfig, full_head: torch.Tensor,
              select: list[int] | None = None, model=None, layers: list[int] | None = None,
@@ -540,20 +400,3 @@ def _save_training_record(out_dir, meta, config, report, coverage) -> None:
     cfg = HeadConfig.load(folder)
     cfg.training = training_record(meta, config, report, coverage)
     cfg.save(folder)
-
-
-def training_record(meta: dict, config, report: TrainReport, coverage: float) -> dict:
-    """What a trained head's config.json records of its training: data, settings (a dataclass), validation."""
-    return {
-        "data": {k: meta.get(k) for k in ("source", "sequences", "max_new_tokens", "dtype")}
-        | ({"answer_temperatures": meta["answer_temperatures"]} if "answer_temperatures" in meta else {})
-        | ({"text": meta["text"]} if "text" in meta else {}),
-        "config": asdict(config),
-        "steps": report.steps,
-        "seconds": round(report.seconds, 1),
-        "train_tokens": report.train_tokens,
-        "draft_vocab_coverage": round(coverage, 4),
-        "best_validation": report.best,
-        "validation_history": report.val_history,
-        **({"continued_from": report.continued_from} if report.continued_from else {}),
-    }

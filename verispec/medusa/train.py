@@ -1,6 +1,6 @@
-"""Training Medusa heads on self-distillation data (``verispec.eagle.data``: only the final hidden state is read, so
-EAGLE data serves too; token-only data is teacher-forced through the target per batch), on CPU or a GPU, stoppable
-and resumable like EAGLE training (``verispec.eagle.runs``).
+"""Training Medusa heads on self-distillation data (``verispec.training.data``: only the final hidden state is read,
+so EAGLE data serves too; token-only data is teacher-forced through the target per batch), on CPU or a GPU, stoppable
+and resumable, in the loop EAGLE heads train in too (``verispec.training.loop``).
 
 Loss (Medusa-1 with soft labels): at position j, head i is trained towards the target's own distribution of
 t_{j+i+2}, i.e. its frozen lm_head applied to the cached final state h_{j+i+1}, over the draft vocabulary; soft
@@ -18,13 +18,12 @@ from typing import Callable
 
 import torch
 
-from ..backends.hf import LoadedModel
-from ..eagle.data import Sequence, batch_features, load_meta, load_sequences
-from ..eagle.runs import (Schedule, StopSignals, bf16_autocast, load_checkpoint, save_checkpoint,
-                          scheduled_batches)
-from ..eagle.corpus import load_text
-from ..eagle.train import (TrainReport, draft_vocabulary, epoch_batches, make_batches, training_record,
-                           validation_split, vocabulary_coverage)
+from ..backends import LoadedModel  # training reads a transformers target
+from ..training.corpus import load_text
+from ..training.data import Sequence, batch_features, load_meta, load_sequences
+from ..training.loop import (TrainReport, draft_vocabulary, make_batches, train_loop, training_record,
+                             validation_split, vocabulary_coverage)
+from ..training.runs import bf16_autocast
 from .head import MedusaConfig, MedusaHeads, config_for
 
 
@@ -94,12 +93,10 @@ def train_medusa(target: LoadedModel, data_dir: str | Path, out_dir: str | Path,
                  progress: bool = True, log: Callable[[str], None] = print,
                  should_stop: Callable[[int], bool] | None = None, text_dirs: list[str | Path] = ()) -> TrainReport:
     """Train Medusa heads for ``target`` on the data in ``data_dir`` (and the text corpora in ``text_dirs``,
-    ``verispec.eagle.corpus``, training only); the best checkpoint (by the estimated greedy
+    ``verispec.training.corpus``, training only); the best checkpoint (by the estimated greedy
     tokens per step on validation) is written to ``out_dir``, a resumable ``checkpoint.pt`` beside it. Token-only
-    data is teacher-forced through the target per batch on ``config.device`` (see ``verispec.eagle.runs`` for
+    data is teacher-forced through the target per batch on ``config.device`` (see ``verispec.training.runs`` for
     ``max_minutes``, ``resume``, ``should_stop`` and Ctrl-C)."""
-    from tqdm import tqdm
-
     meta = load_meta(data_dir)
     device = torch.device(config.device)
     config = replace(config, bf16_autocast=bf16_autocast(config.bf16_autocast, device))  # the record says which
@@ -133,113 +130,71 @@ def train_medusa(target: LoadedModel, data_dir: str | Path, out_dir: str | Path,
     heads.train()  # before attach: heads loaded for drafting (eval) would pack their weights for inference
     heads.attach(model)  # heads continued from another target's checkpoint are refused here
     heads.lm_head_d = heads.lm_head_d.float()
-    d2t = heads.d2t
-    coverage = vocabulary_coverage(val, d2t.cpu())
-    log(f"{len(train)} training / {len(val)} validation sequences; draft vocabulary {len(d2t)} tokens covers "
+    coverage = vocabulary_coverage(val, heads.d2t.cpu())
+    log(f"{len(train)} training / {len(val)} validation sequences; draft vocabulary {len(heads.d2t)} tokens covers "
         f"{100 * coverage:.1f}% of validation answer tokens; {heads.num_heads} heads")
     full_head = model.get_output_embeddings().weight.detach().float()  # [V, H], for validation beta
     collate_kw = dict(model=model, device=device)
 
-    params = [p for p in heads.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=0.0, betas=(0.9, 0.95))
-    total = max(1, len(epoch_batches(train, text, config.batch_tokens, random.Random(0))) * config.epochs)
-    report = TrainReport(continued_from=continued_from)
-    best_score = -1.0
-    step, seconds_before = 0, 0.0
     settings = asdict(config) | {"text": text_record.get("files") or None}
-    if config.resume:
-        state = load_checkpoint(out_dir, settings)
-        heads.load_state_dict(state["weights"])
-        opt.load_state_dict(state["optimizer"])
-        step, total, best_score, seconds_before = state["step"], state["total"], state["best_score"], state["seconds"]
-        report = TrainReport(**state["report"])
-        log(f"resuming at step {step} of {total} ({seconds_before:.0f} s trained so far)")
-    elif config.init_heads:  # where the continued heads start, on this run's validation answers: the ones to beat
-        metrics = validate(heads, val, config, full_head, **collate_kw)
-        metrics.update(step=0, epoch=0, seconds=0.0)
-        report.val_history.append(metrics)
-        log(format_metrics(metrics))
-        best_score, report.best = metrics["est_tokens_per_step"], metrics
-        heads.config.training = training_record(meta, config, report, coverage)
-        heads.save(out_dir)
-    # the clock starts after that first validation, so --max-minutes is all training
-    schedule = Schedule(config.lr, total, config.warmup_steps, config.max_minutes, seconds_before)
+    objective = _MedusaObjective(heads, config, val, full_head, collate_kw, out_dir, meta, coverage)
+    return train_loop(objective, config, train, text, out_dir, settings, TrainReport(continued_from=continued_from),
+                      rng, validate_first=bool(config.init_heads), progress=progress, log=log,
+                      should_stop=should_stop)
 
-    def checkpoint() -> None:
-        report.steps, report.seconds = step, schedule.seconds()
-        save_checkpoint(out_dir, {"settings": settings, "step": step, "total": total, "best_score": best_score,
-                                  "seconds": schedule.seconds(), "report": asdict(report),
-                                  "optimizer": opt.state_dict(),
-                                  "weights": {k: v.detach().cpu() for k, v in heads.state_dict().items()}})
 
-    autocast = dict(device_type=device.type, dtype=torch.bfloat16, enabled=config.bf16_autocast)
-    bar = tqdm(total=total, initial=step, desc="training Medusa heads", unit="step", disable=not progress)
-    stopped = False
-    with StopSignals() as signals:
-        for epoch, _, seqs in scheduled_batches(lambda: epoch_batches(train, text, config.batch_tokens, rng),
-                                                config.epochs, step):
-            if schedule.done(step):
-                break
-            if signals.requested or (should_stop is not None and should_stop(step)):
-                stopped = True
-                break
-            tokens, final, lengths, starts = collate_final(seqs, **collate_kw)
-            for group in opt.param_groups:
-                group["lr"] = schedule.lr(step)
-            with torch.no_grad():  # the target's distribution over the draft vocabulary at every position
-                p = torch.softmax(final.float() @ heads.lm_head_d.T, dim=-1)
-            with torch.autocast(**autocast):
-                states = heads.states(final.float())  # [B, T, K, H]
-            loss, weight_sum, accs, trained = 0.0, 0.0, [], 0
-            for i in range(heads.num_heads):
-                mask = head_mask(lengths, starts, tokens.shape[1], i, not config.prompt_loss)
-                if not mask.any():
-                    continue
-                with torch.autocast(**autocast):
-                    lg = heads.logits(states[:, :, i][mask])
-                logq = torch.log_softmax(lg.float(), dim=-1)
-                loss = loss + (config.head_decay ** i) * -(_labels_at(p, mask, i) * logq).sum(-1).mean()
-                weight_sum += config.head_decay ** i
-                trained += int(mask.sum())
-                with torch.no_grad():
-                    accs.append(float((d2t[lg.argmax(-1)] == tokens[:, i + 2:][mask[:, : tokens.shape[1] - i - 2]])
-                                      .float().mean()))
-            if not weight_sum:
+class _MedusaObjective:
+    """The Medusa heads' part of ``verispec.training.loop.train_loop``: head i's soft cross-entropy towards the
+    target's distribution i + 2 tokens on, weighted ``head_decay ** i``; per-head validation; their folder."""
+
+    what = "Medusa heads"
+
+    def __init__(self, heads: MedusaHeads, config: MedusaTrainConfig, val: list[Sequence], full_head: torch.Tensor,
+                 collate_kw: dict, out_dir, meta: dict, coverage: float):
+        self.module = heads
+        self.config, self.val, self.full_head, self.collate_kw = config, val, full_head, collate_kw
+        self.out_dir, self.meta, self.coverage = out_dir, meta, coverage
+
+    def loss(self, seqs: list[Sequence], autocast: dict):
+        heads, config = self.module, self.config
+        tokens, final, lengths, starts = collate_final(seqs, **self.collate_kw)
+        with torch.no_grad():  # the target's distribution over the draft vocabulary at every position
+            p = torch.softmax(final.float() @ heads.lm_head_d.T, dim=-1)
+        with torch.autocast(**autocast):
+            states = heads.states(final.float())  # [B, T, K, H]
+        loss, weight_sum, accs, trained = 0.0, 0.0, [], 0
+        for i in range(heads.num_heads):
+            mask = head_mask(lengths, starts, tokens.shape[1], i, not config.prompt_loss)
+            if not mask.any():
                 continue
-            loss = loss / weight_sum
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, config.grad_clip)
-            opt.step()
-            step += 1
-            report.train_tokens += trained
-            bar.update(1)
-            bar.set_postfix(epoch=epoch + 1, loss=f"{loss.item():.3f}", top1="/".join(f"{a:.2f}" for a in accs))
-            if step % config.val_every == 0 or schedule.done(step):
-                metrics = validate(heads, val, config, full_head, **collate_kw)
-                metrics.update(step=step, epoch=epoch + 1, seconds=round(schedule.seconds(), 1))
-                report.val_history.append(metrics)
-                log(format_metrics(metrics))
-                if metrics["est_tokens_per_step"] > best_score:
-                    best_score = metrics["est_tokens_per_step"]
-                    report.best = metrics
-                    report.steps, report.seconds = step, schedule.seconds()
-                    heads.config.training = training_record(meta, config, report, coverage)
-                    heads.save(out_dir)
-                checkpoint()
-    bar.close()
-    report.steps = step
-    report.seconds = schedule.seconds()
-    report.tokens_per_second = round(report.train_tokens / max(report.seconds, 1e-9), 1)
-    report.finished = not stopped
-    checkpoint()
-    if stopped:
-        log(f"stopped at step {step} of {total} ({report.seconds:.0f} s trained); go on with --resume")
-    if (Path(out_dir) / "config.json").exists():
-        cfg = MedusaConfig.load(Path(out_dir))
-        cfg.training = training_record(meta, config, report, coverage)
-        cfg.save(Path(out_dir))
-    return report
+            with torch.autocast(**autocast):
+                lg = heads.logits(states[:, :, i][mask])
+            logq = torch.log_softmax(lg.float(), dim=-1)
+            loss = loss + (config.head_decay ** i) * -(_labels_at(p, mask, i) * logq).sum(-1).mean()
+            weight_sum += config.head_decay ** i
+            trained += int(mask.sum())
+            with torch.no_grad():
+                accs.append(float((heads.d2t[lg.argmax(-1)] == tokens[:, i + 2:][mask[:, : tokens.shape[1] - i - 2]])
+                                  .float().mean()))
+        if not weight_sum:
+            return None, 0, accs
+        return loss / weight_sum, trained, accs
+
+    def validate(self) -> dict:
+        return validate(self.module, self.val, self.config, self.full_head, **self.collate_kw)
+
+    def describe(self, metrics: dict) -> str:
+        return format_metrics(metrics)
+
+    def save(self, report: TrainReport) -> None:
+        self.module.config.training = training_record(self.meta, self.config, report, self.coverage)
+        self.module.save(self.out_dir)
+
+    def record(self, report: TrainReport) -> None:
+        if (Path(self.out_dir) / "config.json").exists():
+            cfg = MedusaConfig.load(Path(self.out_dir))
+            cfg.training = training_record(self.meta, self.config, report, self.coverage)
+            cfg.save(Path(self.out_dir))
 
 
 @torch.no_grad()

@@ -527,7 +527,7 @@ async def health(request: Request):
             "k_policy": config.k_policy, "running": pool.busy, "queued": pool.waiting,
             "admitted": pool.admitted, "capacity": pool.capacity, "max_batch": config.max_batch,
             "compiled_step": config.compile_job.state if config.compile_job else
-            ("compiled" if getattr(server.target, "step", None) is not None else "eager")}
+            ("compiled" if server.target.step is not None else "eager")}
     if problem:
         return JSONResponse(body, 503, headers={"Retry-After": str(RETRY_AFTER_S)})
     return body

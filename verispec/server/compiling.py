@@ -2,7 +2,7 @@
 
 The compile runs in a child process (``verispec compile``) at the lowest CPU priority with one thread, so requests
 keep the cores they need and a compiler crash cannot take the server down. The child stores the step in the compile
-cache (``verispec.backends.hf.compile_store``); this process then loads it (about two seconds, in this thread) and
+cache (``verispec.backends.torch_cpu.compile_store``); this process then loads it (about two seconds, in this thread) and
 sets it on the target. Requests that started before keep their eager caches; the next ones run compiled one-token
 steps. The controller's cost curve of the target is dropped at the switch, because one-token passes got cheaper.
 The next server on the same machine finds the step stored and starts compiled. The child also stores the draft

@@ -14,11 +14,10 @@ import os
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Mapping
 
-from ..backends import COMPILE_MODES, DEFAULT_MODEL, DTYPES, default_compile_mode
-from ..backends.base import BACKENDS, TargetModel
+from ..backends import AUTO, DEFAULT_MODEL, TargetModel, backend_names, entry_options, get_backend
 from ..backends.choice import default_backend
 from ..backends.references import default_draft
-from ..backends import WEIGHT_CHOICES
+from ..backends.registry import options_from as backend_options_from
 from ..batching import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
 from ..controller import COST, K_POLICIES
 from ..drafters import Drafter, drafter_names, drafter_specs, get_spec, options_from
@@ -42,20 +41,15 @@ class ServeOptions:
     ...; see ``verispec.drafters.registry``), only those set."""
 
     target: str = _option(DEFAULT_MODEL, str)
-    # suffix drafts: within 2% of prompt lookup on Spec-Bench, 1.7x it where requests repeat each other, and the
-    # samples of an n-request draft from each other (docs/suffix.md: why, and the timing channel it opens)
+    # suffix drafts: as good as prompt lookup on Spec-Bench, better where requests repeat each other, and the
+    # samples of an n-request draft from each other (docs/suffix.md: the figures, and the timing channel it opens)
     drafter: str = _option("suffix", str, drafter_names)
     draft_model: str | None = _option(None, str)
     k: int = _option(8, int)
     k_policy: str = _option(COST, str, K_POLICIES)
-    dtype: str = _option("float32", str, tuple(DTYPES))
     acceptance: str = _option(STRICT, str, ACCEPTANCE_MODES)
-    backend: str = field(default_factory=default_backend, metadata={"type": str, "choices": ("auto", *BACKENDS)})
-    weights: str = _option("as-is", str, WEIGHT_CHOICES)
-    threads: int | None = _option(None, int)
-    static_widths: str | None = _option(None, str)  # openvino: "2,4,6,8,10", "none" or "auto" (backends.openvino.widths)
-    # the command line's default: $VERISPEC_COMPILE, else auto
-    compile: str = field(default_factory=default_compile_mode, metadata={"type": str, "choices": COMPILE_MODES})
+    backend: str = field(default_factory=default_backend,
+                         metadata={"type": str, "choices": lambda: (AUTO, *backend_names())})
     host: str = _option("127.0.0.1", str)
     port: int = _option(8000, int)
     max_batch: int = _option(DEFAULT_MAX_BATCH, int)
@@ -78,43 +72,63 @@ class ServeOptions:
     speculation_off: bool = _option(False, bool)
     log_level: str = _option("info", str, LOG_LEVELS)
     drafter_options: dict[str, Any] = field(default_factory=dict)
+    # the registered backends' options (dtype, weights, threads, compile, static_widths, ...; see
+    # ``verispec.backends.registry``) by their names here, only those set
+    backend_options: dict[str, Any] = field(default_factory=dict)
 
     def __getattr__(self, name: str) -> Any:
-        # a drafter option reads like any other (options.ngram_min), at its default unless set
-        if name != "drafter_options":
+        # a drafter's or backend's option reads like any other (options.ngram_min, options.weights), at its
+        # default unless set
+        if name not in ("drafter_options", "backend_options"):
             option = all_options().get(name)
             if option is not None:
                 return self.drafter_options.get(name, option.default)
+            option = entry_options().get(name)
+            if option is not None:
+                return self.backend_options.get(name, option.entry_default())
         raise AttributeError(name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in _FIELDS and name in entry_options():
+            self.backend_options[name] = value
+        else:
+            object.__setattr__(self, name, value)
 
     # ------------------------------------------------------------------ building
     @classmethod
     def names(cls) -> list[str]:
         """Every option name a mapping may use (drafter options included)."""
-        return [f.name for f in fields(cls) if f.name != "drafter_options"] + list(all_options())
+        return [f.name for f in fields(cls) if f.name not in _DICTS] + list(all_options()) + list(entry_options())
 
     @classmethod
     def from_args(cls, args: Any) -> "ServeOptions":
         """From parsed command-line arguments (an attribute per option)."""
-        values = {f.name: getattr(args, f.name) for f in fields(cls) if f.name != "drafter_options"}
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if f.name not in _DICTS}
         if isinstance(values.get("api_key"), list):  # --api-key repeated
             values["api_key"] = ",".join(values["api_key"])
         drafted = {dest: getattr(args, dest) for dest, o in all_options().items() if getattr(args, dest) != o.default}
-        return cls(**values, drafter_options=drafted)
+        engine = {dest: getattr(args, dest) for dest, o in entry_options().items()
+                  if hasattr(args, dest) and getattr(args, dest) != o.entry_default()}
+        return cls(**values, drafter_options=drafted, backend_options=engine)
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any]) -> "ServeOptions":
         """From a mapping with names as on the command line (with - or _), values typed or as strings (``serve run
         ... key=value``), checked against each option's choices."""
-        known = {f.name: f for f in fields(cls) if f.name != "drafter_options"}
+        known = {f.name: f for f in fields(cls) if f.name not in _DICTS}
         drafter_opts = all_options()
+        engine_opts = entry_options()
         values: dict[str, Any] = {}
         drafted: dict[str, Any] = {}
+        engine: dict[str, Any] = {}
         for key, value in options.items():
             name = str(key).lstrip("-").replace("-", "_")
             if name in drafter_opts:
                 option = drafter_opts[name]
                 drafted[name] = parse_value(key, value, option.type)
+                continue
+            if name in engine_opts:
+                engine[name] = engine_opts[name].parse(value, f"option {key!r}")
                 continue
             if name not in known:
                 raise InvalidRequest(f"unknown verispec serve option {key!r}; known: {', '.join(sorted(cls.names()))}")
@@ -124,14 +138,15 @@ class ServeOptions:
             if choices is not None and value is not None and value not in choices:
                 raise InvalidRequest(f"option {key!r}: {value!r} is not one of {', '.join(map(str, choices))}")
             values[name] = value
-        return cls(**values, drafter_options=drafted)
+        return cls(**values, drafter_options=drafted, backend_options=engine)
 
     def changed(self) -> dict[str, Any]:
         """The options that differ from the defaults, flat (drafter options included)."""
         defaults = ServeOptions()
         found = {f.name: getattr(self, f.name) for f in fields(self)
-                 if f.name != "drafter_options" and getattr(self, f.name) != getattr(defaults, f.name)}
+                 if f.name not in _DICTS and getattr(self, f.name) != getattr(defaults, f.name)}
         found.update(self.drafter_options)
+        found.update(self.backend_options)
         return found
 
     # ------------------------------------------------------------------ checking
@@ -167,6 +182,10 @@ class ServeOptions:
                 if (spec.name == self.drafter or options) and spec.drafts_trees(options):
                     flag = "--" + spec.option(spec.tree_option).flag if spec.tree_option else f"--drafter {spec.name}"
                     raise InvalidRequest(f"{flag} verifies one sequence per pass; add --max-batch 1 or drop {flag}")
+
+
+_DICTS = ("drafter_options", "backend_options")  # where the registries' options live
+_FIELDS = {f.name for f in fields(ServeOptions)}
 
 
 class LocalSwitch:
@@ -229,27 +248,23 @@ def build_server_config(options: ServeOptions) -> ServerConfig:
     the server starts with such a drafter); heads are offered there only when asked for (each loads a transformers
     copy of the embeddings)."""
     from ..backends import load_model
-    from ..backends.openvino.widths import static_widths_option
 
-    if options.backend == "auto":  # resolved here when the options come from the environment, not the CLI
+    if options.backend == AUTO:  # resolved here when the options come from the environment, not the CLI
         from ..backends.choice import choose
 
-        picked = choose(options.target, load_model, options.dtype, options.weights, options.compile,
-                        options.threads)
+        picked = choose(options.target, load_model, backend_options_from(options))
         log.warning(picked.summary())
         options = replace(options, backend=picked.backend)
-    # llama.cpp: a KV sequence per batch row (unbatched, each slot's decoders keep theirs for prompt reuse)
-    # the compiled step runs one-token passes of unbatched sequences only: a batched server never loads it
-    load = dict(dtype=options.dtype, backend=options.backend, weights=options.weights, threads=options.threads,
-                compiled=options.compile if options.max_batch == 1 and options.backend == "transformers" else "off",
-                **static_widths_option(options.static_widths, options.backend))
-    if options.backend == "llamacpp":
+    engine = get_backend(options.backend)
+    load = backend_options_from(options)
+    if options.max_batch > 1 and "compiled" in load:
+        load["compiled"] = "off"  # compiled programs run unbatched sequences only: a batched server never loads them
+    if engine.takes("sequences"):  # a KV sequence per batch row (unbatched: each slot's decoders keep theirs)
         load["sequences"] = max(8, options.max_batch + 1, 4 * options.max_concurrency)
-    target = load_model(options.target, features=options.backend == "llamacpp" and needs_layer_callback(options),
-                        **load)
-    load["features"] = False
+    features = {"features": needs_layer_callback(options)} if engine.takes("features") else {}
+    target = load_model(options.target, backend=engine.name, **load, **features)
     draft_ref = options.draft_model or default_draft(options.target)  # a built-in target's own draft
-    draft = load_model(draft_ref, **load) if draft_ref else None
+    draft = load_model(draft_ref, backend=engine.name, **load) if draft_ref else None
     drafters: dict[str, Callable[[], Drafter]] = {}
     for spec in drafter_specs():
         opts = options_from(options, spec.name)
@@ -260,7 +275,7 @@ def build_server_config(options: ServeOptions) -> ServerConfig:
         unloaded = spec.hidden_states and ((borrows and not asked) or (
             not target.supports_features and (not asked or spec.inner_layers(options.target, opts))))
         if (spec.needs_draft_model and draft is None) or unloaded \
-                or target.backend not in spec.backends or (not asked and not spec.offered_by_default) \
+                or not spec.runs_on(target) or (not asked and not spec.offered_by_default) \
                 or (options.max_batch > 1 and spec.drafts_trees(opts)):  # trees verify one sequence per pass
             continue
         try:
@@ -272,8 +287,8 @@ def build_server_config(options: ServeOptions) -> ServerConfig:
         shared = {**opts, **(spec.share(first) if spec.share else {})}
         drafters[spec.name] = lambda spec=spec, shared=shared: spec.build(target, draft, **shared)
     compile_job = None
-    if (options.compile == "auto" and load["compiled"] == "auto" and options.dtype == "float32"
-            and getattr(target, "step", False) is None and target.device.type == "cpu"):
+    if (load.get("compiled") == "auto" and load.get("dtype", "float32") == "float32"
+            and target.compiles_steps and target.step is None and target.device.type == "cpu"):
         from .compiling import BackgroundCompile
 
         compile_job = BackgroundCompile(target, options.target)

@@ -19,25 +19,45 @@ import torch
 from ...errors import InvalidRequest, ModelNotFound
 from ...features import select_layers
 from ...tree import tree_inputs
+from ...options import Option
 from .. import measurements
-from ..base import TargetModelBase, TargetPass, parse_dtype
+from ..base import DTYPES, TargetModelBase, TargetPass, parse_dtype
+from ..registry import BackendSpec, register
 from ..references import BUILTINS, resolve, transformers_progress_bars
 from .attention import use_grouped_sdpa
 from .cache import BatchKV, RowKV, TorchKV
 from .compiled import VERIFY_WIDTHS, CompiledStep, FixedKV
-from .cpu import linear_kernel
+from ..torch_cpu.cpu import linear_kernel
 from .layers import decoder_layers, skipping_view
 from .masks import for_layers
 from .invariant import make_width_invariant, row_keys
-from .packing import pack_linear_layers
+from ..torch_cpu.packing import pack_linear_layers
 
 log = logging.getLogger(__name__)
 
-PACK_ENV = "VERISPEC_PACK"  # 0 turns off prepacked oneDNN weights (verispec.backends.hf.packing)
+PACK_ENV = "VERISPEC_PACK"  # 0 turns off prepacked oneDNN weights (verispec.backends.torch_cpu.packing)
 COMPILED_VERIFY_ENV = "VERISPEC_COMPILED_VERIFY"  # 0 / 1: verify passes eager / compiled (default: if memory allows)
 INVARIANT_ENV = "VERISPEC_WIDTH_INVARIANT"  # 0 turns off width-invariant bfloat16 passes (verispec.backends.hf.invariant)
 SWITCHED_OFF = ("0", "false", "no", "off")  # how an environment switch is turned off (or on, below)
 SWITCHED_ON = ("1", "true", "yes", "on")
+
+COMPILE_MODES = ("auto", "on", "off")  # --compile: a stored compiled step if any / compile now / eager
+
+
+COMPILE_ENV = "VERISPEC_COMPILE"  # the command line's default --compile (auto unless set)
+
+
+def default_compile_mode() -> str:
+    """The command line's default ``--compile``: $VERISPEC_COMPILE (auto, on or off), else auto."""
+    return compile_mode(os.environ.get(COMPILE_ENV, "").strip().lower() or "auto")
+
+
+def compile_mode(compiled: bool | str) -> str:
+    """``load_model``'s ``compiled`` as one of COMPILE_MODES (True is "on", False "off")."""
+    mode = {True: "on", False: "off"}.get(compiled, compiled) if isinstance(compiled, bool) else compiled
+    if mode not in COMPILE_MODES:
+        raise InvalidRequest(f"compile takes {', '.join(COMPILE_MODES)} (or True / False), got {compiled!r}")
+    return mode
 
 
 @dataclass
@@ -49,8 +69,9 @@ class LoadedModel(TargetModelBase):
     name: str
     dtype: torch.dtype = torch.float32
     eos_token_ids: frozenset[int] | None = None  # None: read from the generation config and tokenizer
-    packed_layers: int = 0  # linear layers whose weights are prepacked for oneDNN (verispec.backends.hf.packing)
+    packed_layers: int = 0  # linear layers whose weights are prepacked for oneDNN (verispec.backends.torch_cpu.packing)
     pack_requested: bool = True  # packing was asked for (False: VERISPEC_PACK=0 or pack=False)
+    compiles_steps = True
     step: CompiledStep | None = None  # compiled one-token step (``compile_step``), or None: every pass eager
     verify: CompiledStep | None = None  # compiled verify passes of VERIFY_WIDTHS tokens (``compile_step``), or None
     _verify_thread: threading.Thread | None = field(default=None, init=False, repr=False, compare=False)
@@ -388,3 +409,35 @@ def pack_from_environment() -> bool:
     return _switched_on(PACK_ENV)
 
 
+def _load(ref: str, dtype="float32", compiled="off", threads: int | None = None, device: str | None = None,
+          pack: bool | None = None) -> LoadedModel:
+    if threads is not None:
+        if threads < 1:
+            raise InvalidRequest(f"threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)  # torch's threads are the process's: every model it runs uses them
+    return load(ref, dtype, device, pack, compile_mode(compiled))
+
+
+register(BackendSpec(
+    "transformers",
+    summary="PyTorch on the model's values (a GGUF's dequantized once): every drafter, token trees, hidden states",
+    load=_load,
+    preference=0,
+    options=(
+        Option("dtype", str, "float32", "weights and activations; float32 (default) guarantees greedy output "
+               "identical to plain decoding, bfloat16 only approximately (rounding differs between wide and narrow "
+               "passes)", choices=tuple(DTYPES)),
+        Option("compiled", str, "off", "one-token decoding steps and verify passes of 2-12 tokens compiled ahead of "
+               "time (AOTInductor; float32 on CPU; prefills, trees and wider passes stay eager). auto: use the "
+               "compiled programs stored by an earlier process, else decode eagerly (a server with --max-batch 1 "
+               "compiles them in the background and switches when ready); on: compile now if none is stored (a few "
+               "minutes once per model and machine, then seconds to load; needs a C++ compiler); off: always eager. "
+               f"The command line's default is auto, or ${COMPILE_ENV}. What it buys per CPU: docs/kernels.md",
+               flag="compile", choices=COMPILE_MODES, metavar="auto|on|off", const="on", neutral=("auto",),
+               cli_default=default_compile_mode),
+        Option("threads", int, None, "torch's CPU threads in this process (default: torch's choice)"),
+        Option("device", str, None, "torch device (default: cpu)", exposed=False),
+        Option("pack", bool, None, "prepacked oneDNN weights (default: where this CPU runs them, unless "
+               f"${PACK_ENV}=0)", exposed=False),
+    ),
+))

@@ -4,15 +4,14 @@ On CPU a one-token step is bound by streaming the weights, and an eager step spe
 small ops around the linears. The step is exported (``torch.export``, with the cache's size dynamic: one program
 for every length) and compiled ahead of time by AOTInductor with frozen weights and ``max_autotune``: inductor's
 C++ GEMM kernels over weights it packs once, the norms, rotary and attention fused around them, and a C++ wrapper
-that calls them, so no Python runs per layer. Measured on the 2-core AMD EPYC Zen 5 with the default model: 15.3 ms
-a step against 22.2 ms eager (docs/kernels.md). Verify passes of 2-12 tokens run a second program of the same kind
-whose width is dynamic too (``VERIFY_WIDTHS``): on the AMD EPYC Zen 4 a 5-token pass took 25 ms compiled against 42
-eager, 12 tokens 48 against 51, 16 tokens 61 against 60. Token trees of 2-12 tokens run it too (positions and mask
+that calls them, so no Python runs per layer. What it buys per CPU: docs/kernels.md. Verify
+passes of 2-12 tokens run a second program of the same kind whose width is dynamic too (``VERIFY_WIDTHS``: past
+them the compiled pass no longer beats the eager one, docs/kernels.md). Token trees of 2-12 tokens run it too (positions and mask
 are its inputs). Prefills and wider passes stay eager over the same cache; all are checked against a fresh
 forward over the whole sequence in tests/test_compiled.py and tests/test_e2e_compiled.py.
 
 Compiling takes about two minutes a program for the default model on 2 cores, so both are stored on disk
-(``verispec.backends.hf.compile_store``, keyed by the weights, widths, CPU and software) and a later process loads
+(``verispec.backends.torch_cpu.compile_store``, keyed by the weights, widths, CPU and software) and a later process loads
 them in seconds; ``LoadedModel.compile_step`` loads or builds them before the first request.
 
 The cache is transformers' ``StaticLayer`` with a length that can be set back (``FixedLayer``): every pass writes
@@ -182,9 +181,9 @@ class FixedKV:
 
 
 def unpacked_copy(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` sharing every parameter and buffer, with ``verispec.backends.hf.packing.PackedLinear`` layers turned
+    """A copy of ``model`` sharing every parameter and buffer, with ``verispec.backends.torch_cpu.packing.PackedLinear`` layers turned
     back into ``nn.Linear`` (inductor packs the weights its own way)."""
-    from .packing import PackedLinear
+    from ..torch_cpu.packing import PackedLinear
 
     memo = {id(t): t for t in (*model.parameters(), *model.buffers())}
     for module in model.modules():
@@ -285,7 +284,7 @@ class CompiledStep:
         minutes each for the default model on 2 cores) and stored there; with ``cached_only`` None when it is not
         on disk. Raises what the compiler raises (``LoadedModel.compile_step`` turns that into a warning and eager
         decoding)."""
-        from . import compile_store
+        from ..torch_cpu import compile_store
 
         shadow = unpacked_copy(model)
         shadow.set_attn_implementation(ONE_TOKEN_ATTENTION)

@@ -22,11 +22,14 @@ import numpy as np
 import torch
 
 from ...errors import InvalidRequest
+from ...options import Option
 from ...tree import tree_inputs
 from ..base import BorrowedEmbeddings, TargetPass
-from .export import VERISPEC_XML, export_dir, gguf_source, import_openvino, inference_precision
+from .export import CHANGES_MODEL, VERISPEC_XML, export_dir, gguf_source, import_openvino, inference_precision
 from .paged import BlockPool, BoundInputs, PagedKV, paged_model, pass_inputs, static_shapes
-from .widths import STATIC_WIDTHS, choose_static_widths
+from ..registry import BackendSpec, register
+from .export import WEIGHTS
+from .widths import STATIC_WIDTHS, choose_static_widths, parse_static_widths
 
 log = logging.getLogger(__name__)
 MASKED = np.float32(np.finfo(np.float32).min)  # the additive mask's value for a position not attended to
@@ -129,6 +132,10 @@ class OpenVINOModel(BorrowedEmbeddings):
     supports_features = True
     dtype = torch.float32
 
+    @property
+    def changed_model(self) -> str:
+        return f"OpenVINO {self.weights} re-quantizes the weights (NNCF)" if self.weights in CHANGES_MODEL else ""
+
     def __init__(self, folder: Path, tokenizer, config, name: str, weights: str, threads: int,
                  kv_precision: str = "f32", eos_token_ids=frozenset(), embedding_model_loader=None,
                  attention: str = "paged", min_width: int | None = None,
@@ -169,11 +176,11 @@ class OpenVINOModel(BorrowedEmbeddings):
             raise InvalidRequest(f"min_width is a whole number of tokens from 1 to 64, got {min_width!r}")
         # OpenVINO's CPU kernels compute a one-token pass another way than wider ones (its matmuls' one-row path,
         # dynamic quantization of int8/int4 activations), and rows of every pass of 2 or more tokens are bitwise equal
-        # to each other (SmolLM2-135M, Zen 4: widths 2-45, bf16, int8, int4, fp32). With min_width 2 no pass runs
+        # to each other (tests/test_openvino_backend.py checks it per format). With min_width 2 no pass runs
         # one token (a padding token is added, past the cache's length), so a position's logits never depend on
         # the width of the pass that computed them: greedy speculation is token-identical to plain decoding by
-        # construction. fp32 too: its one-token rows differ by ~7e-5 (no argmax was seen to flip) and padding costs
-        # 2-3% a plain step there (Zen 4), so fp32 pads as the other formats do: identity is not left to chance.
+        # construction. fp32 too: its one-token rows differ in the last bits, and padding costs little (measured
+        # in docs/openvino.md), so fp32 pads as the other formats do: identity is not left to chance.
         self.min_width = min_width if self.pool is not None else 1
         self._lock = threading.Lock()
         self.static_widths_auto = static_widths is None or static_widths == "auto"
@@ -217,8 +224,7 @@ class OpenVINOModel(BorrowedEmbeddings):
 
     def _graph_bytes(self) -> int:
         """About what one more compiled graph holds: the CPU plugin keeps each graph's own copy of the weights in its
-        layout (default model, Zen 4: +540 MB a static graph in fp32, 1.0x the weights file; ~1.5-2.4x it in
-        int8/int4)."""
+        layout, about the weights file in fp32 and up to twice it in int8/int4 (measured in docs/openvino.md)."""
         size = (self.folder / VERISPEC_XML).with_suffix(".bin").stat().st_size
         return int(1.1 * size) if self.weights == "fp32" else 2 * size
 
@@ -247,7 +253,7 @@ class OpenVINOModel(BorrowedEmbeddings):
         return torch.equal(wide, steps)
 
     @property
-    def ov_core(self):
+    def openvino_core(self):
         """The ``openvino.Core`` this model's graphs are compiled in (a drafter's graphs join it)."""
         return self._core
 
@@ -394,9 +400,9 @@ class OpenVINOModel(BorrowedEmbeddings):
 
     def _paged_requests_for(self, keys: list[tuple[tuple[int, ...], int | None]]) -> None:
         """Compile the graphs of ``keys`` ((layers, width) as for ``_paged_request``), two at a time: the CPU
-        plugin compiles a graph mostly on one core (the default model's four int4 static graphs of 4-10 tokens,
-        Zen 4: 5.6-6.1 s one after another, 4.0 with two at a time), and attach their infer requests; those compiled
-        already are left as they are."""
+        plugin compiles a graph mostly on one core, so two at a time take about two thirds of the time one after
+        another does (docs/openvino.md), and attach their infer requests; those compiled already are left as they
+        are."""
         keys = [key for key in dict.fromkeys(keys) if key not in self._paged_requests]
         for layers in {layers for layers, _ in keys} - set(self._paged_graphs):
             self._paged_graphs[layers] = paged_model(self._core, self.folder / VERISPEC_XML, layers)
@@ -491,8 +497,8 @@ def auto_candidates() -> tuple[str, ...]:
     """What ``auto`` chooses between: the formats within half precision of the exported weights: fp32, fp16 (weights
     stored in half precision, computed in f32; the llama.cpp backend's ``auto`` weighs its f16 the same way) and
     bf16 compute where the CPU has it (a coarser rounding than fp16's). int8 and int4 quantize further and stay an
-    explicit choice. On an AVX2 CPU without bf16 (AMD EPYC Zen 3) fp16 passes took 19 ms where fp32 took 28, and a
-    CPU decides a pass's cost more than the bytes it reads, so ``auto`` measures rather than assumes."""
+    explicit choice. Which is fastest differs from CPU to CPU more than the bytes each reads would say
+    (docs/openvino.md), so ``auto`` measures rather than assumes."""
     from .export import import_openvino
 
     has_bf16 = "BF16" in import_openvino().Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
@@ -552,8 +558,8 @@ def format_crashes(ref: str, weights: str, threads: int, kv_precision: str | Non
 def default_kv(weights: str) -> str:
     """The KV cache's precision unless asked: f32 for fp32 weights (the exact configuration); bf16 where the model
     computes in bf16 (OpenVINO's paged attention kernel takes no other there); f16 for the rounded weight formats
-    (fp16, int8, int4), whose passes then read half the cache (int4, 1,000 cached tokens, Zen 4: a 6-token pass
-    15.4 ms against 19.6 ms with f32) and stay width-invariant. OpenVINO's own default, u8, is never chosen."""
+    (fp16, int8, int4), whose passes then read half the cache (cheaper wide passes on long contexts, docs/openvino.md)
+    and stay width-invariant. OpenVINO's own default, u8, is never chosen."""
     return {"fp32": "f32", "bf16": "bf16"}.get(weights, "f16")
 
 
@@ -605,3 +611,53 @@ def load(ref: str, weights: str = "as-is", threads: int | None = None, kv_precis
                           embedding_model, attention, min_width, static_widths)
     model.weight_timings_ms = timings
     return model
+
+
+WEIGHT_ALIASES = {"f32": "fp32", "f16": "fp16"}  # llama.cpp's names for the same formats
+
+
+def _load(ref: str, weights: str = "as-is", threads: int | None = None, static_widths=None,
+          min_width: int | None = None, kv_precision: str | None = None, attention: str = "paged") -> OpenVINOModel:
+    if isinstance(static_widths, str):  # from the command line, a serve option or a bench spec ("2+4+6" there)
+        static_widths = parse_static_widths(static_widths, "+" if "+" in static_widths else ",")
+    return load(ref, WEIGHT_ALIASES.get(weights, weights), threads, kv_precision, attention, min_width, static_widths)
+
+
+def _runs_locally(ref: str) -> bool:
+    from ..references import BUILTINS
+
+    return ref in BUILTINS or Path(ref).expanduser().exists()
+
+
+def _installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("openvino") is not None
+
+
+register(BackendSpec(
+    "openvino",
+    summary="OpenVINO on the model exported once (a GGUF's own quantized blocks): every drafter, trees included",
+    load=_load,
+    install='pip install "verispec[openvino]"',
+    installed=_installed,
+    runs_own_weights=_runs_locally,
+    preference=2,
+    options=(
+        Option("weights", str, "as-is", "as-is (default; a GGUF's own quantized blocks, a transformers folder's "
+               "float32 weights), fp32, bf16 (fp32 weights computed in bfloat16, where the CPU has it), fp16, int8 "
+               "or int4 (NNCF: these two re-quantize, a changed model), auto (the fastest of fp32, fp16 and bf16 here)",
+               choices=(*WEIGHTS, "auto", *WEIGHT_ALIASES), metavar="FORMAT"),
+        Option("threads", int, None, "CPU threads (default: the cores this process may use)"),
+        Option("static_widths", str, None, "a one-sequence pass of up to the largest of these widths is padded to "
+               "the next of them and runs on a graph of static shapes (default auto: 1,2,4,6, and 8,10 too where "
+               "passes of 7-10 tokens measure cheaper on them, timed once per CPU; none: every pass on the dynamic "
+               "graph). Static graphs cost load time and memory; measurements: docs/openvino.md",
+               metavar="W,W,...|none|auto"),
+        Option("min_width", int, None, "passes of fewer tokens are padded to it (default 2: greedy speculation is "
+               "bitwise plain decoding)", exposed=False),
+        Option("kv_precision", str, None, "the KV cache's element type (default: the weights' own)", exposed=False),
+        Option("attention", str, "paged", "paged (chains and batches) or masked (the stateful graph for every pass)",
+               exposed=False, choices=("paged", "masked")),
+    ),
+))

@@ -14,16 +14,17 @@ SHIPPED_FINAL = {"smollm2-135m": HERE / "smollm2-135m-final"}
 NAMED = {"fused": SHIPPED, "final": SHIPPED_FINAL}  # --eagle-head NAME picks a shipped head by its features
 
 
-def resolve_head(target_name: str, ref: str | Path | None, backend: str = "transformers") -> Path:
+def resolve_head(target_name: str, ref: str | Path | None, prefer_final: bool = False) -> Path:
     """The folder of an EAGLE head: ``ref`` when given (a folder, or ``fused`` / ``final`` for a shipped head),
-    else the head shipped for the built-in target and ``backend`` (the final-state one on llama.cpp)."""
+    else the head shipped for the built-in target (``prefer_final``: the one on the final normed state alone, for a
+    target that returns that state without asking, as llama.cpp does)."""
     if ref is not None and str(ref) not in NAMED:
         path = Path(ref).expanduser()
         if not path.is_dir():
             raise ModelNotFound(f"EAGLE head folder {path} does not exist; pass the --out folder of "
                                 f"`verispec train-eagle`, or {' or '.join(NAMED)} for a shipped head")
         return path
-    shipped = NAMED[str(ref)] if ref is not None else SHIPPED_FINAL if backend == "llamacpp" else SHIPPED
+    shipped = NAMED[str(ref)] if ref is not None else SHIPPED_FINAL if prefer_final else SHIPPED
     if target_name in shipped and (shipped[target_name] / "config.json").exists():
         return shipped[target_name]
     raise ModelNotFound(

@@ -3,9 +3,8 @@ changes the compiled code.
 
 A build (``torch._inductor.aoti_compile_and_package``) writes a package that holds the pass's C++ kernels, its
 wrapper and the frozen weights in one shared library; the store keeps that library alone (``.so``), taken out of
-the package once at build time, and loads it with AOTInductor's CPU runner: 0.56-0.71 s for the default model's
-programs on the Zen 4, where loading the package unpacked its 1.1 GB library again each time (2.27-2.46 s); the same
-programs' logits, bitwise. torch's own on-disk caches do not serve here: with frozen weights inductor's FX graph cache
+the package once at build time, and loads it with AOTInductor's CPU runner, a few times faster than loading the
+package, which unpacks its library again each time (docs/kernels.md); the same programs' logits, bitwise. torch's own on-disk caches do not serve here: with frozen weights inductor's FX graph cache
 keys a parameter by its shape and dtype only, so a model with other weights of the same shapes would be handed the
 first model's kernels and constants (measured: logits off by 1.5 after scaling two weight matrices), and
 oneDNN-packed constants bypass it.
@@ -57,8 +56,7 @@ log = logging.getLogger(__name__)
 def options() -> dict:
     """What inductor compiles with: frozen weights and autotuned GEMM kernels. ``VERISPEC_COMPILE_AUTOTUNE=0``
     skips the autotuning (inductor's default kernel choices): a build takes about a third of the time and its
-    kernels are slower (measured on the tiny llama of the tests: 44.6 against 120.1 s on 2 cores; on the default
-    model autotuning made the one-token step ~1.9x faster, docs/kernels.md). For tests and quick experiments; the
+    kernels are slower (docs/kernels.md). For tests and quick experiments; the
     setting is part of the package key, so the two builds are never mistaken for each other."""
     value = os.environ.get(AUTOTUNE_ENV, "1").strip().lower()
     if value not in ("0", "1", "false", "true", "no", "yes", "off", "on"):

@@ -2,11 +2,8 @@
 
 On CPU, ``torch.nn.functional.linear`` hands matmuls to MKL (float32) or oneDNN (bfloat16) with the weight in its
 plain layout. Packing the weight once into the blocked layout oneDNN's kernels want makes decoding's skinny matmuls
-(1 to ~64 rows against a big weight) faster. Measured (docs/results-archive.md, "CPU kernels"; docs/kernels.md):
-  * AMD EPYC, AVX2 only, float32, 2 threads: all the default model's linears with weights streamed from memory
-    took 46.1 ms (MKL) against 32.6 ms packed at 1 row, 95.3 against 44.9 ms at 9 rows;
-  * Intel Xeon, AVX-512 bf16, bfloat16: a one-token forward took 39.8 ms plain against 33.6 ms packed.
-The packed bfloat16 kernel needs AVX-512 (bw/vl/dq) or AVX-NE-CONVERT; ``verispec.backends.hf.cpu.packed_linear_works`` probes
+(1 to ~64 rows against a big weight) faster, in float32 on AVX2 CPUs and in bfloat16 on AVX-512 ones (figures per CPU: docs/kernels.md).
+The packed bfloat16 kernel needs AVX-512 (bw/vl/dq) or AVX-NE-CONVERT; ``verispec.backends.torch_cpu.cpu.packed_linear_works`` probes
 it before any layer is packed, so a CPU without it keeps the plain op (slower, never a crash).
 
 Numbers: in bfloat16 the packed op equals ``F.linear`` bit for bit. In float32 it differs from MKL in the last bits

@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 
 from ..errors import InvalidRequest
 from ..jsonl import records
-from ..backends.hf import LoadedModel
+from ..backends import LoadedModel  # training reads a transformers target
 
 META = "meta.json"
 
