@@ -243,8 +243,8 @@ class CostCurve:
             base = one.value
         if len(wide) >= 2:
             # Theil-Sen: the weighted median of the slopes between pairs of widths, then of the intercepts. A width
-            # measured once during a stall (a stored curve had 142 ms at width 12 between 30 and 35 ms at 11 and 13)
-            # moves a median little, where it tilted a least-squares line enough to make every draft look dear
+            # measured once during a stall (several times its neighbours' cost) moves a median little, where it
+            # tilted a least-squares line enough to make every draft look dear
             pairs = [((tj - ti) / (wj - wi), min(ci, cj)) for i, (wi, ti, ci) in enumerate(wide)
                      for wj, tj, cj in wide[i + 1:]]
             slope = max(0.0, _weighted_median(pairs))

@@ -98,8 +98,8 @@ class LayerInputs:
 
     def keep(self, ctx, layers) -> None:
         """Make every later pass keep the inputs of ``layers`` (with those already kept). They stay on: switching
-        them per pass rebuilds llama.cpp's graph (measured +5-7 ms a pass), while keeping rows nobody reads costs a
-        copy of a few KB a token."""
+        them per pass rebuilds llama.cpp's graph (several ms a pass, docs/llamacpp.md), while keeping rows nobody
+        reads costs a copy of a few KB a token."""
         for layer in layers:
             if layer not in self.kept:
                 self._set(ctx, layer, True)

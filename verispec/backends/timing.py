@@ -12,7 +12,7 @@ import time
 AUTO_ACCEPTANCE = 0.6  # per-token acceptance auto assumes for a drafter it has not seen (alpha, geometric model)
 AUTO_WIDTHS = (1, 2, 5, 9)
 # prompt tokens per generated token auto weighs prefill with (Spec-Bench's mean here: 291 prompt, 191 new tokens);
-# prefill cost differs a lot by format (512 tokens on the AVX-512 EPYC: Q4_1 2.2 s, F16 1.0 s)
+# prefill cost differs a lot by format (docs/llamacpp.md), so it is weighed too
 AUTO_PROMPT_PER_OUTPUT = 1.5
 AUTO_PREFILL = 256  # prompt tokens auto times a prefill with
 AUTO_CONTEXT = 256  # cached positions when auto times the passes

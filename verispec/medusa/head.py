@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..backends.hf.packing import PackedLinear, pack_linear_layers, should_pack
+from ..backends.torch_cpu.packing import PackedLinear, pack_linear_layers, should_pack
 from ..errors import IncompatibleDrafter, ModelNotFound
 from ..eagle.head import target_fingerprint
 
@@ -83,8 +83,8 @@ class MedusaHeads(nn.Module):
                                    for _ in range(config.num_heads))
         self.register_buffer("d2t", torch.arange(config.draft_vocab_size), persistent=True)  # draft id -> target id
         self.lm_head_d: torch.Tensor | None = None  # [draft_vocab, H], the target's rows, never saved
-        # the same rows packed for oneDNN when drafting on a CPU that runs it: 1.3 ms for four heads' logits against
-        # 2.7 ms through MKL on an AVX2 Zen 3 (MKL does poorly with a few rows against a wide weight)
+        # the same rows packed for oneDNN when drafting on a CPU that runs it: a few rows against a wide weight are
+        # where MKL does poorly (docs/eagle.md, "The head's precision")
         self._lm_head_packed = None
 
     def attach(self, target_model) -> "MedusaHeads":

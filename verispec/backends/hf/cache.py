@@ -1,8 +1,7 @@
 """KV caches and rollback over transformers' public Cache API (no private attributes, no patched modules).
 
 transformers' ``DynamicLayer`` grows by ``torch.cat`` on every step, copying the whole cache of every layer each
-time (the profiler put ``aten::cat`` at 12% of a one-token step of the default model on an AMD EPYC; replacing it
-saved ~2 ms of ~60 ms at 300 cached tokens, more as the context grows). ``GrowingLayer`` is a ``DynamicLayer`` whose
+time: a cost that grows with the context (docs/kernels.md). ``GrowingLayer`` is a ``DynamicLayer`` whose
 keys and values are views into a buffer with spare room: a step writes only its new positions, the buffer doubles
 when full, and ``crop`` (inherited) shortens the view, so rollback still copies nothing.
 """

@@ -26,8 +26,7 @@ keys it sees in order, zeros up to its bucket) and attended as in a one-token st
 batched product. So a tree node's logits are those of the one-token steps along its branch, and a batched row's
 those of its sequence alone.
 
-Measured (AMD EPYC Zen 4, 300 and 250 cached tokens, widths 1-17): every row bitwise equal to a chain of one-token
-passes, against differences of 0.25-0.56 with SDPA; token trees and batched rows equal to their chains and lone
+Every row is bitwise equal to a chain of one-token passes, where SDPA's rows differ visibly (docs/kernels.md); token trees and batched rows equal to their chains and lone
 sequences (tests/test_invariant.py, tests/test_e2e_kernels.py). Passes with any other mask (padded batches such as
 train-eagle's answer generation) take SDPA. Models with sliding-window layers keep SDPA (they need transformers'
 per-layer masks), and so does a CPU whose kernels fail the probe (``kernels_are_width_invariant``: other CPUs may
@@ -46,7 +45,7 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .masks import sliding_window
-from .packing import PackedLinear
+from ..torch_cpu.packing import PackedLinear
 
 WIDTH_INVARIANT_ATTENTION = "verispec_width_invariant"
 BUCKET = 256  # keys a row attends over: its position rounded up to a multiple of this

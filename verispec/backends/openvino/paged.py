@@ -4,7 +4,7 @@ OpenVINO's ``paged_attention_transformation`` rewrites the exported graph's atte
 op: the keys and values live in blocks of a fixed number of positions (32 on CPUs), in tensors the caller hands to
 the infer request (``key_cache.N``, ``value_cache.N``), and each pass names, per sequence, its cached length
 (``past_lens``) and its blocks (``block_indices``). Its CPU kernel is faster than the stateful graph's attention,
-wide passes most of all (SmolLM2-135M, Zen 4, bf16, 300 cached tokens: a 9-token pass 17.3 ms against 22.8 ms).
+wide passes most of all (docs/openvino.md).
 
 What verispec gets from it:
 
@@ -28,7 +28,7 @@ BLOCK_INPUTS = ("key_cache.", "value_cache.")
 def paged_model(core, xml_path, layers: tuple[int, ...] = ()):
     """The exported ``verispec_model.xml`` with paged attention, computing logits only at ``logit_rows``, and
     the hidden states of ``layers`` only (``hidden_states`` [tokens, 1, len(layers), hidden], in that order; none
-    without layers: stacking all 31 of the default model's cost ~3 ms of a 17 ms one-token bf16 step).
+    without layers: stacking every layer's state costs a visible share of a one-token step).
 
     The transformation flattens the batch into one dimension of tokens ([tokens, 1, hidden]), so the export's row
     gather (on the sequence axis) is rebuilt on the token axis in front of the lm_head."""
@@ -67,8 +67,8 @@ def paged_model(core, xml_path, layers: tuple[int, ...] = ()):
 
 def static_shapes(model, width: int):
     """``model`` (a paged graph) reshaped for one sequence of ``width`` tokens, logits at each. The CPU plugin
-    re-plans a dynamic graph's kernels whenever a pass's shapes differ from the last pass's (~4-5 ms on 2 cores, a
-    third of an int4 pass); a static graph never does, and its passes are cheaper even at one width
+    re-plans a dynamic graph's kernels whenever a pass's shapes differ from the last pass's (a large share of a
+    small model's pass); a static graph never does, and its passes are cheaper even at one width
     (docs/openvino.md)."""
     one = {"past_lens": [1], "subsequence_begins": [2], "block_indices_begins": [2]}
     model.reshape({name: one.get(name, [width]) for name in STATIC_INPUTS})
@@ -82,7 +82,7 @@ STATIC_INPUTS = ("input_ids", "position_ids", "logit_rows", "past_lens", "subseq
 class BoundInputs:
     """A static graph's infer request with its inputs bound once to arrays of their own: a pass writes its values into
     them and runs the request, instead of handing OpenVINO eight arrays and taking back a dict of outputs each time
-    (that Python dispatch cost ~0.6 ms of a ~13 ms int4 pass on a Zen 4, docs/openvino.md). An input whose shape
+    (that Python dispatch is a few percent of a small model's pass, docs/openvino.md). An input whose shape
     changes (``block_indices`` grows by one every block of positions) gets a new array."""
 
     def __init__(self, ov, request) -> None:
@@ -198,7 +198,7 @@ def pass_inputs(items, last_only: bool, min_width: int = 1, every_row: bool = Fa
     """The paged graph's inputs for one pass over ``items`` ([(PagedKV, tokens)]), each item's rows of the logits
     output, each item's offset in the pass's tokens and which of its rows it asked for. A padded item's logits are
     computed at all its fed rows (every item's with ``every_row``: a static graph's shapes): a pass's shapes then
-    depend on its width alone, and OpenVINO re-plans its kernels (~4 ms on 2 cores) only when a shape changes. An
+    depend on its width alone, and OpenVINO re-plans its kernels (a large share of a small pass) only when a shape changes. An
     item of fewer than ``min_width`` tokens is padded with copies of its last token (written past the cache's
     length, so never read: see ``OpenVINOModel.min_width``); reserves the blocks every item needs."""
     ids, positions, past, begins, blocks, block_begins, rows, offsets, picks = [], [], [], [0], [], [0], [], [], []

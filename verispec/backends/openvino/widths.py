@@ -54,10 +54,9 @@ def static_widths_option(text: str | None, backend: str) -> dict:
 def choose_static_widths(model) -> tuple[tuple[int, ...], dict | None]:
     """``static_widths="auto"`` (the default): ``STATIC_WIDTHS``, plus ``AUTO_STATIC_EXTRA`` where passes of the
     widths they cover cost at most ``AUTO_STATIC_GAIN`` of the dynamic graph's on this CPU. Why measure: past the
-    widest static graph a pass runs on the dynamic one, which cost about half a step more on an AVX2 EPYC Zen 3
-    (suffix drafts up to 10 tokens on static graphs ran 3-7% faster there) and 1.5x a static pass on a Zen 4
-    (5-14% faster there, three runs), while a static width 8 measured no gain on a Zen 5, and each graph costs ~1.3 s to
-    compile and its own copy of the weights. Stored per model, format, CPU, threads and versions
+    widest static graph a pass runs on the dynamic one, which costs more than a static pass on some CPUs and about
+    the same on others (docs/openvino.md has the figures per CPU), while each graph costs a second or so to compile
+    and its own copy of the weights. Stored per model, format, CPU, threads and versions
     (``verispec.backends.measurements``), so a machine times it once (a few seconds); left out, unmeasured,
     where the extra graphs would not fit in a quarter of the free memory."""
     from openvino import get_version
