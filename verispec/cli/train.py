@@ -276,7 +276,7 @@ def _engine_answers(ref: str, dtype: str, batch: int, longest: int) -> dict:
 
 def _gen_dtype(setting: str, device: str) -> str:
     """--gen-dtype auto: bfloat16 on a GPU and on a CPU with bfloat16 dot products; float32 on other CPUs, which
-    emulate bfloat16 through float32 and answer several times slower in it (docs/eagle.md)."""
+    emulate bfloat16 through float32 and answer several times slower in it (docs/kernels.md)."""
     if setting != "auto":
         return setting
     if device != "cpu":

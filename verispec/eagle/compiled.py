@@ -5,8 +5,8 @@ parameters for the default model's head), so run eagerly most of its time goes t
 launched from Python. ``StepGraph`` (the step as a function of plain tensors, the graph the OpenVINO engine converts
 too) is exported with the number of new pairs (1 to ``MAX_ROWS``) and of cached pairs dynamic and compiled like the
 target's one-token step (``verispec.backends.torch_cpu.compile_store``: frozen weights, ``max_autotune``, stored on disk
-under a key of the head's weights, config, code, CPU and versions). What it buys per CPU: docs/eagle.md and
-docs/results-archive.md (2026-11-28).
+under a key of the head's weights, config, code, CPU and versions). What it buys: docs/kernels.md ("Figures behind the
+code's choices").
 
 ``CompiledHeadSteps`` has the torch head's ``step_logits``; the drafter calls whichever engine it was given. A
 request's first step (no cached pairs, or more than ``MAX_ROWS`` new ones: the prompt's pairs) and trees run the
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 # new pairs one program call takes: a draft token, or the pairs a verify pass accepted. More run the torch head, which
 # is as fast from about this many pairs and faster beyond (its kernels are chosen for wide products; inductor's here
-# for a few rows; measured in docs/results-archive.md, 2026-11-28)
+# for a few rows; measured in docs/kernels.md)
 MAX_ROWS = 32
 
 

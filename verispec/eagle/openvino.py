@@ -4,7 +4,7 @@ On the OpenVINO backend the target's passes use the cores through OpenVINO's own
 thread left to torch, streams its float32 draft lm_head, and slows the target's next pass (two thread pools take
 turns on the same cores). Here the head's step (``EagleHead.step`` then ``EagleHead.logits``) is converted once to
 an OpenVINO graph, its weights compressed to int8 (NNCF), and run in the target's OpenVINO core on one thread, so
-both share one executor (measured in docs/eagle.md). The drafts change a little (int8 weights); the output cannot:
+both share one executor (measured in docs/openvino.md). The drafts change a little (int8 weights); the output cannot:
 drafts are verified by the target like any others.
 
 ``HeadSteps`` and the torch head share one method, ``step_logits``: the drafter calls whichever it was given.

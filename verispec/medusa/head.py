@@ -84,7 +84,7 @@ class MedusaHeads(nn.Module):
         self.register_buffer("d2t", torch.arange(config.draft_vocab_size), persistent=True)  # draft id -> target id
         self.lm_head_d: torch.Tensor | None = None  # [draft_vocab, H], the target's rows, never saved
         # the same rows packed for oneDNN when drafting on a CPU that runs it: a few rows against a wide weight are
-        # where MKL does poorly (docs/eagle.md, "The head's precision")
+        # where MKL does poorly (docs/kernels.md)
         self._lm_head_packed = None
 
     def attach(self, target_model) -> "MedusaHeads":

@@ -62,7 +62,7 @@ def load_checkpoint(folder: str | Path, settings: dict) -> dict:
 def bf16_autocast(setting: bool | None, device: torch.device) -> bool:
     """Whether training runs under bfloat16 autocast: ``setting`` when given; else (auto) on a GPU, and on a CPU only
     where it multiplies bfloat16 natively. Elsewhere autocast emulates bfloat16 through float32, and a training step
-    is many times slower than in float32 (docs/eagle.md)."""
+    is many times slower than in float32 (docs/kernels.md)."""
     if setting is not None:
         return bool(setting)
     if device.type != "cpu":
