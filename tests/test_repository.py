@@ -31,9 +31,12 @@ def test_experiments_live_apart_and_each_is_indexed():
 
 
 def test_the_loop_calls_hooks_instead_of_probing_for_them():
-    """The engine and the batch loop call a target's and a drafter's optional hooks as they are: the defaults live in
-    ``TargetModelBase`` and ``DrafterBase`` (which the engine requires), so adding a hook never means a lookup."""
-    probe = re.compile(r"\b(hasattr|getattr)\(\s*(self\.|decoder\.)?(target|drafter)\b")
-    found = {name: probe.findall((ROOT / "verispec" / name).read_text()) for name in ("engine.py", "batching.py")}
-    assert found == {"engine.py": [], "batching.py": []}
+    """The engine, the batch loop and the drafters call a target's and a drafter's optional hooks and read their
+    capabilities as they are: the defaults live in ``TargetModelBase`` and ``DrafterBase`` (which the engine requires),
+    so adding a hook never means a lookup, and no drafter asks which backend it runs on by probing."""
+    probe = re.compile(r"\b(hasattr|getattr)\(\s*(self\.|decoder\.|self\._)?(target|drafter|draft|draft_model)\b")
+    files = ["engine.py", "batching.py", *(f"drafters/{p.name}" for p in (ROOT / "verispec" / "drafters").glob("*.py")),
+             "eagle/engines.py"]
+    found = {name: probe.findall((ROOT / "verispec" / name).read_text()) for name in files}
+    assert {name: hits for name, hits in found.items() if hits} == {}
 

@@ -69,18 +69,18 @@ def special_ids(tokenizer) -> set[int]:
     return ids
 
 
-def special_map(source, target) -> dict[int, int]:
-    """``source``'s special token ids to ``target``'s: beginning and end of sequence by role, the others by their
-    spelling where ``target`` has the same special token; tokens with no counterpart are left out."""
+def special_map(source, into) -> dict[int, int]:
+    """Tokenizer ``source``'s special token ids to tokenizer ``into``'s: beginning and end of sequence by role, the
+    others by their spelling where ``into`` has the same special token; tokens with no counterpart are left out."""
     found: dict[int, int] = {}
-    target_specials = special_ids(target)
+    into_specials = special_ids(into)
     for i in special_ids(source):
         spelling = source.convert_ids_to_tokens(i)
-        j = target.convert_tokens_to_ids(spelling)  # an unknown spelling gives the unknown token's id: checked below
-        if isinstance(j, int) and j in target_specials and target.convert_ids_to_tokens(j) == spelling:
+        j = into.convert_tokens_to_ids(spelling)  # an unknown spelling gives the unknown token's id: checked below
+        if isinstance(j, int) and j in into_specials and into.convert_ids_to_tokens(j) == spelling:
             found[i] = j
-    for role in ("bos_token_id", "eos_token_id"):
-        i, j = getattr(source, role, None), getattr(target, role, None)
+    for role in ("bos_token_id", "eos_token_id"):  # tokenizers name these by role (None where they have none)
+        i, j = getattr(source, role, None), getattr(into, role, None)
         if i is not None and j is not None:
             found[i] = j
     return found
@@ -105,7 +105,7 @@ class RetokenizingDrafter(DrafterBase):
         self.target_specials = special_ids(target.tokenizer)
         self.to_draft = special_map(target.tokenizer, draft.tokenizer)
         self.to_target = special_map(draft.tokenizer, target.tokenizer)
-        self.draft_specials = special_ids(draft.tokenizer) | set(getattr(draft, "eos_token_ids", ()) or ())
+        self.draft_specials = special_ids(draft.tokenizer) | set(draft.eos_token_ids)
         self.draft_start = draft.tokenizer.encode("", add_special_tokens=True)  # e.g. the draft's BOS
         self.draft_steps = self.proposed = 0
         self.reset(SamplingParams(), None)
