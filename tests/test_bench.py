@@ -96,6 +96,21 @@ def test_markdown_marks_a_changed_model_and_counts_looping_answers_beside_its_sp
     assert "- spec: OpenVINO int4 re-quantizes the weights (NNCF)" in text
 
 
+def test_charts_mark_a_changed_model_and_name_the_machine(tmp_path):
+    from verispec.bench import plots
+
+    records = synthetic()
+    for r in records:
+        if r["method"] == "spec":
+            r["changed_model"] = "OpenVINO int4 re-quantizes the weights (NNCF)"
+    summary = summarize(records, "baseline", greedy=True)
+    summary["environment"] = {"cpu": "AMD EPYC", "cpu_flags": ["avx", "avx2"], "cpu_count": 2,
+                              "date": "2026-11-29T17:15:42+00:00"}
+    assert plots._label(summary, "spec") == "spec (CHANGED MODEL)" and plots._label(summary, "baseline") == "baseline"
+    assert plots._where(summary) == "AMD EPYC (avx2), 2 cores, 2026-11-29"
+    assert plots.speedup_by_group(summary, tmp_path / "s.png").stat().st_size > 0
+
+
 def test_a_loop_is_an_answer_whose_tail_repeats_itself():
     from verispec.bench.quality import loops
 

@@ -21,8 +21,26 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def _label(summary: dict, method: str) -> str:
+    """A method's legend entry, marked where its speed is not like for like (a changed model, a lossy rule)."""
+    s = summary["overall"].get(method, {})
+    return method + (" (CHANGED MODEL)" if s.get("changed_model") else "") + (" (LOSSY)" if s.get("lossy") else "")
+
+
+def _where(summary: dict) -> str:
+    """The machine a run measured, for a chart's title: CPU, its widest vector flag, cores and date."""
+    env = summary.get("environment") or {}
+    if not env.get("cpu"):
+        return ""
+    flags = env.get("cpu_flags") or []
+    widest = next((f for f in ("amx_tile", "avx512_bf16", "avx512f", "avx2") if f in flags), "")
+    return (f"{env['cpu']}{f' ({widest})' if widest else ''}, {env.get('cpu_count', '?')} cores, "
+            f"{str(env.get('date', ''))[:10]}")
+
+
 def speedup_by_group(summary: dict, path: Path) -> Path:
-    """Grouped bars: speedup of each method in each group and overall; the reference's 1.0 as a line."""
+    """Grouped bars: speedup of each method in each group and overall; the reference's 1.0 as a line. A method that
+    runs a changed model (a re-quantization) is hatched and says so in the legend."""
     plt = _pyplot()
     groups = list(summary["groups"]) + ["overall"]
     methods = [m for m in summary["overall"] if m != summary["reference"]] or list(summary["overall"])
@@ -32,11 +50,13 @@ def speedup_by_group(summary: dict, path: Path) -> Path:
         blocks = [summary["overall"] if g == "overall" else summary["groups"][g] for g in groups]
         values = [b.get(m, {}).get("speedup") or 0.0 for b in blocks]
         xs = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(groups))]
-        ax.bar(xs, values, width, label=m)
+        changed = bool(summary["overall"].get(m, {}).get("changed_model"))
+        ax.bar(xs, values, width, label=_label(summary, m), hatch="//" if changed else None)
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     ax.set_xticks(range(len(groups)), groups)
     ax.set_ylabel(f"speedup over {summary['reference']}")
-    ax.set_title("Speedup per group (mean tokens/s ratio)")
+    where = _where(summary)
+    ax.set_title("Speedup per group (mean tokens/s ratio)" + (f"\n{where}" if where else ""))
     ax.legend(fontsize="small")
     return _save(fig, path)
 
@@ -49,11 +69,12 @@ def acceptance_by_position(summary: dict, path: Path) -> Path | None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for m, values in series.items():
-        ax.plot(range(1, len(values) + 1), values, marker="o", label=m)
+        ax.plot(range(1, len(values) + 1), values, marker="o", label=_label(summary, m))
     ax.set_xlabel("draft position i")
     ax.set_ylabel("acceptance rate at i (given i reached)")
     ax.set_ylim(0, 1.05)
-    ax.set_title("Acceptance by draft position")
+    where = _where(summary)
+    ax.set_title("Acceptance by draft position" + (f"\n{where}" if where else ""))
     ax.legend(fontsize="small")
     return _save(fig, path)
 
