@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from verispec import SpeculativeDecoder
-from verispec.bench.methods import build_method
+from verispec.bench.method_specs import build_method
 from verispec.errors import InvalidRequest
 
 PROMPT = [5, 9, 3, 5, 9, 3, 5]

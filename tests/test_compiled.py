@@ -235,7 +235,7 @@ def test_verify_passes_stay_eager_when_switched_off(store, monkeypatch):
 
 
 def test_the_verify_program_is_left_out_where_memory_is_short_unless_asked_for(store, monkeypatch, caplog):
-    import verispec.backends.hf as hf
+    import verispec.backends.hf.model as hf
 
     model, _ = store
     need, _ = hf.verify_memory(model)

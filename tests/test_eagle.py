@@ -20,7 +20,7 @@ from verispec.training.data import Sequence, build_dataset, load_meta, load_sequ
 from verispec.eagle.head import EagleHead, HeadCache, head_config_for, ttt_mask
 from verispec.eagle.train import (TrainConfig, collate, draft_vocabulary, unrolled_states,
                                   validation_split)
-from verispec.features import FeatureBuffer
+from verispec.hidden_states import FeatureBuffer
 
 LAYERS = (1, 2)  # the tiny target has 2 layers: hidden_states 0 (embeddings), 1, 2 (final, normed)
 PROMPTS = [[5, 9, 3, 5, 9, 4, 7], [3, 4, 5, 6, 7, 8, 9, 10, 3, 4, 5], [12, 30, 7]]
@@ -730,7 +730,7 @@ def test_eagle_with_a_lookup_branch(small_target, trained_head_dir):
 def test_token_only_data_trains_by_teacher_forcing_and_a_stopped_run_resumes_exactly(small_target, tmp_path):
     """--features online: the data holds tokens only and the target is run per batch; a run stopped after a step
     and resumed from checkpoint.pt ends with the same weights as one that never stopped."""
-    from verispec.training import runs
+    from verispec.training import checkpoints as runs
     from verispec.eagle.train import train_head
 
     rng = random.Random(3)
@@ -787,7 +787,7 @@ def test_train_eagle_online_features_with_a_time_limit(tiny_dir, tmp_path, capsy
 def test_schedule_ends_on_steps_or_minutes_and_signals_stop_a_run_between_steps():
     import signal
 
-    from verispec.training.runs import Schedule, StopSignals
+    from verispec.training.checkpoints import Schedule, StopSignals
     from verispec.training.loop import cosine_lr
 
     steps = Schedule(1e-3, total=100, warmup=10)
@@ -814,7 +814,7 @@ def test_training_uses_bfloat16_only_where_the_device_multiplies_it_natively(mon
     bfloat16 is 4x slower: auto picks float32 there."""
     from verispec.backends.torch_cpu import cpu
     from verispec.cli.train import _gen_dtype
-    from verispec.training.runs import bf16_autocast
+    from verispec.training.checkpoints import bf16_autocast
 
     for native in (True, False):
         monkeypatch.setattr(cpu, "bfloat16_dot_products", lambda native=native: native)

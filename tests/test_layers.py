@@ -24,7 +24,7 @@ LAYERS = [
     ("drafters", ["verispec.drafters", "verispec.eagle", "verispec.medusa", "verispec.compat"]),
     ("backends", ["verispec.backends"]),
     ("pure helpers", ["verispec.verify", "verispec.sampling", "verispec.tree", "verispec.text", "verispec.stats",
-                      "verispec.analysis", "verispec.errors", "verispec.features", "verispec.prefix",
+                      "verispec.analysis", "verispec.errors", "verispec.hidden_states", "verispec.prefix",
                       "verispec.version", "verispec.jsonl", "verispec.options"]),
 ]
 

@@ -299,7 +299,7 @@ def test_medusa_trains_on_token_only_data_and_a_stopped_run_resumes_exactly(smal
     import dataclasses
 
     from verispec.training.data import load_sequences
-    from verispec.training.runs import CHECKPOINT
+    from verispec.training.checkpoints import CHECKPOINT
 
     rng = random.Random(4)
     prompts = [[rng.randrange(3, 32) for _ in range(rng.randrange(3, 9))] for _ in range(40)]

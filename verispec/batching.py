@@ -34,7 +34,7 @@ from .backends.base import KVCache, TargetModel, TargetPass, host_threads, torch
 from .controller import COST, save_cost_curve, shared_cost_curve
 from .engine import Generation, Request, SequenceState, SpeculativeDecoder, StepPlan
 from .errors import InvalidRequest, check_whole
-from .features import FeatureBuffer
+from .hidden_states import FeatureBuffer
 from .prefix import reusable_prefix
 
 log = logging.getLogger(__name__)

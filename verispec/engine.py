@@ -27,7 +27,7 @@ from .controller import COST, Controller, save_cost_curve, shared_cost_curve
 from .drafters.base import EMPTY_DRAFT, Draft, Drafter, DrafterBase
 from .drafters.ngram import NgramDrafter
 from .errors import InvalidRequest, check_whole
-from .features import FeatureBuffer
+from .hidden_states import FeatureBuffer
 from .prefix import reusable_prefix
 from .sampling import SamplingParams, greedy_tokens, probabilities
 from .stats import GenerationStats

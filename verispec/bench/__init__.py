@@ -1,7 +1,7 @@
 """Benchmarks: prompt sets, methods (verispec and transformers' peers), the interleaved runner, summaries."""
 
 from .method import Method, Run
-from .methods import build_method, parse_spec
+from .method_specs import build_method, parse_spec
 from .prompts import GROUPS, Question, load_questions, select
 from .runner import run_benchmark
 from .summary import markdown, summarize

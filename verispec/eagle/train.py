@@ -24,7 +24,7 @@ from ..training.corpus import load_text
 from ..training.data import Sequence, batch_features, load_meta, load_sequences
 from ..training.loop import (TrainReport, draft_vocabulary, make_batches,
                              train_loop, training_record, validation_split, vocabulary_coverage)
-from ..training.runs import bf16_autocast
+from ..training.checkpoints import bf16_autocast
 from .head import WEIGHTS, EagleHead, HeadConfig, head_config_for, ttt_mask
 
 
@@ -44,7 +44,7 @@ class TrainConfig:
     prompt_loss: bool = True  # also learn the target's distribution at prompt positions (its soft labels)
     init_from_layer: int | None = -1  # copy the target's decoder layer (index) into the head; None = random
     feature_layers: list[int] | None = None  # among the cached ones (and the final one); None = all of them
-    bf16_autocast: bool | None = None  # None: on a GPU, and on a CPU with native bfloat16 (runs.bf16_autocast)
+    bf16_autocast: bool | None = None  # None: on a GPU, and on a CPU with native bfloat16 (checkpoints.bf16_autocast)
     init_head: str | None = None  # continue from this trained head (its weights and draft vocabulary)
     intermediate_size: int | None = None  # the head's MLP width (None: the target's; with init_head: widen it to this)
     device: str = "cpu"  # where the head trains (and token-only data is teacher-forced): cpu, cuda, ...
@@ -130,7 +130,7 @@ def train_head(target: LoadedModel, data_dir: str | Path, out_dir: str | Path, c
                progress: bool = True, log: Callable[[str], None] = print,
                should_stop: Callable[[int], bool] | None = None, text_dirs: list[str | Path] = ()) -> TrainReport:
     """Train a head for ``target`` on the data in ``data_dir``; the best checkpoint (by validation acceptance) is
-    written to ``out_dir``, with a resumable ``checkpoint.pt`` beside it (see ``runs.py``). Token-only data is
+    written to ``out_dir``, with a resumable ``checkpoint.pt`` beside it (see ``verispec.training.checkpoints``). Token-only data is
     teacher-forced through the target batch by batch on ``config.device``, where the target must live too.
     ``text_dirs``: text corpora (``corpus.py``) teacher-forced the same way, added to the training set only.
     ``should_stop(step)`` (or Ctrl-C / SIGTERM) ends the run after a step with a checkpoint; ``config.resume`` goes on."""

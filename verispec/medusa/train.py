@@ -23,7 +23,7 @@ from ..training.corpus import load_text
 from ..training.data import Sequence, batch_features, load_meta, load_sequences
 from ..training.loop import (TrainReport, draft_vocabulary, make_batches, train_loop, training_record,
                              validation_split, vocabulary_coverage)
-from ..training.runs import bf16_autocast
+from ..training.checkpoints import bf16_autocast
 from .head import MedusaConfig, MedusaHeads, config_for
 
 
@@ -42,7 +42,7 @@ class MedusaTrainConfig:
     grad_clip: float = 0.5
     seed: int = 0
     prompt_loss: bool = True  # also learn the target's distribution inside prompts
-    bf16_autocast: bool | None = None  # None: on a GPU, and on a CPU with native bfloat16 (runs.bf16_autocast)
+    bf16_autocast: bool | None = None  # None: on a GPU, and on a CPU with native bfloat16 (checkpoints.bf16_autocast)
     init_heads: str | None = None  # continue from these trained heads (weights and draft vocabulary)
     device: str = "cpu"  # where the heads train (and token-only data is teacher-forced)
     max_minutes: float | None = None  # the schedule ends after this many minutes of training if its steps do not
@@ -95,7 +95,7 @@ def train_medusa(target: LoadedModel, data_dir: str | Path, out_dir: str | Path,
     """Train Medusa heads for ``target`` on the data in ``data_dir`` (and the text corpora in ``text_dirs``,
     ``verispec.training.corpus``, training only); the best checkpoint (by the estimated greedy
     tokens per step on validation) is written to ``out_dir``, a resumable ``checkpoint.pt`` beside it. Token-only
-    data is teacher-forced through the target per batch on ``config.device`` (see ``verispec.training.runs`` for
+    data is teacher-forced through the target per batch on ``config.device`` (see ``verispec.training.checkpoints`` for
     ``max_minutes``, ``resume``, ``should_stop`` and Ctrl-C)."""
     meta = load_meta(data_dir)
     device = torch.device(config.device)

@@ -3,8 +3,8 @@
 A head family brings an ``Objective``: the module that trains, its loss on a batch of sequences, its validation
 (held-out metrics with ``est_tokens_per_step``, the score the best checkpoint is kept by) and how it saves itself.
 ``train_loop`` runs the rest the same way for both: AdamW, the warm-up and cosine schedule over steps or minutes
-(``runs.Schedule``), gradient clipping, validation every ``val_every`` steps keeping the best, checkpoints that
-``--resume`` goes on from, Ctrl-C / SIGTERM stopping after a step (``runs.StopSignals``), and a progress bar.
+(``checkpoints.Schedule``), gradient clipping, validation every ``val_every`` steps keeping the best, checkpoints that
+``--resume`` goes on from, Ctrl-C / SIGTERM stopping after a step (``checkpoints.StopSignals``), and a progress bar.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Callable, Protocol
 import torch
 
 from .data import Sequence
-from .runs import Schedule, StopSignals, load_checkpoint, save_checkpoint, scheduled_batches
+from .checkpoints import Schedule, StopSignals, load_checkpoint, save_checkpoint, scheduled_batches
 
 
 @dataclass

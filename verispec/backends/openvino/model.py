@@ -576,7 +576,7 @@ def load(ref: str, weights: str = "as-is", threads: int | None = None, kv_precis
     measure cheaper on this CPU; ``()``: the dynamic graph runs every pass)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from ..hf import _eos_ids
+    from ..hf.model import _eos_ids
     from ..llamacpp import default_threads
     from ..references import transformers_progress_bars
 
