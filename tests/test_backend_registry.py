@@ -53,6 +53,8 @@ def test_load_model_runs_a_registered_backend_with_its_options(echo_backend, tin
         load_model(str(tiny_dir), backend="echo", dtype="bfloat16")
     with pytest.raises(InvalidRequest, match="unknown backend 'nope'; choose one of auto, transformers, .*echo"):
         load_model(str(tiny_dir), backend="nope")
+    with pytest.raises(InvalidRequest, match=r"min_width \(--min-width\) applies to the openvino backend"):
+        load_model(str(tiny_dir), min_width=0)  # 0 is a value (too small), not "unset" as False and None are
     with pytest.raises(InvalidRequest, match="unknown load option 'colour'"):
         load_model(str(tiny_dir), backend="echo", colour="red")
 
@@ -93,6 +95,9 @@ def test_the_server_and_ray_options_take_it(echo_backend, tiny_dir):
     assert "ngram" in config.drafters
     with pytest.raises(InvalidRequest, match="unknown verispec serve option 'echo-notes'"):
         ServeOptions.from_mapping({"echo-notes": "x"})
+    copy = replace(options, backend="transformers")
+    copy.threads = 1  # a Ray replica sets its threads on the options it was given: never on the ones copied from
+    assert copy.threads == 1 and options.threads is None and "threads" not in options.backend_options
 
 
 def test_a_bench_method_spec_takes_its_options(echo_backend, tiny_dir, tiny_prompts, tmp_path, capsys):

@@ -90,9 +90,9 @@ def choose(ref: str, load, options: dict | None = None, **keywords) -> BackendCh
                    if not installed(name)]
         return BackendChoice(found[0], "as-is", "the only installed engine for this model" + (
             f" (not installed: {', '.join(missing)})" if missing else ""))
-    from os import sched_getaffinity
+    from .llamacpp import default_threads
 
-    threads = options.get("threads") or max(1, len(sched_getaffinity(0)))
+    threads = options.get("threads") or default_threads()
     key = {**measurements.machine(), "model": ref, "source": _fingerprint(ref), "candidates": found,
            "threads": threads, "v": 1}
     known = measurements.load(RECORD, key)

@@ -78,7 +78,7 @@ class BackendSpec:
                 if not others:
                     raise InvalidRequest(f"unknown load option {name!r}; the {self.name} backend takes "
                                          f"{', '.join(mine) or 'none'}")
-                unset = value in (None, False) or any(_same(value, spec.option(name)) for spec in others)
+                unset = value is None or value is False or any(_same(value, spec.option(name)) for spec in others)
                 if not unset:
                     flag = others[0].option(name).flag
                     raise InvalidRequest(f"{name} (--{flag}) applies to the {' and '.join(s.name for s in others)} "

@@ -78,7 +78,7 @@ class EagleDrafter(DrafterBase):
         self.name = "eagle+lookup" if lookup else "eagle+suffix" if suffix else "eagle"
         # what runs the head's chain steps (``verispec.eagle.engines``): the torch head, its compiled program or its
         # graph on OpenVINO
-        self._engine = choose_engine(engine, precision, target, head_dtype(precision, target))
+        self._engine = choose_engine(engine, precision, target, lambda: head_dtype(precision, target))
         resolved = self._engine.dtype
         if not isinstance(head, EagleHead):
             folder = resolve_head(target.name, head, prefer_final=target.final_feature_layer is not None)

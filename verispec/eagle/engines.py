@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -68,9 +69,10 @@ class HeadEngine:
         return compiled
 
 
-def choose_engine(engine: str, precision: str, target, torch_dtype: torch.dtype | None = None) -> HeadEngine:
-    """The engine ``engine`` (one of ENGINES) names for ``target``; ``torch_dtype`` is the torch head's precision
-    resolved (``verispec.drafters.precision``), used when the engine is torch."""
+def choose_engine(engine: str, precision: str, target,
+                  torch_dtype: Callable[[], torch.dtype] | None = None) -> HeadEngine:
+    """The engine ``engine`` (one of ENGINES) names for ``target``; ``torch_dtype()`` resolves the torch head's
+    precision (``verispec.drafters.precision``), called only when the engine is torch."""
     if engine not in ENGINES:
         raise InvalidRequest(f"eagle engine must be one of {', '.join(ENGINES)}, got {engine!r}")
     chosen = engine == "auto"
@@ -83,8 +85,10 @@ def choose_engine(engine: str, precision: str, target, torch_dtype: torch.dtype 
         raise InvalidRequest(f"the compiled eagle head runs float32 weights; --eagle-precision {precision} is for "
                              "--eagle-engine torch")
     # an OpenVINO graph is converted from the target's float32 weights; a compiled program runs float32
-    dtype = (torch_dtype or target.dtype) if engine == "torch" else torch.float32 if engine == "compiled" \
-        else target.dtype
+    if engine == "torch":
+        dtype = torch_dtype() if torch_dtype is not None else target.dtype
+    else:
+        dtype = torch.float32 if engine == "compiled" else target.dtype
     return HeadEngine(engine, chosen, dtype)
 
 

@@ -88,6 +88,12 @@ class ServeOptions:
                 return self.backend_options.get(name, option.entry_default())
         raise AttributeError(name)
 
+    def __post_init__(self) -> None:
+        # copies of the mappings given: ``replace(options, ...)`` and a Ray replica's ``args.threads = ...`` must
+        # not write into the options they came from
+        object.__setattr__(self, "drafter_options", dict(self.drafter_options))
+        object.__setattr__(self, "backend_options", dict(self.backend_options))
+
     def __setattr__(self, name: str, value: Any) -> None:
         if name not in _FIELDS and name in entry_options():
             self.backend_options[name] = value
