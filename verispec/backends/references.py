@@ -156,6 +156,16 @@ def resolve(ref: str) -> Path | None:
     )
 
 
+def gguf_file(ref: str) -> Path:
+    """The GGUF file a built-in name or a .gguf path stands for (the built-in's as shipped, fetched on first use)."""
+    path = Path(ref).expanduser()
+    if ref in BUILTINS:
+        return builtin_gguf(BUILTINS[ref])
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    raise ModelNotFound(f"{ref!r} has no GGUF file: pass a built-in name ({', '.join(BUILTINS)}) or a .gguf file")
+
+
 def _looks_like_hub_id(ref: str) -> bool:
     parts = ref.split("/")
     return len(parts) == 2 and all(parts) and not ref.startswith((".", "/", "~"))

@@ -6,6 +6,8 @@
     openvino:draft=REF[:k=5]       its speculative decoding with draft model REF (exported the same way)
     ...:weights=fp32|bf16|fp16|int8|int4  the export's weight format (default fp32; bf16 computes the fp32 export in
                                    bfloat16; int8/int4 compress with NNCF)
+    ...:weights=gguf               the model's own GGUF file, read by GenAI itself (``LLMPipeline(FILE.gguf)``: its
+                                   reader covers llama, qwen2 and qwen3 files); the draft's GGUF file too
     ...:kv=f32|f16|bf16|u8         the precision of its KV cache (default: OpenVINO's, u8 on CPUs: lossy, recorded;
                                    bf16 with weights=bf16, the only one its kernel takes there)
 
@@ -35,6 +37,7 @@ def build_openvino_peer(spec: str, kind: str, opts: dict[str, str], target_ref: 
                         eos_ids) -> Method:
     from ..backends.peers import OPENVINO_WEIGHTS as WEIGHTS, default_threads, export_dir, import_openvino, \
         inference_precision
+    from ..backends.references import gguf_file
 
     if kind not in KINDS:
         raise InvalidRequest(f"unknown OpenVINO peer {spec!r}; choose openvino, openvino:lookup or openvino:draft=REF")
@@ -44,8 +47,8 @@ def build_openvino_peer(spec: str, kind: str, opts: dict[str, str], target_ref: 
         raise InvalidRequest('the openvino peers need openvino-genai; pip install "verispec[openvino]"') from None
     ov = import_openvino()
     weights = opts.pop("weights", "fp32")
-    if weights not in WEIGHTS:
-        raise InvalidRequest(f"{spec!r}: weights= takes {', '.join(WEIGHTS)}, got {weights!r}")
+    if weights not in (*WEIGHTS, "gguf"):
+        raise InvalidRequest(f"{spec!r}: weights= takes {', '.join(WEIGHTS)} or gguf, got {weights!r}")
     kv = opts.pop("kv", None)
     if kv not in (None, "f32", "f16", "bf16", "u8"):
         raise InvalidRequest(f"{spec!r}: kv= takes f32, f16, bf16 or u8, got {kv!r}")
@@ -62,7 +65,7 @@ def build_openvino_peer(spec: str, kind: str, opts: dict[str, str], target_ref: 
         raise InvalidRequest(f"{spec!r}: unknown option(s) {', '.join(opts)}; openvino peers take weights=, kv=, "
                              "k=, ngram= (lookup) and draft=REF")
     n_threads = threads or default_threads()
-    precision = inference_precision(weights)
+    precision = inference_precision("fp32" if weights == "gguf" else weights)
     if precision == "bf16" and kv not in (None, "bf16"):  # its paged-attention kernel checks this mid-generate
         raise InvalidRequest(f"{spec!r}: OpenVINO GenAI computing in bf16 keeps a bf16 KV cache only; drop kv= or "
                              "write kv=bf16")
@@ -70,9 +73,12 @@ def build_openvino_peer(spec: str, kind: str, opts: dict[str, str], target_ref: 
              **({"KV_CACHE_PRECISION": kv} if kv else {})}
     if kind == "lookup":
         props["prompt_lookup"] = True
+    def source(ref: str):  # what GenAI reads: verispec's export, or with weights=gguf the GGUF file itself
+        return gguf_file(ref) if weights == "gguf" else export_dir(ref, weights)
+
     if draft:
-        props["draft_model"] = genai.draft_model(str(export_dir(draft, weights)), "CPU", **props)
-    folder = export_dir(target_ref, weights)
+        props["draft_model"] = genai.draft_model(str(source(draft)), "CPU", **props)
+    folder = source(target_ref)
     pipe = genai.LLMPipeline(str(folder), "CPU", **props)
     eos = sorted(eos_ids)
     core = ov.Core()
