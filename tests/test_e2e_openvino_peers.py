@@ -39,5 +39,8 @@ def test_weights_gguf_needs_a_gguf_file(tmp_path, capsys):
     assert main(["bench", "--methods", "openvino:weights=q4", "--limit", "1", "--out", str(tmp_path / "b"),
                  "--no-plots"]) == 2
     assert "weights= takes as-is, fp32, bf16, fp16, int8, int4 or gguf, got 'q4'" in capsys.readouterr().err
+    assert main(["bench", "--methods", "openvino:weights=gguf:draft=smollm2-135m", "--limit", "1", "--out",
+                 str(tmp_path / "c"), "--no-plots"]) == 2
+    assert "reads a draft model from an exported folder only" in capsys.readouterr().err
     with pytest.raises(ModelNotFound, match="has no GGUF file: pass a built-in name"):
         gguf_file(str(tmp_path))

@@ -55,6 +55,10 @@ def build_openvino_peer(spec: str, kind: str, opts: dict[str, str], target_ref: 
     draft = opts.pop("draft", None)
     if draft and kind:
         raise InvalidRequest(f"{spec!r}: draft=REF and lookup are two different peers; choose one")
+    if draft and weights == "gguf":
+        raise InvalidRequest(f"{spec!r}: OpenVINO GenAI reads a draft model from an exported folder only, not a GGUF "
+                             "file; write weights=as-is (verispec's export of both files' own blocks) for its draft "
+                             "pipeline")
     speculative = bool(draft) or kind == "lookup"
     try:
         k = int(opts.pop("k", 5)) if speculative else None
@@ -76,10 +80,14 @@ def build_openvino_peer(spec: str, kind: str, opts: dict[str, str], target_ref: 
     def source(ref: str):  # what GenAI reads: verispec's export, or with weights=gguf the GGUF file itself
         return gguf_file(ref) if weights == "gguf" else export_dir(ref, weights)
 
-    if draft:
-        props["draft_model"] = genai.draft_model(str(source(draft)), "CPU", **props)
     folder = source(target_ref)
-    pipe = genai.LLMPipeline(str(folder), "CPU", **props)
+    try:
+        if draft:
+            props["draft_model"] = genai.draft_model(str(source(draft)), "CPU", **props)
+        pipe = genai.LLMPipeline(str(folder), "CPU", **props)
+    except RuntimeError as exc:  # OpenVINO's own message, several lines: its first names the check that failed
+        reason = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        raise InvalidRequest(f"{spec!r}: OpenVINO GenAI could not load {folder}: {reason}") from None
     eos = sorted(eos_ids)
     core = ov.Core()
     kv_name = kv or ("bf16" if precision == "bf16" else _type_name(core.get_property("CPU", "KV_CACHE_PRECISION")))
