@@ -15,8 +15,9 @@ is a model reference:
     hf:assisted:REF              transformers assisted generation with draft model REF (another tokenizer: its
                                  Universal Assisted Generation)
     llamacpp  llamacpp:lookup     llama-cpp-python's plain generation / prompt lookup (``verispec.bench.llamacpp_peers``)
-    openvino  openvino:lookup  openvino:draft=REF
-                                 OpenVINO GenAI's pipeline: plain, prompt lookup, draft model (``verispec.bench.openvino_peers``)
+    openvino  openvino:lookup  openvino:draft=REF  openvino:weights=gguf
+                                 OpenVINO GenAI's pipeline: plain, prompt lookup, draft model; on verispec's export or
+                                 the GGUF file itself (``verispec.bench.openvino_peers``)
     llama-server  llama-server:spec=ngram-mod[:n_max=16]
                                  llama.cpp's own server, plain or with a speculative type (``verispec.bench.llama_server``)
     arctic:suffix  arctic:suffix:tree=1:k=16
