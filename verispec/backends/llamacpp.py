@@ -631,21 +631,20 @@ def load(ref: str, weights: str = "as-is", threads: int | None = None, features:
     """A built-in name or a .gguf file on llama.cpp (see ``verispec.load_model``)."""
     from transformers import AutoTokenizer
 
-    from .references import BUILTINS, builtin_gguf, cache_dir, ensure_builtin, sha256_of, transformers_progress_bars
+    from .references import BUILTINS, cache_dir, ensure_builtin, gguf_file, sha256_of, transformers_progress_bars
 
     import_llama_cpp()  # a clear error naming the install command before any download
-    path = Path(ref).expanduser()
-    if ref in BUILTINS:
-        gguf, digest = builtin_gguf(BUILTINS[ref]), BUILTINS[ref].sha256  # checked when it was extracted
-        with transformers_progress_bars(False):  # the transformers backend's tokenizer: identical ids and template
-            tokenizer = AutoTokenizer.from_pretrained(str(ensure_builtin(BUILTINS[ref])))
-    elif path.is_file() and path.suffix == ".gguf":
-        gguf, digest = path, sha256_of(path)
-        with transformers_progress_bars(False):
-            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    else:
+    if not _is_gguf(ref):
         raise ModelNotFound(f"the llamacpp backend runs GGUF files: pass a built-in name ({', '.join(BUILTINS)}) "
                             f"or a .gguf file, not {ref!r}")
+    gguf = gguf_file(ref)
+    with transformers_progress_bars(False):
+        if ref in BUILTINS:  # the transformers backend's tokenizer: identical ids and template
+            digest = BUILTINS[ref].sha256  # checked when it was extracted
+            tokenizer = AutoTokenizer.from_pretrained(str(ensure_builtin(BUILTINS[ref])))
+        else:
+            digest = sha256_of(gguf)
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     folder = cache_dir() / "gguf-weights" / f"{gguf.stem}-{digest[:16]}"
     chosen = choose_weights(gguf, weights, folder, threads)
     more = {} if sequences is None else {"sequences": sequences}
@@ -662,7 +661,8 @@ def load(ref: str, weights: str = "as-is", threads: int | None = None, features:
 def _is_gguf(ref: str) -> bool:
     from .references import BUILTINS
 
-    return ref in BUILTINS or (Path(ref).expanduser().is_file() and ref.endswith(".gguf"))
+    path = Path(ref).expanduser()
+    return ref in BUILTINS or (path.is_file() and path.suffix == ".gguf")
 
 
 register(BackendSpec(

@@ -7,7 +7,8 @@
     ...:weights=fp32|bf16|fp16|int8|int4  the export's weight format (default fp32; bf16 computes the fp32 export in
                                    bfloat16; int8/int4 compress with NNCF)
     ...:weights=gguf               the model's own GGUF file, read by GenAI itself (``LLMPipeline(FILE.gguf)``: its
-                                   reader covers llama, qwen2 and qwen3 files); the draft's GGUF file too
+                                   reader covers llama, qwen2 and qwen3 files); not with draft=REF (GenAI reads a
+                                   draft from an exported folder only)
     ...:kv=f32|f16|bf16|u8         the precision of its KV cache (default: OpenVINO's, u8 on CPUs: lossy, recorded;
                                    bf16 with weights=bf16, the only one its kernel takes there)
 
@@ -80,14 +81,17 @@ def build_openvino_peer(spec: str, kind: str, opts: dict[str, str], target_ref: 
     def source(ref: str):  # what GenAI reads: verispec's export, or with weights=gguf the GGUF file itself
         return gguf_file(ref) if weights == "gguf" else export_dir(ref, weights)
 
+    def open_with(build, path):
+        try:
+            return build(str(path), "CPU", **props)
+        except RuntimeError as exc:  # OpenVINO's own message, several lines: its first names the check that failed
+            reason = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+            raise InvalidRequest(f"{spec!r}: OpenVINO GenAI could not load {path}: {reason}") from None
+
+    if draft:
+        props["draft_model"] = open_with(genai.draft_model, source(draft))
     folder = source(target_ref)
-    try:
-        if draft:
-            props["draft_model"] = genai.draft_model(str(source(draft)), "CPU", **props)
-        pipe = genai.LLMPipeline(str(folder), "CPU", **props)
-    except RuntimeError as exc:  # OpenVINO's own message, several lines: its first names the check that failed
-        reason = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-        raise InvalidRequest(f"{spec!r}: OpenVINO GenAI could not load {folder}: {reason}") from None
+    pipe = open_with(genai.LLMPipeline, folder)
     eos = sorted(eos_ids)
     core = ov.Core()
     kv_name = kv or ("bf16" if precision == "bf16" else _type_name(core.get_property("CPU", "KV_CACHE_PRECISION")))
