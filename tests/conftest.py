@@ -15,10 +15,29 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from tiny import loaded, make_model, noisy_copy  # noqa: E402
-# two threads per test, or with pytest-xdist's workers the cores shared out among them (never more threads than cores)
+
 _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-torch.set_num_threads(int(os.environ.get("VERISPEC_TEST_THREADS", max(1, min(2, _CORES // max(1, _WORKERS))))))
+
+
+def _own_cores() -> int:
+    """With pytest-xdist's workers, each worker is pinned to its own share of the cores, and so is everything it
+    starts (servers, llama-server, OpenVINO's and llama.cpp's thread pools, which size themselves from the
+    process's cores): engines that spin-wait at barriers slow down many times over when another worker's threads
+    take their core (a 20 s test took 285 s so). Returns the cores this process may use."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if _WORKERS > 1 and worker.startswith("gw") and hasattr(os, "sched_setaffinity"):
+        cores = sorted(os.sched_getaffinity(0))
+        index = int(worker[2:]) % _WORKERS
+        share = cores[index::_WORKERS] or [cores[index % len(cores)]]
+        os.sched_setaffinity(0, share)
+        os.environ["OMP_NUM_THREADS"] = str(len(share))  # what the CLI subprocesses' torch starts with
+        return len(share)
+    return _CORES
+
+
+# two threads per test at most, never more threads than this process's cores
+torch.set_num_threads(int(os.environ.get("VERISPEC_TEST_THREADS", max(1, min(2, _own_cores())))))
 _BEFORE = pytest.StashKey[set]()  # the tiny OpenVINO exports present when the run began
 
 

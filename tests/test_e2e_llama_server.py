@@ -29,7 +29,7 @@ def test_bench_races_llama_server_plain_and_ngram_mod(binary, tmp_path, capsys):
     tuned = "llama-server:spec=ngram-mod:n_match=4:n_min=2:n_max=16"  # its defaults draft only 48+ token repeats
     methods = f"llamacpp,llama-server,llama-server:spec=ngram-mod,{tuned},baseline,ngram"
     assert main(["bench", "--backend", "llamacpp", "--methods", methods, "--categories", "summarization,qa",
-                 "--limit", "1", "--max-new-tokens", "48", "--threads", "2", "--reference", "llama-server",
+                 "--limit", "1", "--max-new-tokens", "48", "--reference", "llama-server",
                  "--out", str(out), "--no-plots", "--llama-server", str(binary)]) == 0
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     by = {(r["method"], r["question_id"]): r for r in records}

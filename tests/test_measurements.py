@@ -39,7 +39,7 @@ def test_verispec_models_says_what_weights_auto_chose(store, capsys):
     measurements.save("cost-curve", {"backend": "openvino", "weights": "fp16", "threads": 2}, {"1": 0.017})
     print_measurements()
     lines = capsys.readouterr().out.splitlines()
-    assert any("openvino-weights" in ln and "auto chose fp16 of fp32/fp16" in ln for ln in lines)
+    assert any("openvino-weights" in ln and "m, threads 2, auto chose fp16 of fp32/fp16" in ln for ln in lines)
     assert not any("cost-curve" in ln and "auto chose" in ln for ln in lines)  # a curve records no choice
 
 

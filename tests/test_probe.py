@@ -73,7 +73,7 @@ def test_llama_cpp_runs_without_extra_buffers_where_only_they_crash(llama_q41, t
     monkeypatch.setattr(llamacpp, "_probe_code", lambda path, threads, extra_buffers=True:
                         SEGFAULT if extra_buffers else real(path, threads, extra_buffers))
     with caplog.at_level("WARNING"):
-        model = llamacpp.LlamaCppModel(llama_q41.path, llama_q41.tokenizer, "q41", threads=2)
+        model = llamacpp.LlamaCppModel(llama_q41.path, llama_q41.tokenizer, "q41")
     assert model.extra_buffers is False
     assert "--no-repack" in caplog.text and "-DGGML_NATIVE=OFF" in caplog.text
     kv = model.new_kv()

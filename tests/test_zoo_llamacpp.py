@@ -44,7 +44,7 @@ def pair(family, tokenizer, tmp_path_factory):
     folder = tmp_path_factory.mktemp("zoo") / family
     path = zoo_gguf(family, tokenizer, folder)
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    return reference, LlamaCppModel(path, tokenizer, f"tiny-{family}", threads=2, sequences=4)
+    return reference, LlamaCppModel(path, tokenizer, f"tiny-{family}", sequences=4)
 
 
 def compared(family) -> int:
@@ -87,7 +87,7 @@ def test_speculative_greedy_output_is_plain_greedy_decoding(pair, family, tokeni
             out = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False,
                                      eos_token_id=None)
         assert expected == out[0, len(prompt):].tolist()[: len(expected)]
-    draft = LlamaCppModel(target.path, tokenizer, f"tiny-{family}-draft", threads=2, sequences=2)  # a second copy
+    draft = LlamaCppModel(target.path, tokenizer, f"tiny-{family}-draft", sequences=2)  # a second copy
     accepted = 0
     for name, drafter in {"ngram": NgramDrafter(), "model": ModelDrafter(draft, target),
                           "suffix": SuffixDrafter()}.items():

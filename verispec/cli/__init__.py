@@ -305,8 +305,8 @@ def print_measurements() -> None:
     for r in found:
         key = r["key"] or {}
         saved = datetime.datetime.fromtimestamp(r["saved"] or 0).strftime("%Y-%m-%d %H:%M")
-        what = ", ".join(f"{k} {key[k]}" for k in ("backend", "dtype", "weights", "compiled", "threads")
-                         if k in key)
+        what = ", ".join(str(key[k]) if k in ("model", "what") else f"{k} {key[k]}"
+                         for k in ("model", "what", "backend", "dtype", "weights", "compiled", "threads") if k in key)
         if r.get("choice"):  # --weights / --static-widths auto: what it runs, and what it weighed
             candidates = key.get("candidates") or []
             joiner = " or " if any("/" in str(c) for c in candidates) else "/"  # static widths' choices hold a "/"
