@@ -27,8 +27,10 @@ PROMPTS = [
 
 def plain_llama_cpp_python(model, prompt_ids, n):
     """Greedy tokens from llama-cpp-python's own high-level generate on the same file (what users run)."""
+    from verispec.backends.llamacpp import default_threads
+
     llama_cpp = require_llama_cpp()
-    llm = llama_cpp.Llama(model_path=str(model.path), n_ctx=2048, n_threads=len(os.sched_getaffinity(0)), verbose=False)
+    llm = llama_cpp.Llama(model_path=str(model.path), n_ctx=2048, n_threads=default_threads(), verbose=False)
     out = []
     for token in llm.generate(prompt_ids, temp=0.0, top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0):
         out.append(int(token))
