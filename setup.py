@@ -1,0 +1,20 @@
+"""Builds verispec's native block kernel (verispec/blockmm/_native.cpp) when verispec is installed.
+
+Everything else is declared in pyproject.toml. The kernel is optional: where it does not compile (no C++ compiler,
+another platform) the install goes on without it and the engines that need it say so (``verispec models``).
+Instruction sets are chosen at run time, so the build is the same on every x86-64 CPU (no -march=native).
+"""
+
+from setuptools import Extension, setup
+
+setup(ext_modules=[Extension(
+    "verispec.blockmm._native",
+    sources=["verispec/blockmm/_native.cpp"],
+    depends=["verispec/blockmm/simd_body.inc"],
+    language="c++",
+    # -ffp-contract=off: no fused multiply-add, so every path (scalar, AVX2, VNNI) rounds as the reference does
+    extra_compile_args=["-O3", "-std=c++17", "-ffp-contract=off", "-fno-math-errno", "-fvisibility=hidden",
+                        "-pthread"],
+    extra_link_args=["-pthread"],
+    optional=True,
+)])

@@ -1,0 +1,122 @@
+"""The native block kernel (verispec.blockmm) against its PyTorch reference: every block type, M = 1..64, bit for bit;
+rows invariant to M, to the other rows, to the thread count and to the instruction set; the block layouts against
+gguf's own dequantization."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from verispec import blockmm
+from verispec.blockmm import reference
+from verispec.blockmm.formats import TYPES
+
+pytestmark = pytest.mark.skipif(not blockmm.available(), reason=str(blockmm.why_unavailable()))
+
+# where each type keeps its float16 factors (the rest of a block is integers: any byte is valid)
+HALVES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_blocks(kind: str, rows: int, columns: int, seed: int = 0) -> torch.Tensor:
+    """Valid random blocks: random integers and sub-scales, float16 factors of realistic size and either sign."""
+    t = TYPES[kind]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, columns // t.weights, t.bytes), dtype=np.uint8)
+    for at in HALVES[kind]:
+        halves = (rng.uniform(0.002, 0.05, size=raw.shape[:2]) * rng.choice([-1, 1], size=raw.shape[:2]))
+        raw[..., at:at + 2] = halves.astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
+    return torch.from_numpy(raw.reshape(rows, -1).copy())
+
+
+def activations(M: int, K: int, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g) * torch.rand(M, 1, generator=g) * 3
+    x[:, 5] = 0.0  # a zero inside a chunk
+    if M > 2:
+        x[1, :32] = 0.0  # a whole chunk of zeros (d = 0)
+        x[2, 40] = 1e4  # an outlier
+    return x
+
+
+@pytest.mark.parametrize("kind", list(TYPES))
+def test_layouts_match_gguf(kind):
+    """The reference reads each block type as gguf (llama.cpp's Python package) dequantizes it."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    raw = random_blocks(kind, 6, 512)
+    ours = reference.dequantize(raw, kind, 512)
+    theirs = dequantize(raw.numpy(), GGMLQuantizationType[kind]).reshape(6, 512)
+    np.testing.assert_allclose(ours.numpy(), theirs, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", list(TYPES))
+def test_kernel_equals_reference_bit_for_bit(kind):
+    # K: several groups, and for the 32-weight types a tail group of two blocks (576 = 2 * 256 + 2 * 32, SmolLM2's
+    # width); N not a multiple of the kernel's 4-row tiles
+    K = 576 if TYPES[kind].weights == 32 else 512
+    raw = random_blocks(kind, 22, K, seed=3)
+    x = activations(64, K)
+    want = reference.matmul(x, raw, kind)
+    for M in (1, 2, 3, 7, 8, 9, 16, 17, 33, 64):
+        got = blockmm.matmul(x[:M], raw, kind)
+        assert torch.equal(got, want[:M]), (kind, M, (got - want[:M]).abs().max())
+
+
+@pytest.mark.parametrize("kind", list(TYPES))
+def test_rows_invariant(kind):
+    """Row i is the same bits alone, among 64 rows, after other rows, with any thread count and instruction set."""
+    K = 512
+    raw = random_blocks(kind, 37, K, seed=5)
+    x = activations(64, K, seed=7)
+    full = blockmm.matmul(x, raw, kind)
+    for i in (0, 1, 2, 31, 63):
+        assert torch.equal(blockmm.matmul(x[i:i + 1], raw, kind), full[i:i + 1])
+    shuffled = torch.randperm(64, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(blockmm.matmul(x[shuffled], raw, kind), full[shuffled])
+    for threads in (1, 2, 3, 5):
+        assert torch.equal(blockmm.matmul(x, raw, kind, threads=threads), full)
+    best = blockmm.best_isa()
+    try:
+        for name in ("scalar", "avx2", "avx512vnni"):
+            try:
+                blockmm.set_isa(name)
+            except ValueError:
+                continue  # not on this CPU
+            assert torch.equal(blockmm.matmul(x[:9], raw, kind), full[:9]), name
+    finally:
+        blockmm.set_isa(best)
+
+
+@pytest.mark.parametrize("kind", list(TYPES))
+def test_close_to_float_product(kind):
+    """Quantizing activations per 32 values costs little: close to x times the dequantized weights."""
+    K = 1024
+    raw = random_blocks(kind, 16, K, seed=11)
+    x = torch.randn(8, K, generator=torch.Generator().manual_seed(2))
+    exact = x.double() @ reference.dequantize(raw, kind, K).double().T
+    got = blockmm.matmul(x, raw, kind).double()
+    err = (got - exact).norm() / exact.norm()
+    assert err < 0.01, err
+
+
+def test_leading_dimensions_and_out():
+    raw = random_blocks("Q4_K", 8, 256)
+    x = torch.randn(2, 3, 256)
+    y = blockmm.matmul(x, raw, "Q4_K")
+    assert y.shape == (2, 3, 8)
+    assert torch.equal(y.reshape(6, 8), blockmm.matmul(x.reshape(6, 256), raw, "Q4_K"))
+    assert torch.equal(blockmm.matmul(x.double(), raw, "Q4_K"), y)  # read as float32
+
+
+def test_bad_input_is_named():
+    raw = random_blocks("Q4_0", 4, 64)
+    with pytest.raises(ValueError, match="64"):
+        blockmm.matmul(torch.randn(1, 96), raw, "Q4_0")
+    with pytest.raises(ValueError, match="no native kernel"):
+        blockmm.matmul(torch.randn(1, 64), raw, "Q2_K")
+    with pytest.raises(ValueError, match="uint8"):
+        blockmm.matmul(torch.randn(1, 64), raw.float(), "Q4_0")
+    with pytest.raises(ValueError, match="not available on this CPU|scalar"):
+        blockmm.set_isa("nonsense")
