@@ -103,21 +103,39 @@ inline void scale_min_k4(int j, const uint8_t* q, int* d, int* m) {
     }
 }
 
-// One group unpacked: 8 chunks of 32 weights.
+// One group unpacked: a K-quant super-block, or eight 32-weight blocks.
 struct Group {
     alignas(64) int8_t w[256];
-    alignas(32) float A[8];
+    alignas(32) int16_t sw[16];     // K types: the integer sub-scale of each 16 weights
+    alignas(64) int16_t cv[8][16];  // the same laid out per chunk for vpmaddwd (SIMD paths)
+    alignas(32) float A[8];         // 32-weight types: weight = A * w + B per block
     alignas(32) float B[8];
-    alignas(32) int16_t c[16];  // Q6_K's sub-scales, one per 16 weights
-    int chunks;                 // 1..8 (a tail group of a 32-weight type may hold fewer)
+    alignas(16) int16_t mins[8];    // Q4_K / Q5_K: the 6-bit minimums
+    float d, dmin;                  // K types: the super-block's factors
+    int chunks;                     // 1..8 (a tail group of a 32-weight type may hold fewer)
 };
 
-// The factors of a group (scalar: at most 8 per 256 weights), shared by every instruction set.
+inline bool is_k(int kind) { return kind == Q4_K || kind == Q5_K || kind == Q6_K; }
+
+// Q4_K / Q5_K: the eight 6-bit scales (bytes 0-7 of out) and minimums (8-15) from 12 bytes (llama.cpp's kmask trick)
+inline void k_scales(const uint8_t* s, uint8_t* out) {
+    uint32_t u[4];
+    std::memcpy(u, s, 12);
+    u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
+    const uint32_t aux = u[1] & 0x3f3f3f3f;
+    u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
+    u[2] = aux;
+    u[0] &= 0x3f3f3f3f;
+    std::memcpy(out, u, 16);
+}
+
+// The factors of a group (at most 8 per 256 weights), shared by every instruction set.
 void group_factors(int kind, const uint8_t* src, int chunks, Group* g) {
-    for (int j = 0; j < 8; j++) { g->A[j] = 0.0f; g->B[j] = 0.0f; }
+    g->chunks = chunks;
     switch (kind) {
         case Q4_0: case Q5_0: case Q8_0: case Q4_1: {
             const int bytes = kind == Q4_0 ? 18 : kind == Q4_1 ? 20 : kind == Q5_0 ? 22 : 34;
+            for (int j = 0; j < 8; j++) { g->A[j] = 0.0f; g->B[j] = 0.0f; }
             for (int j = 0; j < chunks; j++) {
                 const uint8_t* b = src + j * bytes;
                 const float d = rd_half(b);
@@ -127,24 +145,25 @@ void group_factors(int kind, const uint8_t* src, int chunks, Group* g) {
             break;
         }
         case Q4_K: case Q5_K: {
-            const float d = rd_half(src), dmin = rd_half(src + 2);
+            g->d = rd_half(src);
+            g->dmin = rd_half(src + 2);
+            uint8_t sm[16];
+            k_scales(src + 4, sm);
             for (int j = 0; j < 8; j++) {
-                int sc, mn;
-                scale_min_k4(j, src + 4, &sc, &mn);
-                g->A[j] = d * (float)sc;
-                g->B[j] = -(dmin * (float)mn);
+                g->sw[2 * j] = g->sw[2 * j + 1] = sm[j];
+                g->mins[j] = sm[8 + j];
             }
             break;
         }
         case Q6_K: {
-            const float d = rd_half(src + 208);
+            g->d = rd_half(src + 208);
+            g->dmin = 0.0f;
             const int8_t* sc = (const int8_t*)(src + 192);
-            for (int j = 0; j < 8; j++) g->A[j] = d;
-            for (int j = 0; j < 16; j++) g->c[j] = sc[j];
+            for (int j = 0; j < 16; j++) g->sw[j] = sc[j];
+            for (int j = 0; j < 8; j++) g->mins[j] = 0;
             break;
         }
     }
-    g->chunks = chunks;
 }
 
 // Portable unpacking of a group's integers (the reference for the SIMD versions).
@@ -207,77 +226,23 @@ void unpack_scalar(int kind, const uint8_t* src, int chunks, Group* g) {
     }
 }
 
-// Activations of one row, quantized per 32 values.
-struct Acts {
-    const int8_t* q;   // [K]
-    const float* dx;   // [K / 32]
-    const float* sx;   // [K / 32]
-};
-
-void quantize_row(const float* x, int K, int8_t* q, float* dx, float* sx) {
-    for (int c = 0; c < K / 32; c++) {
-        const float* v = x + 32 * c;
-        float amax = 0.0f;
-        for (int i = 0; i < 32; i++) amax = std::max(amax, std::fabs(v[i]));
-        const float d = amax / 127.0f;
-        const float id = d != 0.0f ? 1.0f / d : 0.0f;
-        int sum = 0;
-        for (int i = 0; i < 32; i++) {
-            float r = std::nearbyint(v[i] * id);  // round half to even (the default rounding mode)
-            r = std::min(127.0f, std::max(-127.0f, r));
-            q[32 * c + i] = (int8_t)r;
-            sum += (int)r;
-        }
-        dx[c] = d;
-        sx[c] = d * (float)sum;
+// Activations of one row. 32-weight types: quantized per 32 values (dx, sx = dx * sum(q) per 32). K types: per 256
+// values, as llama.cpp's block_q8_K (dx per 256, bsum = sum(q) per 32 as int16).
+void quantize_span(const float* v, int n, int8_t* q, float* d_out, int* sum_out) {
+    float amax = 0.0f;
+    for (int i = 0; i < n; i++) amax = std::max(amax, std::fabs(v[i]));
+    const float d = amax / 127.0f;
+    const float id = d != 0.0f ? 1.0f / d : 0.0f;
+    int sum = 0;
+    for (int i = 0; i < n; i++) {
+        float r = std::nearbyint(v[i] * id);  // round half to even (the default rounding mode)
+        r = std::min(127.0f, std::max(-127.0f, r));
+        q[i] = (int8_t)r;
+        sum += (int)r;
     }
+    *d_out = d;
+    *sum_out = sum;
 }
-
-// The float part of a group, the same on every path: eight exact integer sums in, the accumulators updated.
-inline void accumulate_scalar(const int32_t* s, const Group& g, const float* dx, const float* sx, float* acc) {
-    for (int j = 0; j < 8; j++) {
-        const float t = g.A[j] * dx[j];
-        const float u = (float)s[j] * t;
-        acc[j] = acc[j] + u;
-        const float v = g.B[j] * sx[j];
-        acc[j] = acc[j] + v;
-    }
-}
-
-inline float lanes_sum(const float* a) {
-    return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
-}
-
-void dots_scalar(const Group& g, const int8_t* q, int32_t* s) {
-    for (int j = 0; j < 8; j++) {
-        int32_t sum = 0;
-        if (j < g.chunks) {
-            for (int i = 0; i < 32; i++) {
-                const int k = 32 * j + i;
-                sum += (int32_t)g.w[k] * (int32_t)q[k];
-            }
-        }
-        s[j] = sum;
-    }
-}
-
-void dots_scalar_sub16(const Group& g, const int8_t* q, int32_t* s) {
-    for (int j = 0; j < 8; j++) {
-        int32_t sum = 0;
-        for (int h = 0; h < 2; h++) {
-            int32_t part = 0;
-            for (int i = 0; i < 16; i++) {
-                const int k = 32 * j + 16 * h + i;
-                part += (int32_t)g.w[k] * (int32_t)q[k];
-            }
-            sum += part * (int32_t)g.c[2 * j + h];
-        }
-        s[j] = sum;
-    }
-}
-
-// ---------------------------------------------------------------------------------------------------------------
-// The work of one thread: output columns [n0, n1) for every row.
 
 struct Problem {
     int kind;
@@ -285,11 +250,99 @@ struct Problem {
     int M, N, K;
     int64_t row_bytes;
     const uint8_t* W;
-    const int8_t* qx;
-    const float* dx;
-    const float* sx;
+    int G;                // groups a row
+    int64_t q_stride;     // bytes of quantized activations a row (whole groups, zero-padded)
+    const int8_t* qx;     // [M, q_stride]
+    const float* dx;      // 32-weight types: [M, 8G]; K types: [M, G]
+    const float* sx;      // 32-weight types: [M, 8G]
+    const int16_t* bsum;  // K types: [M, 8G]
     float* y;
 };
+
+using SpanFn = void (*)(const float*, int, int8_t*, float*, int*);
+
+void quantize_rows(Problem* p, const float* x, int8_t* qx, float* dx, float* sx, int16_t* bsum, SpanFn span) {
+    const int C = p->K / 32;
+    for (int m = 0; m < p->M; m++) {
+        const float* v = x + (int64_t)m * p->K;
+        int8_t* q = qx + m * p->q_stride;
+        if (is_k(p->kind)) {
+            for (int g = 0; g < p->G; g++) {
+                int total;
+                span(v + 256 * g, 256, q + 256 * g, dx + (int64_t)m * p->G + g, &total);
+                for (int j = 0; j < 8; j++) {
+                    int sum = 0;
+                    for (int i = 0; i < 32; i++) sum += q[256 * g + 32 * j + i];
+                    bsum[((int64_t)m * p->G + g) * 8 + j] = (int16_t)sum;
+                }
+            }
+        } else {
+            for (int c = 0; c < C; c++) {
+                int sum;
+                float d;
+                span(v + 32 * c, 32, q + 32 * c, &d, &sum);
+                dx[(int64_t)m * 8 * p->G + c] = d;
+                sx[(int64_t)m * 8 * p->G + c] = d * (float)sum;
+            }
+        }
+    }
+}
+
+inline float lanes_sum(const float* a) {
+    return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Portable paths: the arithmetic every SIMD path reproduces bit for bit.
+//
+// 32-weight types: chunk j of a group lands in float lane j:
+//   acc[j] = acc[j] + float(sum(w * q)) * (A_j * dx_j);  acc[j] = acc[j] + B_j * sx_j;   y = lanes(acc)
+// K types: integer lane l (l = 0..7) of a group holds sum over its 8 chunks of the products of bytes 4l..4l+3 (the
+// lanes of vpmaddwd / vpdpbusd), each weight times its sub-scale:
+//   acc[l] = acc[l] + float(lane_l) * (d * dx);  accm = accm + float(sum_j mins_j * bsum_j) * (dmin * dx)
+//   y = lanes(acc) - accm
+
+void row_dot_scalar32(const Problem& p, const Group* row, int m, float* out) {
+    const int8_t* q = p.qx + m * p.q_stride;
+    const float* dx = p.dx + (int64_t)m * 8 * p.G;
+    const float* sx = p.sx + (int64_t)m * 8 * p.G;
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int gi = 0; gi < p.G; gi++) {
+        const Group& g = row[gi];
+        for (int j = 0; j < 8; j++) {
+            int32_t s = 0;
+            for (int i = 0; i < 32; i++) s += (int32_t)g.w[32 * j + i] * (int32_t)q[256 * gi + 32 * j + i];
+            const float t = g.A[j] * dx[8 * gi + j];
+            const float u = (float)s * t;
+            acc[j] = acc[j] + u;
+            const float v = g.B[j] * sx[8 * gi + j];
+            acc[j] = acc[j] + v;
+        }
+    }
+    *out = lanes_sum(acc);
+}
+
+void row_dot_scalar_k(const Problem& p, const Group* row, int m, float* out) {
+    const int8_t* q = p.qx + m * p.q_stride;
+    const float* dx = p.dx + (int64_t)m * p.G;
+    const int16_t* bs = p.bsum + (int64_t)m * 8 * p.G;
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    float accm = 0.0f;
+    for (int gi = 0; gi < p.G; gi++) {
+        const Group& g = row[gi];
+        int32_t lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        for (int j = 0; j < 8; j++)
+            for (int i = 0; i < 32; i++)
+                lane[i / 4] += (int32_t)g.sw[2 * j + i / 16] * (int32_t)g.w[32 * j + i] * (int32_t)q[256 * gi + 32 * j + i];
+        const float t = g.d * dx[gi];
+        for (int l = 0; l < 8; l++) acc[l] = acc[l] + (float)lane[l] * t;
+        int32_t im = 0;
+        for (int j = 0; j < 8; j++) im += (int32_t)g.mins[j] * (int32_t)bs[8 * gi + j];
+        const float u = g.dmin * dx[gi];
+        accm = accm + (float)im * u;
+    }
+    *out = lanes_sum(acc) - accm;
+}
 
 constexpr int NR = 4;  // weight rows unpacked together: each activation chunk loaded once serves NR rows
 
@@ -334,40 +387,27 @@ int detect_isa() {
 int g_best = -1;
 int g_isa = -1;
 
-void run_range_any(const Problem& p, int n0, int n1, int isa, int64_t q_stride) {
-#if VS_X86
-    const bool sg = p.f.is_signed, s16 = p.f.sub16;
-    if (isa == ISA_VNNI) {
-        if (!sg) return vnni::accumulate_range<false, false>(p, n0, n1, q_stride);
-        return s16 ? vnni::accumulate_range<true, true>(p, n0, n1, q_stride)
-                   : vnni::accumulate_range<true, false>(p, n0, n1, q_stride);
-    }
-    if (isa == ISA_AVX2) {
-        if (!sg) return avx2::accumulate_range<false, false>(p, n0, n1, q_stride);
-        return s16 ? avx2::accumulate_range<true, true>(p, n0, n1, q_stride)
-                   : avx2::accumulate_range<true, false>(p, n0, n1, q_stride);
-    }
-#endif
-    // scalar: the padded activation layout is the same, so the portable loop reads it the same way
-    const int C = p.K / 32, G = (C + 7) / 8, Cp = G * 8;
+void range_scalar(const Problem& p, int n0, int n1) {
+    const int C = p.K / 32;
     const int per_group_src = p.f.block == 32 ? 8 : 1;
-    std::vector<Group> buf((size_t)G);
-    alignas(32) int32_t s[8];
+    std::vector<Group> row((size_t)p.G);
     for (int n = n0; n < n1; n++) {
-        const uint8_t* row = p.W + (int64_t)n * p.row_bytes;
-        for (int gi = 0; gi < G; gi++)
-            unpack_scalar(p.kind, row + (int64_t)gi * per_group_src * p.f.bytes, std::min(8, C - 8 * gi), &buf[gi]);
+        const uint8_t* src = p.W + (int64_t)n * p.row_bytes;
+        for (int gi = 0; gi < p.G; gi++)
+            unpack_scalar(p.kind, src + (int64_t)gi * per_group_src * p.f.bytes, std::min(8, C - 8 * gi), &row[gi]);
         for (int m = 0; m < p.M; m++) {
-            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-            const int8_t* qx = p.qx + (int64_t)m * q_stride;
-            for (int gi = 0; gi < G; gi++) {
-                if (p.f.sub16) dots_scalar_sub16(buf[gi], qx + 256 * (int64_t)gi, s);
-                else dots_scalar(buf[gi], qx + 256 * (int64_t)gi, s);
-                accumulate_scalar(s, buf[gi], p.dx + (int64_t)m * Cp + 8 * gi, p.sx + (int64_t)m * Cp + 8 * gi, acc);
-            }
-            p.y[(int64_t)m * p.N + n] = lanes_sum(acc);
+            if (is_k(p.kind)) row_dot_scalar_k(p, row.data(), m, p.y + (int64_t)m * p.N + n);
+            else row_dot_scalar32(p, row.data(), m, p.y + (int64_t)m * p.N + n);
         }
     }
+}
+
+void run_range(const Problem& p, int n0, int n1, int isa) {
+#if VS_X86
+    if (isa == ISA_VNNI) return vnni::range(p, n0, n1);
+    if (isa == ISA_AVX2) return avx2::range(p, n0, n1);
+#endif
+    range_scalar(p, n0, n1);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -453,28 +493,29 @@ class Pool {
 Pool* g_pool = nullptr;
 std::mutex g_call;  // one call at a time uses the pool (callers in several Python threads take turns)
 
-// pending_ must count only the workers that take part: workers with id >= width still wake and skip
-// (they do not decrement), so the pool is always run with every worker taking part.
-
 void matmul(int kind, const float* x, const uint8_t* W, float* y, int M, int N, int K, int64_t row_bytes,
             int threads, int isa) {
     Format f;
     format_of(kind, &f);
-    const int C = K / 32, G = (C + 7) / 8, Cp = 8 * G;
+    const int G = is_k(kind) ? K / 256 : (K / 32 + 7) / 8;
     const int64_t stride = 256 * (int64_t)G;  // each row's quantized activations padded to whole groups
     std::vector<int8_t> qx((size_t)M * stride, 0);
-    std::vector<float> dx((size_t)M * Cp, 0.0f), sx((size_t)M * Cp, 0.0f);
-    for (int m = 0; m < M; m++)
-        quantize_row(x + (int64_t)m * K, K, qx.data() + m * stride, dx.data() + (int64_t)m * Cp,
-                     sx.data() + (int64_t)m * Cp);
-    Problem p{kind, f, M, N, K, row_bytes, W, qx.data(), dx.data(), sx.data(), y};
+    std::vector<float> dx((size_t)M * 8 * G, 0.0f), sx((size_t)M * 8 * G, 0.0f);
+    std::vector<int16_t> bsum((size_t)M * 8 * G, 0);
+    Problem p{kind, f, M, N, K, row_bytes, W, G, stride, qx.data(), dx.data(), sx.data(), bsum.data(), y};
+    SpanFn span = quantize_span;
+#if VS_X86
+    if (isa == ISA_VNNI) span = vnni::quantize_span_simd;
+    else if (isa == ISA_AVX2) span = avx2::quantize_span_simd;
+#endif
+    quantize_rows(&p, x, qx.data(), dx.data(), sx.data(), bsum.data(), span);
     // split W's rows into runs of NR, as evenly as possible
     const int units = (N + NR - 1) / NR;
     threads = std::max(1, std::min(threads, units));
     auto task = [&](int id, int width) {
         const int u0 = (int)((int64_t)units * id / width), u1 = (int)((int64_t)units * (id + 1) / width);
         const int n0 = std::min(N, u0 * NR), n1 = std::min(N, u1 * NR);
-        if (n0 < n1) run_range_any(p, n0, n1, isa, stride);
+        if (n0 < n1) run_range(p, n0, n1, isa);
     };
     std::lock_guard<std::mutex> lock(g_call);
     if (!g_pool) g_pool = new Pool();

@@ -93,17 +93,24 @@ def unpack(raw: torch.Tensor, kind: str, columns: int):
     raise ValueError(kind)
 
 
-def quantize_rows(x: torch.Tensor):
-    """x [M, K] float32 -> (q [M, K] int64, dx [M, K/32], sx [M, K/32]) as the kernel quantizes activations."""
-    M, K = x.shape
-    v = x.float().reshape(M, K // 32, 32)
+K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def _quantize(v: torch.Tensor):
+    """v [..., n] -> (q [..., n] float holding integers, d [...]): d = amax / 127, q = round_half_even(v * (1 / d))."""
     amax = v.abs().amax(dim=-1)
     d = amax / 127.0
     inv = torch.where(d != 0, 1.0 / torch.where(d != 0, d, torch.ones_like(d)), torch.zeros_like(d))
-    q = torch.round(v * inv[..., None]).clamp(-127, 127)
-    dx = d
-    sx = d * q.sum(dim=-1)  # the sum of at most 32 integers of <= 127: exact in float32
-    return q.to(torch.int64).reshape(M, K), dx, sx
+    return torch.round(v * inv[..., None]).clamp(-127, 127), d
+
+
+def quantize_rows(x: torch.Tensor, per: int = 32):
+    """x [M, K] float32 -> (q [M, K] int64, d [M, K/per], sums [M, K/32] int64): activations quantized per ``per``
+    values (32 for the 32-weight types, 256 for the K types), and the sum of q over each 32."""
+    M, K = x.shape
+    q, d = _quantize(x.float().reshape(M, K // per, per))
+    q = q.to(torch.int64).reshape(M, K)
+    return q, d, q.reshape(M, K // 32, 32).sum(dim=-1)
 
 
 def dequantize(raw: torch.Tensor, kind: str, columns: int) -> torch.Tensor:
@@ -114,15 +121,23 @@ def dequantize(raw: torch.Tensor, kind: str, columns: int) -> torch.Tensor:
     return (A[..., None] * cw + B[..., None]).reshape(rows, columns)
 
 
+def _lanes_sum(acc: torch.Tensor) -> torch.Tensor:
+    return ((acc[..., 0] + acc[..., 1]) + (acc[..., 2] + acc[..., 3])) + \
+        ((acc[..., 4] + acc[..., 5]) + (acc[..., 6] + acc[..., 7]))
+
+
 def matmul(x: torch.Tensor, raw: torch.Tensor, kind: str) -> torch.Tensor:
     """y [M, N] = x [M, K] times the blocks' matrix [N, K] transposed, with the kernel's roundings."""
+    return (_matmul_k if kind in K_TYPES else _matmul_32)(x, raw, kind)
+
+
+def _matmul_32(x: torch.Tensor, raw: torch.Tensor, kind: str) -> torch.Tensor:
     M, K = x.shape
-    w, A, B, c = unpack(raw, kind, K)
-    q, dx, sx = quantize_rows(x)
+    w, A, B, _ = unpack(raw, kind, K)
+    q, dx, sums = quantize_rows(x, 32)
+    sx = dx * sums.float()  # a sum of at most 32 integers of <= 127: exact in float32
     N, C = w.shape[0], K // 32
-    cw = (w * c.repeat_interleave(16, dim=1)).reshape(N, C, 32)
-    # exact integer dots of every (row, column, chunk): [M, N, C]
-    s = torch.einsum("mci,nci->mnc", q.reshape(M, C, 32), cw)
+    s = torch.einsum("mci,nci->mnc", q.reshape(M, C, 32), w.reshape(N, C, 32))  # exact integer dots [M, N, C]
     G = (C + 7) // 8
     pad = G * 8 - C
 
@@ -135,5 +150,32 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, kind: str) -> torch.Tensor:
         t = A[None, :, g] * dx[:, None, g]
         acc = acc + s[:, :, g] * t
         acc = acc + B[None, :, g] * sx[:, None, g]
-    return ((acc[..., 0] + acc[..., 1]) + (acc[..., 2] + acc[..., 3])) + \
-        ((acc[..., 4] + acc[..., 5]) + (acc[..., 6] + acc[..., 7]))
+    return _lanes_sum(acc)
+
+
+def _matmul_k(x: torch.Tensor, raw: torch.Tensor, kind: str) -> torch.Tensor:
+    M, K = x.shape
+    G = K // 256
+    w, _, _, c = unpack(raw, kind, K)
+    N = w.shape[0]
+    rb = raw.reshape(N, G, -1)
+    if kind == "Q6_K":
+        d, dmin = _half(rb[..., 208:210]), torch.zeros(N, G)
+        mins = torch.zeros(N, G, 8, dtype=torch.int64)
+    else:
+        d, dmin = _half(rb[..., 0:2]), _half(rb[..., 2:4])
+        sc, mins = _k_scales(rb[..., 4:16])
+        c = sc.repeat_interleave(2, dim=-1).reshape(N, K // 16)  # the integer sub-scale of each 16 weights
+    q, dx, bsum = quantize_rows(x, 256)
+    cw = w * c.repeat_interleave(16, dim=1)  # each weight times its integer sub-scale
+    # integer lane l of a group: the products of bytes 4l..4l+3 of its eight chunks, summed (exact)
+    prod_lanes = torch.einsum("mgjli,ngjli->mngl", q.reshape(M, G, 8, 8, 4), cw.reshape(N, G, 8, 8, 4))
+    im = torch.einsum("mgj,ngj->mng", bsum.reshape(M, G, 8), mins)
+    acc = torch.zeros(M, N, 8)
+    accm = torch.zeros(M, N)
+    for g in range(G):
+        t = d[None, :, g] * dx[:, None, g]
+        acc = acc + prod_lanes[:, :, g].float() * t[..., None]
+        u = dmin[None, :, g] * dx[:, None, g]
+        accm = accm + im[:, :, g].float() * u
+    return _lanes_sum(acc) - accm
