@@ -147,9 +147,12 @@ class OpenVINOModel(BorrowedEmbeddings):
         self.weights, self.threads, self.kv_precision = weights, threads, kv_precision
         self.eos_token_ids = frozenset(eos_token_ids)
         self._core = self.ov.Core()
+        # DYNAMIC_QUANTIZATION_GROUP_SIZE 0: on AVX-512 VNNI CPUs OpenVINO otherwise quantizes the activations of
+        # compressed-weight matmuls to int8 on its own, which moved a Q4_0 file's logits by 15% of their range
+        # (0.4% without; tests/test_openvino_gguf_blocks.py, docs/openvino.md)
         self._properties = {"INFERENCE_NUM_THREADS": threads, "KV_CACHE_PRECISION": kv_precision,
                             "INFERENCE_PRECISION_HINT": inference_precision(weights),
-                            "PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1}
+                            "PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1, "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0}
         self._masked = None
         self.pool: BlockPool | None = None
         # (hidden-state layers (none: ()), static width or None) -> an infer request on the pool's blocks
