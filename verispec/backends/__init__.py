@@ -3,6 +3,7 @@
     hf          transformers / PyTorch: float32 and bfloat16, token trees, hidden states, a compiled one-token step
     llamacpp    llama.cpp on GGUF files, as CPU users run them (pip install "verispec[llamacpp]")
     openvino    OpenVINO's CPU plugin on the model exported to OpenVINO IR (pip install "verispec[openvino]")
+    blocks      verispec's native kernel (verispec.blockmm) on a GGUF file's own quantized blocks
     references  model references (built-in names, folders, .gguf files, hub ids) and the cache of converted models
 
 Each backend registers itself (``registry.register(BackendSpec(...))``) from its module; importing it here is what
@@ -23,6 +24,7 @@ from .hf import (COMPILE_ENV, COMPILE_MODES, COMPILED_VERIFY_ENV, PACK_ENV, Load
                  default_compile_mode, pack_from_environment)
 from . import llamacpp  # noqa: E402,F401
 from .openvino import model as _openvino  # noqa: E402,F401
+from . import blocks  # noqa: E402,F401
 
 log = logging.getLogger(__name__)
 

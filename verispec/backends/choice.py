@@ -57,7 +57,8 @@ def installed(backend: str) -> bool:
 
 def candidates(ref: str) -> list[str]:
     """The installed backends that run ``ref``'s own weights, the preferred first (a tie goes to it)."""
-    found = [spec for spec in backend_specs() if installed(spec.name) and spec.runs_own_weights(ref)]
+    found = [spec for spec in backend_specs()
+             if spec.auto and installed(spec.name) and spec.runs_own_weights(ref)]
     return [spec.name for spec in sorted(found, key=lambda spec: -spec.preference)]
 
 

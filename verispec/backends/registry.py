@@ -38,8 +38,8 @@ class BackendSpec:
     ``TargetModelBase``; it is called with every option declared here, defaults filled in. ``summary`` is its line in
     ``--backend``'s help; ``install`` what to install when its engine is missing (empty: the base install has it);
     ``installed()`` whether it can run here; ``runs_own_weights(ref)`` whether it runs that model's weights as the
-    model ships them (``--backend auto`` times only backends that are installed and do; ``preference`` breaks a
-    tie, higher first)."""
+    model ships them (``--backend auto`` times only backends that are installed and do, and whose ``auto`` is True;
+    ``preference`` breaks a tie, higher first)."""
 
     name: str
     summary: str
@@ -49,6 +49,7 @@ class BackendSpec:
     installed: Callable[[], bool] = lambda: True
     runs_own_weights: Callable[[str], bool] = lambda ref: True
     preference: int = 0
+    auto: bool = True
 
     def __post_init__(self) -> None:
         options = tuple(o if o.flag else replace(o, flag=o.name.replace("_", "-")) for o in self.options)

@@ -63,8 +63,21 @@ def set_isa(name: str) -> None:
     _native.set_isa(name)
 
 
+_threads: int | None = None
+
+
+def set_threads(threads: int | None) -> None:
+    """The kernel's threads from now on in this process (None: ``default_threads``'s rule)."""
+    global _threads
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    _threads = threads
+
+
 def default_threads() -> int:
-    """Threads: VERISPEC_BLOCKMM_THREADS, else the cores this process may use."""
+    """Threads: as set by ``set_threads``, else VERISPEC_BLOCKMM_THREADS, else the cores this process may use."""
+    if _threads is not None:
+        return _threads
     value = os.environ.get(THREADS_ENV)
     if value:
         return max(1, int(value))
@@ -104,5 +117,5 @@ def matmul(x: torch.Tensor, blocks: torch.Tensor, kind: str | BlockType, threads
     return y.reshape(*lead, N)
 
 
-__all__ = ["TYPES", "available", "best_isa", "block_type", "default_threads", "isa", "matmul", "set_isa",
+__all__ = ["TYPES", "available", "best_isa", "block_type", "default_threads", "isa", "matmul", "set_isa", "set_threads",
            "why_unavailable"]

@@ -208,10 +208,15 @@ class GGUFRows:
                 continue
             raw = np.asarray(tensor.data)
             rows = dequantize(raw, tensor.tensor_type).reshape(int(tensor.shape[1]), int(tensor.shape[0]))
-            found.kinds[tensor.name], found.raw[tensor.name] = kind, raw.reshape(rows.shape[0], -1)
-            for i, row in enumerate(rows):
-                found.where.setdefault(_row_key(row), (tensor.name, i))
+            found.add(tensor.name, kind, raw.reshape(rows.shape[0], -1), rows)
         return found
+
+    def add(self, name: str, kind: str, raw: np.ndarray, values: np.ndarray) -> None:
+        """Hold tensor ``name`` of GGUF type ``kind``: its bytes [rows, bytes a row] and dequantized ``values``
+        [rows, columns] (how its rows are found)."""
+        self.kinds[name], self.raw[name] = kind, raw
+        for i, row in enumerate(values):
+            self.where.setdefault(_row_key(row), (name, i))
 
     def blocks(self, name: str) -> "Blocks | np.ndarray":
         """The tensor's blocks (an F16 tensor: its float16 values)."""

@@ -1,0 +1,110 @@
+"""The blocks backend on tiny random models whose matrices are quantized to GGUF blocks (gguf's own quantizer):
+every linear layer runs on the blocks, logits stay close to the float model holding the same values, a wide pass's
+rows equal one-token steps bit for bit, and greedy speculation equals plain decoding with every kind of drafter."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from verispec import SpeculativeDecoder, blockmm
+from verispec.backends.blocks import BlockLinear, BlocksModel, on_blocks
+from verispec.backends.openvino.gguf_blocks import GGUFRows
+from verispec.drafters import ModelDrafter, NgramDrafter
+
+from tiny import loaded, make_model, noisy_copy
+
+pytestmark = pytest.mark.skipif(not blockmm.available(), reason=str(blockmm.why_unavailable()))
+
+
+def quantized(model, kinds=("Q8_0", "Q4_0", "Q4_1", "Q5_0")) -> GGUFRows:
+    """Quantize each linear layer of ``model`` (in place: it then holds the blocks' values) to a GGUF type, cycling
+    through ``kinds``; the blocks as a file's rows would be found."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    rows = GGUFRows(path=None)
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    for i, (name, linear) in enumerate(linears):
+        kind = kinds[i % len(kinds)]
+        raw = quantize(linear.weight.detach().float().numpy(), GGMLQuantizationType[kind])
+        values = dequantize(raw, GGMLQuantizationType[kind]).reshape(linear.weight.shape)
+        with torch.no_grad():
+            linear.weight.copy_(torch.from_numpy(values))
+        rows.add(name, kind, np.ascontiguousarray(raw), values)
+    return rows
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """(the float model holding the blocks' values, the same model on the blocks backend)."""
+    float_model = loaded(make_model(seed=3, layers=2))
+    rows = quantized(float_model.model)
+    blocks_model = loaded(make_model(seed=3, layers=2))
+    blocks_model.model.load_state_dict(float_model.model.state_dict())
+    return float_model, on_blocks(blocks_model, rows)
+
+
+def test_every_linear_runs_on_blocks(pair):
+    _, model = pair
+    assert isinstance(model, BlocksModel) and model.backend == "blocks" and model.width_invariant
+    assert not [m for m in model.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert sum(model.swapped.kinds.values()) == len([m for m in model.model.modules() if isinstance(m, BlockLinear)])
+    assert set(model.swapped.kinds) == {"Q8_0", "Q4_0", "Q4_1", "Q5_0"}
+    assert "blocks" in model.linear_kernel or "block kernel" in model.linear_kernel
+    head = model.model.get_output_embeddings()
+    assert torch.equal(head.weight, pair[0].model.get_output_embeddings().weight)  # dequantized on demand
+    assert model.vocab_size == pair[0].vocab_size
+
+
+@torch.inference_mode()
+def test_logits_close_to_the_float_model(pair):
+    float_model, model = pair
+    tokens = [1, 5, 9, 3, 7, 11, 4, 8, 20, 6]
+    want = float_model.forward(float_model.new_kv(), tokens).logits
+    got = model.forward(model.new_kv(), tokens).logits
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.8
+
+
+@torch.inference_mode()
+def test_wide_pass_rows_equal_one_token_steps(pair):
+    _, model = pair
+    prompt = [1, 5, 9, 3, 7]
+    steps = [12, 4, 30, 8, 8, 2, 17, 25]
+    kv = model.new_kv()
+    model.forward(kv, prompt, last_only=True)
+    wide = model.forward(kv, steps).logits
+    kv.truncate(len(prompt))
+    narrow = [model.forward(kv, [t]).logits[-1] for t in steps]
+    for i, row in enumerate(narrow):
+        assert torch.equal(wide[i], row), i
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_greedy_speculation_equals_plain(pair, k):
+    _, model = pair
+    prompt = "w5 w6 w7 w5 w6 w7 w5 w6"
+    plain = SpeculativeDecoder(model, None).generate(prompt, max_new_tokens=40, raw=True).token_ids
+    ngram = SpeculativeDecoder(model, NgramDrafter(), k=k, k_policy="fixed").generate(prompt, max_new_tokens=40, raw=True)
+    assert ngram.token_ids == plain
+    draft = loaded(noisy_copy(pair[0].model, noise=0.05), model.tokenizer, name="draft")
+    drafted = SpeculativeDecoder(model, ModelDrafter(draft, model), k=k, k_policy="fixed").generate(
+        prompt, max_new_tokens=40, raw=True)
+    assert drafted.token_ids == plain
+    assert drafted.stats.accepted > 0  # the drafts were verified, not skipped
+
+
+def test_unsupported_file_is_refused_by_name():
+    from verispec.errors import InvalidRequest
+
+    model = loaded(make_model(seed=4))
+    with pytest.raises(InvalidRequest, match="none of its matrices"):
+        on_blocks(model, GGUFRows(path=None), name="empty.gguf")
+
+
+def test_not_a_candidate_of_auto_until_it_pays():
+    from verispec.backends.choice import candidates
+
+    assert "blocks" not in candidates("smollm2-135m")

@@ -1,0 +1,185 @@
+"""The blocks backend: the transformers model with every linear layer computed by verispec's native kernel on the GGUF
+file's own quantized blocks (``verispec.blockmm``); attention, norms and the KV cache stay the transformers backend's.
+
+A matrix is held as the file holds it (about the file's size, not 4x in float32): each ``nn.Linear`` whose rows the
+file stores in a type the kernel multiplies becomes a ``BlockLinear`` over those rows' bytes. Which rows is found by
+value (``verispec.backends.openvino.gguf_blocks.GGUFRows``: each row of the loaded float32 matrix, with every
+reordering transformers' GGUF loader applies, looked up among the file's dequantized rows), never guessed from names.
+Matrices of other types (F16, Q2_K, ...) stay float32 linears and the load says so.
+
+Numbers: activations are quantized per 32 values to int8 (as llama.cpp quantizes them) and every product is exact
+integer arithmetic combined in one fixed order, so a row's logits do not depend on the pass width; attention runs
+the width-invariant scheme of ``verispec.backends.hf.invariant`` in float32, so a verify pass's rows are the bits of
+one-token steps and greedy speculation equals plain decoding by construction. Quality against the file's float32
+values and llama.cpp's: docs/kernels.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from .. import blockmm
+from ..errors import InvalidRequest, ModelNotFound
+from ..options import Option
+from .hf.model import LoadedModel
+from .registry import BackendSpec, register
+
+log = logging.getLogger(__name__)
+
+
+class BlockLinear(nn.Module):
+    """``nn.Linear`` on GGUF blocks: ``blocks`` uint8 [out_features, bytes a row] of type ``kind``."""
+
+    def __init__(self, blocks: torch.Tensor, kind: str, in_features: int, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.kind = blockmm.block_type(kind)
+        self.in_features, self.out_features = in_features, blocks.shape[0]
+        self.register_buffer("blocks", blocks.contiguous(), persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The matrix's float32 values, dequantized on each access (by gguf, as transformers' loader does): for
+        readers of an output layer such as EAGLE and Medusa heads; the forward pass never builds it."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        values = dequantize(self.blocks.numpy(), GGMLQuantizationType[self.kind.name])
+        return torch.from_numpy(values.reshape(self.out_features, self.in_features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = blockmm.matmul(x, self.blocks, self.kind)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind.name} blocks"
+
+
+@dataclass
+class Swapped:
+    """What ``swap_linears`` did: linear layers per block type, and those left float32 (with why)."""
+
+    kinds: dict[str, int]
+    left: list[str]
+
+    def summary(self) -> str:
+        held = ", ".join(f"{n} {k}" for k, n in sorted(self.kinds.items())) or "no linear layer"
+        left = f"; {len(self.left)} left float32 ({', '.join(self.left[:3])}{' ...' if len(self.left) > 3 else ''})"
+        return f"{held} on the file's blocks" + (left if self.left else "")
+
+
+def swap_linears(model: nn.Module, rows) -> Swapped:
+    """Replace every ``nn.Linear`` of ``model`` whose rows ``rows`` (a ``GGUFRows``) holds in one supported block type
+    with a ``BlockLinear`` over the file's bytes for those rows, in the matrix's row order."""
+    done = Swapped({}, [])
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, nn.Linear):
+                continue
+            matrix = child.weight.detach().float().numpy()
+            places = rows.locate(matrix)
+            kinds = {rows.kinds[t] for t, _ in places} if places else set()
+            kind = kinds.pop() if len(kinds) == 1 else None
+            if kind not in blockmm.TYPES:
+                done.left.append(f"{name} ({kind or 'rows not in the file'})")
+                continue
+            raw = np.stack([rows.raw[t][r] for t, r in places])
+            swapped = BlockLinear(torch.from_numpy(np.ascontiguousarray(raw)), kind, child.in_features, child.bias)
+            setattr(parent, name, swapped)
+            done.kinds[kind] = done.kinds.get(kind, 0) + 1
+    return done
+
+
+@dataclass
+class BlocksModel(LoadedModel):
+    """A ``LoadedModel`` whose linear layers run on the GGUF's blocks (``BlockLinear``)."""
+
+    swapped: Swapped | None = None
+    backend = "blocks"
+    compiles_steps = False
+
+    @property
+    def vocab_size(self) -> int:
+        head = self.model.get_output_embeddings()
+        return head.out_features if isinstance(head, BlockLinear) else super().vocab_size
+
+    @property
+    def linear_kernel(self) -> str:
+        isa = blockmm.isa() if blockmm.available() else "unavailable"
+        return f"verispec block kernel ({isa})" + ("; width-invariant attention" if self.width_invariant else "")
+
+    def compile_step(self, cached_only: bool = False) -> bool:
+        return False  # nothing compiled: the kernel is the step's cost
+
+
+def load(ref: str, threads: int | None = None) -> BlocksModel:
+    from .hf import load as load_transformers
+    from .openvino.gguf_blocks import GGUFRows
+    from .references import gguf_file
+
+    reason = blockmm.why_unavailable()
+    if reason:
+        raise InvalidRequest(f"the blocks backend cannot run here: {reason}; use --backend llamacpp, openvino or "
+                             "transformers")
+    try:
+        path = gguf_file(ref)
+    except ModelNotFound as exc:
+        raise InvalidRequest(f"the blocks backend runs GGUF files: {exc}") from exc
+    if threads is not None:
+        if threads < 1:
+            raise InvalidRequest(f"threads must be >= 1, got {threads}")
+        blockmm.set_threads(threads)
+    # the kernel runs on its own threads; torch's ops between its calls (attention, norms) take one, so the two
+    # thread pools never spin against each other on the same cores (they did: a pass took 8x as long)
+    torch.set_num_threads(1)
+    loaded = load_transformers(ref, "float32", None, False, "off")
+    model = on_blocks(loaded, GGUFRows.read(path), name=path.name)
+    log.info("%s: %s", ref, model.swapped.summary())
+    return model
+
+
+def on_blocks(loaded: LoadedModel, rows, name: str = "the model") -> BlocksModel:
+    """``loaded`` (a float32 transformers model whose matrices hold the file's values) with its linear layers on the
+    file's blocks (``rows``, a ``GGUFRows``) and width-invariant attention."""
+    from .hf.invariant import WIDTH_INVARIANT_ATTENTION
+    from .hf.masks import sliding_window
+
+    swapped = swap_linears(loaded.model, rows)
+    if not swapped.kinds:
+        raise InvalidRequest(f"{name}: none of its matrices is in a block type the native kernel multiplies "
+                             f"({', '.join(blockmm.TYPES)}); use --backend llamacpp or openvino")
+    # rows independent of the pass width: the invariant attention (float32 here) beside the row-invariant kernel;
+    # models with sliding-window layers or soft-capped attention keep SDPA (the invariant scheme covers neither)
+    config = loaded.model.config
+    invariant = sliding_window(config) is None and not getattr(config, "attn_logit_softcapping", None)
+    if invariant:
+        loaded.model.set_attn_implementation(WIDTH_INVARIANT_ATTENTION)
+    return BlocksModel(model=loaded.model, tokenizer=loaded.tokenizer, name=loaded.name, dtype=torch.float32,
+                       eos_token_ids=loaded.eos_token_ids, pack_requested=False, width_invariant=invariant,
+                       swapped=swapped)
+
+
+def _is_gguf(ref: str) -> bool:
+    from .references import BUILTINS
+
+    return ref in BUILTINS or str(ref).endswith(".gguf")
+
+
+register(BackendSpec(
+    "blocks",
+    summary="verispec's native kernel on the GGUF file's own quantized blocks (row-invariant; attention in float32)",
+    load=load,
+    installed=blockmm.available,
+    runs_own_weights=_is_gguf,
+    # not yet timed by --backend auto: its one-token pass is slower than llama.cpp's (docs/kernels.md, "The block
+    # kernel"), so timing it would only lengthen every first start (issue 82)
+    auto=False,
+    options=(Option("threads", int, None, "the kernel's threads (default: the cores this process may use)"),),
+))
