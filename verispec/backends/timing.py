@@ -35,6 +35,26 @@ def auto_score(ms: dict, alpha: float = AUTO_ACCEPTANCE, prompt_per_output: floa
     return decode + prompt_per_output * ms.get("prefill", 0.0)
 
 
+def read_bandwidth(threads: int, gigabytes: float = 1.0, rounds: int = 5) -> float:
+    """Bytes a second this machine reads with ``threads`` threads: the best of ``rounds`` sums over a buffer of
+    ``gigabytes`` (far larger than any cache), torch's threads set for the measurement and restored after."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        data = torch.ones(int(gigabytes * 2**30) // 4, dtype=torch.float32)
+        data.sum()
+        best = float("inf")
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            data.sum()
+            best = min(best, time.perf_counter() - t0)
+        return data.numel() * 4 / best
+    finally:
+        torch.set_num_threads(before)
+
+
 def time_passes(model, context: int, widths, repeats: int) -> dict[int, float]:
     """Median ms of one pass over each width after ``context`` cached positions (any target backend); widths are
     interleaved within each round, the first round warms up and is dropped. A backend with graphs compiled per

@@ -14,6 +14,7 @@ from pathlib import Path
 from ..version import __version__
 from .options import build_decoder, model_options, sampling_options
 from .bench import add_analyze_parser, add_parsers as add_bench_parsers
+from .costs import add_costs_parser
 from .bench_serve import add_bench_serve_parser
 from .serve import add_serve_parser
 from .train import add_train_parser
@@ -69,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parsers(sub)
     add_analyze_parser(sub)
     add_bench_serve_parser(sub)
+    add_costs_parser(sub)
     add_serve_parser(sub)
     add_train_parser(sub)
 
