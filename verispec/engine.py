@@ -491,10 +491,9 @@ class SpeculativeDecoder:
             kept_rows = list(range(len(uncached))) + [len(uncached) + i for i in path]
             # the accepted nodes' keys sit between rejected siblings: move them to follow the committed tokens
             # where the cache can (KVCache.keep), else drop every node and feed the path again with the next pass
-            keep = getattr(state.cache, "keep", None)
-            if keep is not None:
+            if state.cache.keeps_positions:
                 start = past + len(uncached)
-                keep(start, [start + i for i in path])
+                state.cache.keep(start, [start + i for i in path])
                 state.cached_tokens.extend([*uncached, *accepted])
             else:
                 self._keep(state, past, uncached, [])

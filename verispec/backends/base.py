@@ -118,9 +118,10 @@ class KVCache(Protocol):
     def close(self) -> None:
         """Give the cache's memory back (it may not be used after)."""
 
-    # Optional, looked up by the engine: ``keep(start, positions)`` keeps the first ``start`` positions and then
-    # ``positions`` (ascending, each >= start) moved to follow them, and drops the rest: a token tree's accepted
-    # path stays cached. Without it the engine drops every node and feeds the path again with the next pass.
+    # Declared by each cache type: whether it has ``keep(start, positions)``, which keeps the first ``start``
+    # positions and then ``positions`` (ascending, each >= start) moved to follow them, and drops the rest: a token
+    # tree's accepted path stays cached. Without it the engine drops every node and feeds the path again.
+    keeps_positions: bool
 
 
 @runtime_checkable

@@ -206,6 +206,7 @@ class _Batch:
 
 class LlamaKVGroup:
     """The llama.cpp backend's ``KVGroup``: sequences of one context (any of them can share a pass)."""
+    keeps_positions = False  # no keep(): a tree step is fed again (KVCache)
 
     def __init__(self, model: "LlamaCppModel", capacity: int) -> None:
         self.model, self.capacity = model, capacity

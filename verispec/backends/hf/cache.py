@@ -73,6 +73,7 @@ def cache_length(cache: Cache | None) -> int:
 
 class TorchKV:
     """One sequence's transformers cache behind the backend protocol (``verispec.backends.base.KVCache``)."""
+    keeps_positions = True  # keep(start, positions) moves a tree's accepted path (KVCache)
 
     def __init__(self, cache: Cache | None = None) -> None:
         self.cache = new_cache() if cache is None else cache
@@ -204,6 +205,7 @@ class BatchKV:
 
 class RowKV:
     """One sequence's cache inside a ``BatchKV`` (its ``KVCache``)."""
+    keeps_positions = False  # no keep(): a tree step is fed again (KVCache)
 
     def __init__(self, batch: BatchKV, index: int) -> None:
         self.batch: BatchKV | None = batch

@@ -90,6 +90,7 @@ class FixedKV:
     more room first moves the cache into buffers of the next multiple of ``GROWTH`` positions, so the buffers hold
     at most ``GROWTH`` unused columns: attention reads all of them (a compiled graph has no data-dependent length),
     and each costs about as much as a cached position (~6 us per column and step for the default model)."""
+    keeps_positions = True  # keep(start, positions) moves a tree's accepted path (KVCache)
 
     def __init__(self, capacity: int = GROWTH) -> None:
         if capacity < 1:

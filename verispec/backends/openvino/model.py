@@ -38,6 +38,7 @@ KV_PRECISIONS = ("f32", "f16", "bf16", "u8")
 ATTENTION = ("paged", "masked")  # paged attention (default; chains), or the stateful graph's 4-D mask everywhere
 class OpenVINOKV:
     """One sequence's cache: an infer request's state plus which of its physical positions are alive."""
+    keeps_positions = True  # keep(start, positions) moves a tree's accepted path (KVCache)
 
     def __init__(self, model: "OpenVINOModel") -> None:
         self.model = model

@@ -159,6 +159,7 @@ class BlockPool:
 
 class PagedKV:
     """One sequence's cache in a ``BlockPool``: its blocks and how many positions they hold."""
+    keeps_positions = False  # no keep(): a tree step is fed again (KVCache)
 
     def __init__(self, pool: BlockPool) -> None:
         self.pool = pool
