@@ -82,8 +82,10 @@ def add_cost_cache_option(g: argparse._ArgumentGroup) -> None:
                         "what is stored)")
 
 
-def load_args_model(args, ref: str, **overrides):
-    """Load ``ref`` with the backend options in ``args`` (overrides win)."""
+def load_args_model(args, ref: str, layer_states: bool = False, **overrides):
+    """Load ``ref`` with the backend options in ``args`` (overrides win). ``layer_states``: the drafter reads hidden
+    states before the final one (settled from the drafter's options before any model loads, ``needs_layer_callback``),
+    handed to a backend that takes ``features`` as a plain option."""
     from ..backends import load_model
 
     from ..backends.registry import options_from
@@ -91,8 +93,7 @@ def load_args_model(args, ref: str, **overrides):
     backend = getattr(args, "backend", "transformers")
     options = options_from(args)
     if backend != AUTO and get_backend(backend).takes("features"):
-        # hidden states before the final one, only where asked at load time (llama.cpp: four-layer EAGLE heads)
-        options["features"] = needs_layer_callback(args)
+        options["features"] = layer_states  # llama.cpp: the eval callback of four-layer EAGLE heads
     options.update(overrides)
     return load_model(ref, backend=backend, **options)
 
@@ -101,10 +102,12 @@ def build_decoder(args):
     """The decoder the options name: target, drafter (with its options) and the engine's settings."""
     from ..engine import SpeculativeDecoder
 
-    target = load_args_model(args, args.target)
-    draft_model = None
-    draft_ref = args.draft_model or default_draft(args.target)  # a built-in target's own draft (Qwen 1.5B: 0.5B)
-    if args.drafter != NONE and get_spec(args.drafter).needs_draft_model and draft_ref:
-        draft_model = load_args_model(args, draft_ref)
+    # what the drafter needs of the models, settled before anything loads
+    needs_draft = args.drafter != NONE and get_spec(args.drafter).needs_draft_model
+    layer_states = needs_layer_callback(args)
+    target = load_args_model(args, args.target, layer_states)
+    # a built-in target's own draft when none is named (Qwen 1.5B: 0.5B)
+    draft_ref = (args.draft_model or default_draft(args.target)) if needs_draft else None
+    draft_model = load_args_model(args, draft_ref, layer_states) if draft_ref else None
     drafter = make_drafter(args.drafter, target=target, draft_model=draft_model, **options_from(args, args.drafter))
     return SpeculativeDecoder(target, drafter, k=args.k, acceptance=args.acceptance, k_policy=args.k_policy)

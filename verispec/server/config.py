@@ -255,6 +255,7 @@ def build_server_config(options: ServeOptions) -> ServerConfig:
     copy of the embeddings)."""
     from ..backends import load_model
 
+    layer_states = needs_layer_callback(options)  # what the drafters need of the target, before anything loads
     if options.backend == AUTO:  # resolved here when the options come from the environment, not the CLI
         from ..backends.choice import choose
 
@@ -267,7 +268,7 @@ def build_server_config(options: ServeOptions) -> ServerConfig:
         load["compiled"] = "off"  # compiled programs run unbatched sequences only: a batched server never loads them
     if engine.takes("sequences"):  # a KV sequence per batch row (unbatched: each slot's decoders keep theirs)
         load["sequences"] = max(8, options.max_batch + 1, 4 * options.max_concurrency)
-    features = {"features": needs_layer_callback(options)} if engine.takes("features") else {}
+    features = {"features": layer_states} if engine.takes("features") else {}
     target = load_model(options.target, backend=engine.name, **load, **features)
     draft_ref = options.draft_model or default_draft(options.target)  # a built-in target's own draft
     draft = load_model(draft_ref, backend=engine.name, **load) if draft_ref else None
