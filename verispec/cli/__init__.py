@@ -252,6 +252,10 @@ def cmd_models(args) -> int:
     note = "" if pack else f" ({PACK_ENV}={os.environ.get(PACK_ENV)})"
     for dtype in ("float32", "bfloat16"):
         print(f"linear layers in {dtype}: {linear_kernel(getattr(torch, dtype), pack=pack)}{note}")
+    from .. import blockmm
+
+    print("block kernel (--backend blocks): " + (f"{blockmm.isa()}, built from source at install"
+                                                  if blockmm.available() else str(blockmm.why_unavailable())))
     print_measurements()
     print_compiled_steps()
     print_openvino_exports()
