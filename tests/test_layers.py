@@ -23,6 +23,7 @@ LAYERS = [
     ("the loop", ["verispec.batching", "verispec.engine", "verispec.controller"]),
     ("drafters", ["verispec.drafters", "verispec.eagle", "verispec.medusa", "verispec.compat"]),
     ("backends", ["verispec.backends"]),
+    ("kernels", ["verispec.blockmm"]),
     ("pure helpers", ["verispec.verify", "verispec.sampling", "verispec.tree", "verispec.text", "verispec.stats",
                       "verispec.analysis", "verispec.errors", "verispec.hidden_states", "verispec.prefix",
                       "verispec.version", "verispec.jsonl", "verispec.options"]),

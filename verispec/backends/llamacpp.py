@@ -35,7 +35,7 @@ from . import timing
 from .base import BorrowedEmbeddings, TargetPass
 from .llamacpp_states import FeatureTap, LayerInputs, architecture
 from .registry import BackendSpec, register
-from .timing import AUTO_CONTEXT, AUTO_PREFILL, AUTO_WIDTHS, auto_score, time_passes  # noqa: F401 (re-exported)
+from .timing import AUTO_CONTEXT, AUTO_PREFILL, AUTO_WIDTHS, auto_score, default_threads, time_passes  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
@@ -138,14 +138,6 @@ def _weight_types(path: Path) -> list[str]:
         return sorted({t.tensor_type.name for t in GGUFReader(str(path)).tensors})
     except Exception:  # an unreadable header: the load itself will say so
         return []
-
-
-def default_threads() -> int:
-    """Threads = the cores this process may use."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not on Linux
-        return max(1, os.cpu_count() or 1)
 
 
 def convert_weights(source: Path, fmt: str, folder: Path) -> Path:

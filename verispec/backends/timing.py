@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -33,6 +34,14 @@ def auto_score(ms: dict, alpha: float = AUTO_ACCEPTANCE, prompt_per_output: floa
     the prefill of ``prompt_per_output`` prompt tokens (``ms["prefill"]`` per prompt token, when measured)."""
     decode = min(t / ((1 - alpha ** int(w)) / (1 - alpha)) for w, t in ms.items() if w.isdigit())
     return decode + prompt_per_output * ms.get("prefill", 0.0)
+
+
+def default_threads() -> int:
+    """Threads = the cores this process may use (every engine's default, and --backend auto's)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
 
 
 def read_bandwidth(threads: int, gigabytes: float = 1.0, rounds: int = 5) -> float:

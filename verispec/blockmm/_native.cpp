@@ -26,6 +26,7 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <mutex>
@@ -346,6 +347,10 @@ void row_dot_scalar_k(const Problem& p, const Group* row, int m, float* out) {
 
 constexpr int NR = 4;  // weight rows unpacked together: each activation chunk loaded once serves NR rows
 
+// The fused few-row path can be switched off (VERISPEC_BLOCKMM_FUSED=0) to compare it with the buffered one.
+bool g_fused_off = false;
+inline bool fused_off() { return g_fused_off; }
+
 #if VS_X86
 // The SIMD paths: one body (simd_body.inc) compiled for each instruction set, each function marked with its target so
 // the rest of the library stays baseline x86-64 and runs on any CPU.
@@ -581,6 +586,8 @@ PyModuleDef MODULE = {PyModuleDef_HEAD_INIT, "_native", "GGUF block matmul kerne
 }  // namespace
 
 PyMODINIT_FUNC PyInit__native(void) {
+    const char* fused = std::getenv("VERISPEC_BLOCKMM_FUSED");
+    g_fused_off = fused && fused[0] == '0';
     g_best = detect_isa();
     g_isa = g_best;
     return PyModule_Create(&MODULE);

@@ -48,7 +48,7 @@ def cmd_costs(args) -> int:
 
     from ..backends import DEFAULT_MODEL, backend_specs, get_backend, load_model
     from ..backends.references import gguf_file
-    from ..backends.timing import read_bandwidth, time_passes
+    from ..backends.timing import default_threads, read_bandwidth, time_passes
 
     target = args.target or DEFAULT_MODEL
     widths = _widths(args.widths)
@@ -62,8 +62,6 @@ def cmd_costs(args) -> int:
         names = [s.name for s in backend_specs() if s.installed() and s.runs_own_weights(target)]
     if not names:
         raise InvalidRequest(f"no installed engine runs {target!r}; name one with --backends")
-    from ..backends.llamacpp import default_threads
-
     threads = args.threads or default_threads()
     try:
         size = Path(gguf_file(target)).stat().st_size
