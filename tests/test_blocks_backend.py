@@ -96,6 +96,15 @@ def test_greedy_speculation_equals_plain(pair, k):
     assert drafted.stats.accepted > 0  # the drafts were verified, not skipped
 
 
+def test_greedy_token_trees_equal_plain(pair):
+    _, model = pair
+    prompt = "w5 w6 w7 w5 w6 w8 w5 w6 w7 w5"
+    plain = SpeculativeDecoder(model, None).generate(prompt, max_new_tokens=40, raw=True).token_ids
+    trees = SpeculativeDecoder(model, NgramDrafter(branches=3), k=6, k_policy="fixed")
+    got = trees.generate(prompt, max_new_tokens=40, raw=True)
+    assert got.token_ids == plain and got.stats.drafted > 0
+
+
 def test_unsupported_file_is_refused_by_name():
     from verispec.errors import InvalidRequest
 

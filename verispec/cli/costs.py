@@ -105,8 +105,8 @@ def _cpu_family() -> str:
     """The CPU family and model numbers (AMD's family 25 is Zen 3/4, 26 Zen 5): the model name alone ("AMD EPYC")
     does not say which."""
     try:
-        fields = dict(line.split(":", 1) for line in open("/proc/cpuinfo").read().split("\n\n")[0].splitlines()
-                      if ":" in line)
+        block = open("/proc/cpuinfo").read().split("\n\n")[0]
+        fields = {k.strip(): v for k, v in (line.split(":", 1) for line in block.splitlines() if ":" in line)}
         return f"{fields['cpu family'].strip()}, model {fields['model'].strip()}"
     except (OSError, KeyError, ValueError):
         return "unknown"

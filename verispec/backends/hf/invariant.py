@@ -84,15 +84,14 @@ class RowKeys:
     lengths: tuple[int, ...] | None = None  # every row causal in its own sequence (a batch): each one's key length
 
 
-def row_keys(allowed: torch.Tensor, gather: bool = False) -> RowKeys:
+def row_keys(allowed: torch.Tensor) -> RowKeys:
     """``RowKeys`` from ``allowed`` [batch, rows, keys] (True where a row sees a key). A row that sees n keys is laid
-    out as position n - 1 of a sequence: the keys it sees, in column order, then zeros up to its bucket. ``gather``:
-    every row in a product of its own even where the rows are plain causal ones (float32, ``_causal_attention``)."""
+    out as position n - 1 of a sequence: the keys it sees, in column order, then zeros up to its bucket."""
     batch, rows, length = allowed.shape
     positions = (allowed.sum(-1) - 1).clamp_(min=0)  # [batch, rows]
     last = positions[:, -1:] + 1
     causal = torch.arange(length)[None, None, :] <= (last - rows + torch.arange(rows)[None, :])[:, :, None]
-    if rows > 1 and not gather and torch.equal(allowed, causal):
+    if rows > 1 and torch.equal(allowed, causal):
         # each sequence's rows are its last ones, each seeing all before it: attended per sequence, nothing gathered
         # (with one row a sequence, one gathered product for all of them costs less Python than a loop)
         return RowKeys((), tuple(last[:, 0].tolist()))
@@ -116,15 +115,15 @@ def _causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     ``value`` [1, kv_heads, length, dim]; each bucket's rows in one product over the bucket's keys."""
     _, heads, rows, dim = query.shape
     kv_heads, length = key.shape[1], key.shape[2]
-    if query.dtype == torch.float32 and rows > 1:
-        # float32 products (MKL) round a row otherwise when it shares a product with other rows: each row gets a
-        # product of its own, as in a one-token step (the blocks backend's passes; bfloat16 ones keep the cheaper
-        # shared product, which the probe checks)
-        allowed = torch.arange(length)[None, None, :] <= torch.arange(length - rows, length)[None, :, None]
-        return _attention_by_rows(query, key, value, row_keys(allowed, gather=True), scale)
     groups = heads // kv_heads
     out = query.new_empty(1, rows, heads, dim)
-    for start, end, keys in _groups(length, rows):
+    runs = _groups(length, rows)
+    if query.dtype == torch.float32:
+        # float32 products (MKL) round a row otherwise when it shares a product with other rows: each row is
+        # computed as a one-token step computes it, alone (the blocks backend's passes; bfloat16 ones keep the
+        # cheaper shared product, which the probe checks)
+        runs = [(i, i + 1, keys) for start, end, keys in runs for i in range(start, end)]
+    for start, end, keys in runs:
         k, v = key[0], value[0]
         if keys > length:
             k = nn.functional.pad(k, (0, 0, 0, keys - length))
