@@ -123,13 +123,17 @@ def _causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         # computed as a one-token step computes it, alone (the blocks backend's passes; bfloat16 ones keep the
         # cheaper shared product, which the probe checks)
         runs = [(i, i + 1, keys) for start, end, keys in runs for i in range(start, end)]
+    laid: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # each bucket's keys and values, laid out once
     for start, end, keys in runs:
-        k, v = key[0], value[0]
-        if keys > length:
-            k = nn.functional.pad(k, (0, 0, 0, keys - length))
-            v = nn.functional.pad(v, (0, 0, 0, keys - length))
-        else:
-            k, v = k[:, :keys], v[:, :keys]
+        if keys not in laid:
+            k, v = key[0], value[0]
+            if keys > length:
+                k = nn.functional.pad(k, (0, 0, 0, keys - length))
+                v = nn.functional.pad(v, (0, 0, 0, keys - length))
+            else:  # contiguous, as a padded one is: a one-token step at a row's position pads its bucket
+                k, v = k[:, :keys].contiguous(), v[:, :keys].contiguous()
+            laid[keys] = k, v
+        k, v = laid[keys]
         m = end - start
         # the query heads sharing KV head j are heads j*groups .. j*groups + groups - 1 (transformers' repeat_kv)
         q = query[0, :, start:end].reshape(kv_heads, groups * m, dim)

@@ -47,6 +47,18 @@ CHANGES_MODEL = ("int8", "int4")
 UNFUSED = ("bf16",)
 
 
+def float_activations() -> dict:
+    """On a CPU with VNNI (AVX-512 or AVX) OpenVINO quantizes the activations of compressed-weight matmuls to int8 on
+    its own: on a Q4_0 file's own blocks that moved the logits by 15% of their range against the file's values on an
+    AMD EPYC Zen 5 (0.4% without; tests/test_openvino_gguf_blocks.py). There it is switched off; an AVX2-only CPU,
+    where the default leaves activations in float, keeps OpenVINO's defaults (setting the property there slowed wide
+    passes, docs/openvino.md)."""
+    from ..torch_cpu.cpu import cpu_info
+
+    flags = set(cpu_info()["flags"])
+    return {"DYNAMIC_QUANTIZATION_GROUP_SIZE": 0} if flags & {"avx512_vnni", "avx_vnni", "amx_int8"} else {}
+
+
 def inference_precision(weights: str) -> str:
     """What the CPU plugin computes in for ``weights``: pinned, because OpenVINO's own default is bf16 on CPUs that
     have it (a different model than the f32 one on other CPUs) and f32 elsewhere. ``bf16`` on a CPU without bf16

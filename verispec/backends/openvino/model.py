@@ -25,7 +25,8 @@ from ...errors import InvalidRequest
 from ...options import Option
 from ...tree import tree_inputs
 from ..base import BorrowedEmbeddings, TargetPass
-from .export import CHANGES_MODEL, VERISPEC_XML, export_dir, gguf_source, import_openvino, inference_precision
+from .export import (CHANGES_MODEL, VERISPEC_XML, export_dir, float_activations, gguf_source, import_openvino,
+                     inference_precision)
 from .paged import BlockPool, BoundInputs, PagedKV, paged_model, pass_inputs, static_shapes
 from ..registry import BackendSpec, register
 from .export import WEIGHTS
@@ -148,12 +149,9 @@ class OpenVINOModel(BorrowedEmbeddings):
         self.weights, self.threads, self.kv_precision = weights, threads, kv_precision
         self.eos_token_ids = frozenset(eos_token_ids)
         self._core = self.ov.Core()
-        # DYNAMIC_QUANTIZATION_GROUP_SIZE 0: on AVX-512 VNNI CPUs OpenVINO otherwise quantizes the activations of
-        # compressed-weight matmuls to int8 on its own, which moved a Q4_0 file's logits by 15% of their range
-        # (0.4% without; tests/test_openvino_gguf_blocks.py, docs/openvino.md)
         self._properties = {"INFERENCE_NUM_THREADS": threads, "KV_CACHE_PRECISION": kv_precision,
                             "INFERENCE_PRECISION_HINT": inference_precision(weights),
-                            "PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1, "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0}
+                            "PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1, **float_activations()}
         self._masked = None
         self.pool: BlockPool | None = None
         # (hidden-state layers (none: ()), static width or None) -> an infer request on the pool's blocks
