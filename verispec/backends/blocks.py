@@ -17,6 +17,7 @@ values and llama.cpp's: docs/kernels.md.
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -118,6 +119,27 @@ class BlocksModel(LoadedModel):
     def compile_step(self, cached_only: bool = False) -> bool:
         return False  # nothing compiled: the kernel is the step's cost
 
+    # The kernel runs on its own threads; torch's ops between its calls (attention, norms) take one thread during
+    # this model's passes, so the two pools never spin against each other on the same cores (they did: a pass took
+    # 8x as long). Only during them: other models in the process keep torch's threads.
+    def forward(self, *args, **kwargs):
+        with _torch_threads(1):
+            return super().forward(*args, **kwargs)
+
+    def forward_batch(self, *args, **kwargs):
+        with _torch_threads(1):
+            return super().forward_batch(*args, **kwargs)
+
+
+@contextmanager
+def _torch_threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
 
 def load(ref: str, threads: int | None = None) -> BlocksModel:
     from .hf import load as load_transformers
@@ -136,9 +158,6 @@ def load(ref: str, threads: int | None = None) -> BlocksModel:
         if threads < 1:
             raise InvalidRequest(f"threads must be >= 1, got {threads}")
         blockmm.set_threads(threads)
-    # the kernel runs on its own threads; torch's ops between its calls (attention, norms) take one, so the two
-    # thread pools never spin against each other on the same cores (they did: a pass took 8x as long)
-    torch.set_num_threads(1)
     loaded = load_transformers(ref, "float32", None, False, "off")
     model = on_blocks(loaded, GGUFRows.read(path), name=path.name)
     log.info("%s: %s", ref, model.swapped.summary())
