@@ -3,7 +3,7 @@
 Every 2-D matrix of the file that a decoding pass multiplies (token_embd counts as the output layer where the file
 has no output.weight: tied embeddings) is multiplied at widths w, interleaved (each round times every width once),
 and the median round is reported in ms and as c(w) / c(1). The floor is the bytes the pass reads over the read
-bandwidth measured here with the same threads (a torch sum over 2 GB).
+bandwidth measured here with the same threads (``timing.read_bandwidth``).
 
     python experiments/blockmm_costs.py --target qwen2.5-coder-1.5b --widths 1,2,4,8,16 --rounds 7
 """
@@ -19,18 +19,7 @@ import torch
 
 from verispec import blockmm
 from verispec.backends.references import gguf_file
-
-
-def read_bandwidth(threads: int, gb: float = 2.0, rounds: int = 5) -> float:
-    torch.set_num_threads(threads)
-    a = torch.ones(int(gb * 2**30 / 4), dtype=torch.float32)
-    a.sum()
-    best = float("inf")
-    for _ in range(rounds):
-        t = time.perf_counter()
-        a.sum()
-        best = min(best, time.perf_counter() - t)
-    return a.numel() * 4 / best
+from verispec.backends.timing import read_bandwidth
 
 
 def matrices(path):

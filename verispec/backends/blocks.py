@@ -28,6 +28,7 @@ from .. import blockmm
 from ..errors import InvalidRequest, ModelNotFound
 from ..options import Option
 from .hf.model import LoadedModel
+from .references import is_gguf
 from .registry import BackendSpec, register
 
 log = logging.getLogger(__name__)
@@ -185,18 +186,12 @@ def on_blocks(loaded: LoadedModel, rows, name: str = "the model") -> BlocksModel
                        swapped=swapped)
 
 
-def _is_gguf(ref: str) -> bool:
-    from .references import BUILTINS
-
-    return ref in BUILTINS or str(ref).endswith(".gguf")
-
-
 register(BackendSpec(
     "blocks",
     summary="verispec's native kernel on the GGUF file's own quantized blocks (row-invariant; attention in float32)",
     load=load,
     installed=blockmm.available,
-    runs_own_weights=_is_gguf,
+    runs_own_weights=is_gguf,
     # not yet timed by --backend auto: its one-token pass is slower than llama.cpp's (docs/kernels.md, "The block
     # kernel"), so timing it would only lengthen every first start (issue 82)
     auto=False,

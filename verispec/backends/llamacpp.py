@@ -34,6 +34,7 @@ from ..options import Option
 from . import timing
 from .base import BorrowedEmbeddings, TargetPass
 from .llamacpp_states import FeatureTap, LayerInputs, architecture
+from .references import is_gguf
 from .registry import BackendSpec, register
 from .timing import AUTO_CONTEXT, AUTO_PREFILL, AUTO_WIDTHS, auto_score, default_threads, time_passes  # noqa: F401 (re-exported)
 
@@ -627,7 +628,7 @@ def load(ref: str, weights: str = "as-is", threads: int | None = None, features:
     from .references import BUILTINS, cache_dir, ensure_builtin, gguf_file, sha256_of, transformers_progress_bars
 
     import_llama_cpp()  # a clear error naming the install command before any download
-    if not _is_gguf(ref):
+    if not is_gguf(ref):
         raise ModelNotFound(f"the llamacpp backend runs GGUF files: pass a built-in name ({', '.join(BUILTINS)}) "
                             f"or a .gguf file, not {ref!r}")
     gguf = gguf_file(ref)
@@ -651,20 +652,13 @@ def load(ref: str, weights: str = "as-is", threads: int | None = None, features:
                          **more, embedding_model=embedding_model)
 
 
-def _is_gguf(ref: str) -> bool:
-    from .references import BUILTINS
-
-    path = Path(ref).expanduser()
-    return ref in BUILTINS or (path.is_file() and path.suffix == ".gguf")
-
-
 register(BackendSpec(
     "llamacpp",
     summary="llama.cpp on the GGUF file, as CPU users run it: every drafter, chains only",
     load=load,
     install=INSTALL_HINT,
     installed=lambda: importlib.util.find_spec("llama_cpp") is not None,
-    runs_own_weights=_is_gguf,
+    runs_own_weights=is_gguf,
     preference=1,
     options=(
         Option("weights", str, "as-is", "the GGUF's weight format; as-is (default) runs the file as shipped, "

@@ -166,6 +166,13 @@ def gguf_file(ref: str) -> Path:
     raise ModelNotFound(f"{ref!r} has no GGUF file: pass a built-in name ({', '.join(BUILTINS)}) or a .gguf file")
 
 
+def is_gguf(ref: str) -> bool:
+    """Whether ``ref`` stands for a GGUF file: a built-in name or an existing .gguf path (what the engines that run a
+    file's own blocks take)."""
+    path = Path(ref).expanduser()
+    return ref in BUILTINS or (path.is_file() and path.suffix == ".gguf")
+
+
 def _looks_like_hub_id(ref: str) -> bool:
     parts = ref.split("/")
     return len(parts) == 2 and all(parts) and not ref.startswith((".", "/", "~"))

@@ -48,21 +48,19 @@ namespace {
 enum Kind : int { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
 struct Format {
-    int block;      // weights per block
-    int bytes;      // bytes per block
-    bool is_signed; // unpacked integers are signed (else 0..31)
-    bool sub16;     // integer sub-scales per 16 weights (Q6_K)
+    int block;  // weights per block
+    int bytes;  // bytes per block
 };
 
 bool format_of(int kind, Format* f) {
     switch (kind) {
-        case Q4_0: *f = {32, 18, false, false}; return true;
-        case Q4_1: *f = {32, 20, false, false}; return true;
-        case Q5_0: *f = {32, 22, false, false}; return true;
-        case Q8_0: *f = {32, 34, true, false}; return true;
-        case Q4_K: *f = {256, 144, false, false}; return true;
-        case Q5_K: *f = {256, 176, false, false}; return true;
-        case Q6_K: *f = {256, 210, true, true}; return true;
+        case Q4_0: *f = {32, 18}; return true;
+        case Q4_1: *f = {32, 20}; return true;
+        case Q5_0: *f = {32, 22}; return true;
+        case Q8_0: *f = {32, 34}; return true;
+        case Q4_K: *f = {256, 144}; return true;
+        case Q5_K: *f = {256, 176}; return true;
+        case Q6_K: *f = {256, 210}; return true;
         default: return false;
     }
 }
@@ -92,16 +90,6 @@ inline float rd_half(const uint8_t* p) {
     uint16_t h;
     std::memcpy(&h, p, 2);
     return half_to_float(h);
-}
-
-inline void scale_min_k4(int j, const uint8_t* q, int* d, int* m) {
-    if (j < 4) {
-        *d = q[j] & 63;
-        *m = q[j + 4] & 63;
-    } else {
-        *d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-    }
 }
 
 // One group unpacked: a K-quant super-block, or eight 32-weight blocks.
