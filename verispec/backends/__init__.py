@@ -31,8 +31,8 @@ log = logging.getLogger(__name__)
 def load_model(ref: str = DEFAULT_MODEL, backend: str = "transformers", **options) -> TargetModel:
     """Load a model reference (built-in name, local directory, .gguf file or hub id) on a registered backend.
 
-    ``backend="auto"``: the fastest installed engine here that runs the model's own weights, timed once per model
-    and CPU (``verispec.backends.choice``). ``options`` are the backend's load options, declared with it (see
+    ``backend="auto"``: the fastest installed engine here that runs the model's own weights, estimated from the
+    file or read from a stored timing (``verispec.backends.choice``). ``options`` are the backend's load options, declared with it (see
     ``verispec.backends.registry``; ``verispec models`` and ``--help`` list them); one another backend declares is
     refused unless it is unset (None or its default), so callers may pass the options of every backend at once.
 

@@ -660,6 +660,7 @@ register(BackendSpec(
     installed=lambda: importlib.util.find_spec("llama_cpp") is not None,
     runs_own_weights=is_gguf,
     preference=1,
+    cost=lambda mix: float(sum(mix.values())),  # reads the file's bytes as they are
     options=(
         Option("weights", str, "as-is", "the GGUF's weight format; as-is (default) runs the file as shipped, "
                "f32/f16/q8_0/... convert it once (cached), auto times the candidates on this CPU once and picks the "

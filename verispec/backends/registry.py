@@ -39,7 +39,8 @@ class BackendSpec:
     ``--backend``'s help; ``install`` what to install when its engine is missing (empty: the base install has it);
     ``installed()`` whether it can run here; ``runs_own_weights(ref)`` whether it runs that model's weights as the
     model ships them (``--backend auto`` times only backends that are installed and do, and whose ``auto`` is True;
-    ``preference`` breaks a tie, higher first)."""
+    ``preference`` breaks a tie, higher first); ``cost`` is what auto estimates a pass by before preparing anything
+    (``backends.choice``)."""
 
     name: str
     summary: str
@@ -50,6 +51,9 @@ class BackendSpec:
     runs_own_weights: Callable[[str], bool] = lambda ref: True
     preference: int = 0
     auto: bool = True
+    # The declared cost model ``--backend auto`` chooses by before anything is prepared: the relative cost of one
+    # pass from the bytes a GGUF file holds per tensor type ({"Q4_K": bytes, ...}); None: not estimated.
+    cost: Callable[[Mapping[str, int]], float] | None = None
 
     def __post_init__(self) -> None:
         options = tuple(o if o.flag else replace(o, flag=o.name.replace("_", "-")) for o in self.options)

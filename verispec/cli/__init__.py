@@ -89,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     com.set_defaults(func=cmd_compile)
 
     mod = sub.add_parser("models", help="list built-in models, the caches and the compiled steps stored")
+    mod.add_argument("--time", metavar="REF", help="prepare and time every installed engine on this model (a built-in "
+                     "name, a .gguf file or a folder) and store the timings: --backend auto then chooses by them "
+                     "instead of its estimate")
+    mod.add_argument("--threads", type=int, help="threads to time the engines with (default: the cores this process "
+                     "may use, what every engine runs with by default)")
     mod.set_defaults(func=cmd_models)
 
     cache = sub.add_parser("cache", help="manage the cache (compiled programs)")
@@ -241,6 +246,13 @@ def cmd_models(args) -> int:
     from ..backends import cache_dir
     from ..backends import PACK_ENV, pack_from_environment
 
+    if args.time:
+        from ..backends import load_model
+        from ..backends.choice import choose
+
+        picked = choose(args.time, load_model, {"threads": args.threads}, measure=True)
+        print(f"{args.time}: {picked.summary()}")
+        return 0
     for name, spec in BUILTINS.items():
         cached = (cache_dir() / "models" / name / "config.json").exists()
         print(f"{name:19} {spec.description} [{'cached' if cached else 'fetched on first use'}]"

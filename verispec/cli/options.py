@@ -68,7 +68,8 @@ def add_backend_options(g: argparse._ArgumentGroup, what: str = "what runs the t
                         for spec in backend_specs())
     g.add_argument("--backend", default=default_backend(), choices=(AUTO, *(s.name for s in backend_specs())),
                    help=f"{what}: auto (default: the fastest installed engine on this CPU that runs the model's own "
-                        "weights, timed once per model and CPU and stored; the choice is printed; "
+                        "weights, estimated from the file without preparing the others, or by the timing that "
+                        "`verispec models --time MODEL` stored; the choice is printed; "
                         f"${BACKEND_ENV} sets the default); {engines}")
     for o in entry_options().values():
         add_option(g, o)

@@ -17,7 +17,7 @@ from ...errors import InvalidRequest, ModelNotFound
 from ...options import Option
 from ..base import DTYPES, parse_dtype
 from ..registry import BackendSpec, register
-from ..references import BUILTINS, resolve, transformers_progress_bars
+from ..references import BUILTINS, float32_bytes, resolve, transformers_progress_bars
 from .attention import use_grouped_sdpa
 from .model import COMPILED_VERIFY_ENV, SWITCHED_OFF, LoadedModel  # noqa: F401 (COMPILED_VERIFY_ENV re-exported)
 from .invariant import make_width_invariant
@@ -118,6 +118,7 @@ register(BackendSpec(
     summary="PyTorch on the model's values (a GGUF's dequantized once): every drafter, token trees, hidden states",
     load=_load,
     preference=0,
+    cost=float32_bytes,  # computes with every weight in float32
     options=(
         Option("dtype", str, "float32", "weights and activations; float32 (default) guarantees greedy output "
                "identical to plain decoding, bfloat16 only approximately (rounding differs between wide and narrow "

@@ -631,6 +631,16 @@ def _runs_locally(ref: str) -> bool:
     return ref in BUILTINS or Path(ref).expanduser().exists()
 
 
+# OpenVINO holds a K-quant file's blocks as u4 / u8 groups with float32 scales (Q6_K's per 16 weights), which its CPU
+# kernels run several times slower a byte than the 32-weight types' (docs/backends.md, "How auto chooses"): auto's estimate of a
+# pass counts those bytes four times.
+SLOW_TYPES = {"Q4_K": 4.0, "Q5_K": 4.0, "Q6_K": 4.0}
+
+
+def _cost(mix) -> float:
+    return sum(size * SLOW_TYPES.get(name, 1.0) for name, size in mix.items())
+
+
 def _installed() -> bool:
     import importlib.util
 
@@ -645,6 +655,7 @@ register(BackendSpec(
     installed=_installed,
     runs_own_weights=_runs_locally,
     preference=2,
+    cost=_cost,
     options=(
         Option("weights", str, "as-is", "as-is (default; a GGUF's own quantized blocks, a transformers folder's "
                "float32 weights), fp32, bf16 (fp32 weights computed in bfloat16, where the CPU has it), fp16, int8 "
