@@ -145,6 +145,7 @@ def test_the_loop_and_drafters_reach_the_target_through_the_protocol_only(module
 # verispec.backends belongs to one backend
 SHARED_BACKEND_MODULES = {"verispec.backends", "verispec.backends.base", "verispec.backends.registry",
                           "verispec.backends.references", "verispec.backends.measurements",
+                          "verispec.backends.cache", "verispec.backends.steps",
                           "verispec.backends.timing", "verispec.backends.choice", "verispec.backends.probe",
                           "verispec.backends.peers", "verispec.backends.torch_cpu"}
 

@@ -125,12 +125,16 @@ def _time_all(ref: str, load, found: list[str], threads: int) -> dict:
 
     log.warning("--backend auto: timing %s on this CPU for %s (each prepared and loaded once) ...",
                 ", ".join(found), ref)
+    from .steps import step
+
+    size = sum((gguf_type_bytes(ref) or {}).values()) or None
     timings = {}
     for backend in tqdm(found, desc="--backend auto: timing each installed engine", unit="engine", leave=False,
                         disable=None):
-        model = load(ref, backend=backend, threads=threads)
-        timings[backend] = timing.time_widths(model)
-        del model
+        with step(f"preparing and timing {backend}", f"time-{backend}", size):
+            model = load(ref, backend=backend, threads=threads)
+            timings[backend] = timing.time_widths(model)
+            del model
     value = {"timings_ms": timings, "choice": min(found, key=lambda b: timing.auto_score(timings[b]))}
     declared = estimates(ref, found)
     if declared is not None:  # what the estimate said, so that other models' estimates can be scaled by these timings

@@ -4,7 +4,7 @@ What a target pass costs depends on the weights, the backend and its weight form
 compiled, the threads, the CPU (model and instruction-set flags) and the software (verispec, torch, llama.cpp). A
 record is read only when every one of those is the same (the key holds them all), so a record from another CPU,
 model or version is never used. Each record is one small JSON file, written atomically, under
-``$VERISPEC_CACHE/measurements`` (see ``verispec.backends.references.cache_dir``).
+``$VERISPEC_CACHE/measurements`` (see ``verispec.backends.cache.cache_dir``).
 
 ``VERISPEC_COST_CACHE=0`` turns the store off (nothing is read or written); a path there moves it.
 """
@@ -34,7 +34,7 @@ def folder() -> Path:
     env = os.environ.get(ENV, "").strip()
     if env and env.lower() not in ("1", "true", "yes", "on"):
         return Path(env).expanduser()
-    from .references import cache_dir
+    from .cache import cache_dir
 
     return cache_dir() / "measurements"
 

