@@ -625,20 +625,17 @@ def load(ref: str, weights: str = "as-is", threads: int | None = None, features:
     """A built-in name or a .gguf file on llama.cpp (see ``verispec.load_model``)."""
     from transformers import AutoTokenizer
 
-    from .references import BUILTINS, cache_dir, ensure_builtin, gguf_file, sha256_of, transformers_progress_bars
+    from .references import BUILTINS, cache_dir, ensure_tokenizer, gguf_file, sha256_of, transformers_progress_bars
 
     import_llama_cpp()  # a clear error naming the install command before any download
     if not is_gguf(ref):
         raise ModelNotFound(f"the llamacpp backend runs GGUF files: pass a built-in name ({', '.join(BUILTINS)}) "
                             f"or a .gguf file, not {ref!r}")
     gguf = gguf_file(ref)
+    # the file's tokenizer, converted once (the transformers backend's own: identical ids and template)
+    digest = BUILTINS[ref].sha256 if ref in BUILTINS else sha256_of(gguf)  # a built-in's: checked when extracted
     with transformers_progress_bars(False):
-        if ref in BUILTINS:  # the transformers backend's tokenizer: identical ids and template
-            digest = BUILTINS[ref].sha256  # checked when it was extracted
-            tokenizer = AutoTokenizer.from_pretrained(str(ensure_builtin(BUILTINS[ref])))
-        else:
-            digest = sha256_of(gguf)
-            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        tokenizer = AutoTokenizer.from_pretrained(str(ensure_tokenizer(ref, digest)))
     folder = cache_dir() / "gguf-weights" / f"{gguf.stem}-{digest[:16]}"
     chosen = choose_weights(gguf, weights, folder, threads)
     more = {} if sequences is None else {"sequences": sequences}

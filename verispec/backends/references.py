@@ -324,6 +324,37 @@ def _run_onto_stderr(cmd: list[str]) -> int:
     return subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr).returncode
 
 
+def ensure_tokenizer(ref: str, digest: str | None = None) -> Path:
+    """A folder with the tokenizer of GGUF source ``ref`` (a built-in name or a .gguf file): the converted model's
+    when it is here, else the tokenizer alone, converted from the file once and cached (seconds, where converting
+    the whole model to float32 takes minutes and gigabytes: the engines that run the file need only this). ``digest``:
+    the file's sha256 when the caller has it."""
+    from transformers import AutoTokenizer
+
+    if ref in BUILTINS:
+        converted = cache_dir() / "models" / ref
+        if (converted / "config.json").exists():
+            return converted
+        gguf, key = builtin_gguf(BUILTINS[ref]), BUILTINS[ref].sha256[:16]
+    else:
+        gguf = Path(ref).expanduser()
+        key = (digest or sha256_of(gguf))[:16]
+    target = cache_dir() / "tokenizers" / f"{gguf.stem}-{key}"
+    if not (target / "tokenizer_config.json").exists():
+        with transformers_progress_bars(False):
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        tokenizer.save_pretrained(partial)
+        try:
+            partial.rename(target)
+        except OSError:
+            if not (target / "tokenizer_config.json").exists():
+                raise
+            shutil.rmtree(partial, ignore_errors=True)  # another process finished first
+    return target
+
+
 def ensure_converted_gguf(path: Path) -> Path:
     """A .gguf file converted to a cached safetensors folder, keyed by the file's content hash."""
     key = sha256_of(path)[:16]
