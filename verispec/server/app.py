@@ -47,6 +47,21 @@ from .schemas import (IGNORED, UNSUPPORTED_UNLESS, ChatCompletion, ChatRequest, 
 log = logging.getLogger("verispec.server")
 
 
+class Slot(dict):
+    """A slot's decoders by drafter name; those of deferred drafters are built on the slot's first request for them
+    (a slot is used by one request at a time)."""
+
+    def __init__(self, later: dict):
+        super().__init__()
+        self._later = later
+
+    def __missing__(self, name: str) -> SpeculativeDecoder:
+        if name not in self._later:
+            raise KeyError(name)
+        built = self[name] = self._later.pop(name)()
+        return built
+
+
 @dataclass
 class Plan:
     """A request checked and not yet tokenized: what its jobs will be."""
@@ -98,9 +113,15 @@ class Server:
 
     def _make_slot(self) -> dict[str, SpeculativeDecoder]:
         config = self.config
-        slot = {NONE: SpeculativeDecoder(self.target, None, k=config.k, k_policy=config.k_policy)}
+
+        def decoder(factory):
+            return lambda: SpeculativeDecoder(self.target, factory(), k=config.k, k_policy=config.k_policy)
+
+        slot = Slot({name: decoder(factory) for name, factory in config.drafters.items() if name in config.deferred})
+        slot[NONE] = SpeculativeDecoder(self.target, None, k=config.k, k_policy=config.k_policy)
         for name, factory in config.drafters.items():
-            slot[name] = SpeculativeDecoder(self.target, factory(), k=config.k, k_policy=config.k_policy)
+            if name not in config.deferred:
+                slot[name] = decoder(factory)()
         return slot
 
     async def speculation_on(self) -> bool:

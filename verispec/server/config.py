@@ -213,6 +213,7 @@ class LocalSwitch:
 class ServerConfig:
     target: TargetModel
     drafters: dict[str, Callable[[], Drafter]]  # name -> factory of a fresh drafter (one per slot)
+    deferred: frozenset[str] = frozenset()  # drafters built on a slot's first request for them (their model loads then)
     default_drafter: str = "ngram"
     k: int = 8
     k_policy: str = COST
@@ -271,11 +272,21 @@ def build_server_config(options: ServeOptions) -> ServerConfig:
     features = {"features": layer_states} if engine.takes("features") else {}
     target = load_model(options.target, backend=engine.name, **load, **features)
     draft_ref = options.draft_model or default_draft(options.target)  # a built-in target's own draft
-    draft = load_model(draft_ref, backend=engine.name, **load) if draft_ref else None
+    # loaded now when named or when the default drafter drafts with it; a built-in target's sibling otherwise waits
+    # for the first request that asks for it (a start never pays for a model no request may use)
+    wanted = bool(options.draft_model) or (options.drafter != NONE and get_spec(options.drafter).needs_draft_model)
+    draft = load_model(draft_ref, backend=engine.name, **load) if draft_ref and wanted else None
+    later = _Later(lambda: load_model(draft_ref, backend=engine.name, **load)) if draft_ref and not wanted else None
     drafters: dict[str, Callable[[], Drafter]] = {}
+    deferred = set()
     for spec in drafter_specs():
         opts = options_from(options, spec.name)
         asked = spec.name == options.drafter or bool(opts)
+        if spec.needs_draft_model and later is not None and spec.runs_on(target) and spec.offered_by_default \
+                and not (options.max_batch > 1 and spec.drafts_trees(opts)):
+            drafters[spec.name] = lambda spec=spec, opts=opts: spec.build(target, later(), **opts)
+            deferred.add(spec.name)
+            continue
         # on llama.cpp heads load a transformers copy of the embeddings: only those asked for (and inner layers only
         # where the target returns them: layer inputs, or the callback it was loaded with)
         borrows = getattr(target, "final_feature_layer", None) is not None
@@ -300,7 +311,7 @@ def build_server_config(options: ServeOptions) -> ServerConfig:
 
         compile_job = BackgroundCompile(target, options.target)
     return ServerConfig(
-        target=target, drafters=drafters, compile_job=compile_job, default_drafter=options.drafter, k=options.k, k_policy=options.k_policy,
+        target=target, drafters=drafters, deferred=frozenset(deferred), compile_job=compile_job, default_drafter=options.drafter, k=options.k, k_policy=options.k_policy,
         served_model_name=options.served_model_name, max_batch=options.max_batch,
         max_concurrency=options.max_concurrency, prefill_chunk=options.prefill_chunk, max_queue=options.max_queue,
         default_max_tokens=options.default_max_tokens, max_tokens_limit=options.max_tokens_limit,
@@ -312,3 +323,19 @@ def build_server_config(options: ServeOptions) -> ServerConfig:
         queue_timeout=options.queue_timeout, shutdown_grace=options.shutdown_grace,
         window_seconds=options.acceptance_window, speculation=not options.speculation_off,
     )
+
+
+class _Later:
+    """A value made on first use, once, whichever thread asks first (the others wait for it)."""
+
+    def __init__(self, make: Callable[[], Any]):
+        import threading
+
+        self._make, self._lock, self._value = make, threading.Lock(), None
+
+    def __call__(self) -> Any:
+        with self._lock:
+            if self._value is None:
+                log.warning("loading the draft model on the first request that drafts with it ...")
+                self._value = self._make()
+            return self._value
