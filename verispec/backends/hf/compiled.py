@@ -302,11 +302,14 @@ class CompiledStep:
         missing = compile_store.compiler_missing()
         if missing:
             raise RuntimeError(missing)
+        from ..steps import step
+
         pending = cls(None, model, 0.0, loaded=False, path=path, widths=widths)
-        log.warning("compiling %s of %s (about two minutes on 2 cores, once per model and machine) ...",
-                    pending.what, name or "the model")
-        exported = _export(shadow) if width == 1 else _export(shadow, widths=widths)
-        compile_store.save(exported, path, key, name)
+        size = sum(t.numel() * t.element_size() for t in shadow.state_dict().values())
+        with step(f"compiling {pending.what} of {name or 'the model'} (once per model and machine)",
+                  f"compile-{'step' if width == 1 else 'verify'}", size):
+            exported = _export(shadow) if width == 1 else _export(shadow, widths=widths)
+            compile_store.save(exported, path, key, name)
         runner = compile_store.load(path)
         if runner is None:
             raise RuntimeError(f"the compiled pass written to {path} does not load")
