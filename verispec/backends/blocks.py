@@ -9,7 +9,7 @@ Matrices of other types (F16, Q2_K, ...) stay float32 linears and the load says 
 
 Numbers: activations are quantized per 32 values to int8 (as llama.cpp quantizes them) and every product is exact
 integer arithmetic combined in one fixed order, so a row's logits do not depend on the pass width; attention runs
-the width-invariant scheme of ``verispec.backends.hf.invariant`` in float32, so a verify pass's rows are the bits of
+each row alone on the native kernel (``verispec.backends.hf.row_attention``), so a verify pass's rows are the bits of
 one-token steps and greedy speculation equals plain decoding by construction. Quality against the file's float32
 values and llama.cpp's: docs/kernels.md.
 """
@@ -43,6 +43,7 @@ class BlockLinear(nn.Module):
         self.in_features, self.out_features = in_features, blocks.shape[0]
         self.register_buffer("blocks", blocks.contiguous(), persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+        self._matrix = blockmm.Matrix(self.blocks, self.kind, in_features)
 
     @property
     def weight(self) -> torch.Tensor:
@@ -55,7 +56,9 @@ class BlockLinear(nn.Module):
         return torch.from_numpy(values.reshape(self.out_features, self.in_features))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = blockmm.matmul(x, self.blocks, self.kind)
+        if self._matrix.blocks is not self.blocks:  # the buffer was replaced (``_apply``, a load): check it again
+            self._matrix = blockmm.Matrix(self.blocks, self.kind, self.in_features)
+        y = self._matrix(x)
         if self.bias is not None:
             y = y + self.bias
         return y.to(x.dtype)
@@ -115,7 +118,7 @@ class BlocksModel(LoadedModel):
     @property
     def linear_kernel(self) -> str:
         isa = blockmm.isa() if blockmm.available() else "unavailable"
-        return f"verispec block kernel ({isa})" + ("; width-invariant attention" if self.width_invariant else "")
+        return f"verispec block kernel ({isa})" + ("; native row attention" if self.width_invariant else "")
 
     def compile_step(self, cached_only: bool = False) -> bool:
         return False  # nothing compiled: the kernel is the step's cost
@@ -168,19 +171,19 @@ def load(ref: str, threads: int | None = None) -> BlocksModel:
 def on_blocks(loaded: LoadedModel, rows, name: str = "the model") -> BlocksModel:
     """``loaded`` (a float32 transformers model whose matrices hold the file's values) with its linear layers on the
     file's blocks (``rows``, a ``GGUFRows``) and width-invariant attention."""
-    from .hf.invariant import WIDTH_INVARIANT_ATTENTION
     from .hf.masks import sliding_window
+    from .hf.row_attention import ROW_ATTENTION
 
     swapped = swap_linears(loaded.model, rows)
     if not swapped.kinds:
         raise InvalidRequest(f"{name}: none of its matrices is in a block type the native kernel multiplies "
                              f"({', '.join(blockmm.TYPES)}); use --backend llamacpp or openvino")
-    # rows independent of the pass width: the invariant attention (float32 here) beside the row-invariant kernel;
-    # models with sliding-window layers or soft-capped attention keep SDPA (the invariant scheme covers neither)
+    # rows independent of the pass width: the native row attention beside the row-invariant kernel; models with
+    # sliding-window layers or soft-capped attention keep SDPA (the row scheme covers neither)
     config = loaded.model.config
     invariant = sliding_window(config) is None and not getattr(config, "attn_logit_softcapping", None)
     if invariant:
-        loaded.model.set_attn_implementation(WIDTH_INVARIANT_ATTENTION)
+        loaded.model.set_attn_implementation(ROW_ATTENTION)
     return BlocksModel(model=loaded.model, tokenizer=loaded.tokenizer, name=loaded.name, dtype=torch.float32,
                        eos_token_ids=loaded.eos_token_ids, pack_requested=False, width_invariant=invariant,
                        swapped=swapped)

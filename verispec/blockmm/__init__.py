@@ -92,6 +92,14 @@ def _require() -> None:
         raise RuntimeError(why_unavailable())
 
 
+def _check(blocks: torch.Tensor, t: BlockType, K: int) -> None:
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous():
+        raise ValueError("blocks must be a contiguous uint8 tensor [rows, bytes a row]")
+    if blocks.shape[1] != t.row_bytes(K):
+        raise ValueError(f"x has {K} columns but each {t.name} row of the weight holds "
+                         f"{blocks.shape[1] // t.bytes * t.weights}")
+
+
 def matmul(x: torch.Tensor, blocks: torch.Tensor, kind: str | BlockType, threads: int | None = None,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """y [..., N] = x [..., K] W^T, W [N, K] held as GGUF blocks ``blocks`` (uint8 [N, bytes a row]) of type ``kind``.
@@ -99,13 +107,9 @@ def matmul(x: torch.Tensor, blocks: torch.Tensor, kind: str | BlockType, threads
     x is read as float32; y is float32."""
     _require()
     t = block_type(kind) if isinstance(kind, str) else kind
-    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous():
-        raise ValueError("blocks must be a contiguous uint8 tensor [rows, bytes a row]")
     K = x.shape[-1]
     N = blocks.shape[0]
-    if blocks.shape[1] != t.row_bytes(K):
-        raise ValueError(f"x has {K} columns but each {t.name} row of the weight holds "
-                         f"{blocks.shape[1] // t.bytes * t.weights}")
+    _check(blocks, t, K)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, K)
     if x2.dtype != torch.float32 or not x2.is_contiguous():
@@ -117,5 +121,62 @@ def matmul(x: torch.Tensor, blocks: torch.Tensor, kind: str | BlockType, threads
     return y.reshape(*lead, N)
 
 
-__all__ = ["TYPES", "available", "best_isa", "block_type", "default_threads", "isa", "matmul", "set_isa", "set_threads",
-           "why_unavailable"]
+class Matrix:
+    """One matrix checked once for many products (a decoding pass makes ~200: ``matmul``'s checks cost more than a
+    small one's arithmetic): ``Matrix(blocks, kind, K)(x)`` is ``matmul(x, blocks, kind)``."""
+
+    def __init__(self, blocks: torch.Tensor, kind: str | BlockType, in_features: int):
+        _require()
+        self.type = block_type(kind) if isinstance(kind, str) else kind
+        _check(blocks, self.type, in_features)
+        self.blocks, self.K, self.N = blocks, in_features, blocks.shape[0]
+        self._args = (self.type.ggml_id, blocks.data_ptr(), self.N, self.K, blocks.shape[1])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.K:
+            raise ValueError(f"x has {x.shape[-1]} columns; this matrix multiplies {self.K}")
+        x2 = x.reshape(-1, self.K)
+        if x2.dtype != torch.float32 or not x2.is_contiguous():
+            x2 = x2.float().contiguous()
+        y = torch.empty(x2.shape[0], self.N, dtype=torch.float32)
+        kind, w, N, K, row_bytes = self._args
+        _native.matmul(kind, x2.data_ptr(), w, y.data_ptr(), x2.shape[0], N, K, row_bytes,
+                       _threads or default_threads())
+        return y.reshape(*x.shape[:-1], N)
+
+
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, counts: torch.Tensor,
+           index: torch.Tensor | None = None, scale: float | None = None, threads: int | None = None) -> torch.Tensor:
+    """Causal attention computed one query row at a time, each over its own keys: row i of a pass gets the same bits
+    whatever the other rows, the thread count or the instruction set (``attend_body.inc``).
+
+    ``query`` [B, H, R, D], ``key`` / ``value`` [B, Hkv, L, D] float32 (H a multiple of Hkv: query head h reads KV
+    head h // (H // Hkv)); row (b, r) sees ``counts[b, r]`` keys: the first ones, or those at ``index[b, r, :count]``
+    in that order. Returns [B, R, H, D] (transformers' attention output layout)."""
+    _require()
+    B, H, R, D = query.shape
+    Hkv, L = key.shape[1], key.shape[2]
+    if key.shape != value.shape or key.shape[0] != B or key.shape[3] != D or H % Hkv:
+        raise ValueError(f"attention shapes do not match: query {tuple(query.shape)}, key {tuple(key.shape)}, "
+                         f"value {tuple(value.shape)}")
+    if any(t.dtype != torch.float32 for t in (query, key, value)) or key.stride(3) != 1 or value.stride(3) != 1:
+        raise ValueError("attend needs float32 query, key and value with contiguous rows")
+    counts = counts.to(torch.int32).reshape(B, R).contiguous()
+    longest = int(counts.max())
+    if int(counts.min()) < 1 or (index is None and longest > L):
+        raise ValueError(f"each row must see 1..{L} keys (counts {counts.tolist()})")
+    if index is not None:
+        index = index.to(torch.int32).reshape(B, R, -1).contiguous()
+        if index.shape[2] < longest or (index.numel() and (int(index.min()) < 0 or int(index.max()) >= L)):
+            raise ValueError(f"index must name each row's keys among the {L} columns")
+    q = query.contiguous()
+    out = torch.empty(B, R, H, D, dtype=torch.float32)
+    _native.attend(q.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), B, H, Hkv, R, D, key.stride(0),
+                   key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2), counts.data_ptr(),
+                   0 if index is None else index.data_ptr(), 0 if index is None else index.shape[2],
+                   float(D ** -0.5 if scale is None else scale), threads or default_threads())
+    return out
+
+
+__all__ = ["TYPES", "Matrix", "attend", "available", "best_isa", "block_type", "default_threads", "isa", "matmul", "set_isa",
+           "set_threads", "why_unavailable"]

@@ -339,12 +339,24 @@ constexpr int NR = 4;  // weight rows unpacked together: each activation chunk l
 bool g_fused_off = false;
 inline bool fused_off() { return g_fused_off; }
 
+typedef float vs_f8 __attribute__((vector_size(32)));  // eight float lanes (attend_body.inc)
+typedef int32_t vs_i8 __attribute__((vector_size(32)));
+
+#define VS_ATTEND_TARGET
+namespace portable {
+#include "attend_body.inc"
+}  // namespace portable
+#undef VS_ATTEND_TARGET
+
 #if VS_X86
 // The SIMD paths: one body (simd_body.inc) compiled for each instruction set, each function marked with its target so
 // the rest of the library stays baseline x86-64 and runs on any CPU.
 #define VS_TARGET __attribute__((target("avx2,fma,f16c")))
 #define VS_USE_VNNI 0
 namespace avx2 {
+#define VS_ATTEND_TARGET VS_TARGET
+#include "attend_body.inc"
+#undef VS_ATTEND_TARGET
 #include "simd_body.inc"
 }
 #undef VS_TARGET
@@ -352,6 +364,9 @@ namespace avx2 {
 #define VS_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 #define VS_USE_VNNI 1
 namespace vnni {
+#define VS_ATTEND_TARGET VS_TARGET
+#include "attend_body.inc"
+#undef VS_ATTEND_TARGET
 #include "simd_body.inc"
 }
 #undef VS_TARGET
@@ -515,6 +530,37 @@ void matmul(int kind, const float* x, const uint8_t* W, float* y, int M, int N, 
     g_pool->run(threads, task);
 }
 
+// Attention for R query rows of B sequences: q [B, H, R, D] (contiguous), k / v [B, Hkv, *, D] with the given strides
+// (in floats), out [B, R, H, D]; row (b, r) sees counts[b * R + r] keys, at rows idx[(b * R + r) * idx_len ...] when
+// idx is given, else the first ones. Query head h reads KV head h / (H / Hkv). Threads split the (b, r, h) rows.
+void attend(const float* q, const float* k, const float* v, float* out, int B, int H, int Hkv, int R, int D,
+            int64_t kb, int64_t kh, int64_t ks, int64_t vb, int64_t vh, int64_t vs, const int32_t* counts,
+            const int32_t* idx, int idx_len, float scale, int threads, int isa) {
+    const int groups = H / Hkv, units = B * R * H;
+    int longest = 1;
+    for (int u = 0; u < B * R; u++) longest = std::max(longest, (int)counts[u]);
+    threads = std::max(1, std::min(threads, units));
+    auto row_fn = portable::attend_row;
+#if VS_X86
+    if (isa == ISA_VNNI) row_fn = vnni::attend_row;
+    else if (isa == ISA_AVX2) row_fn = avx2::attend_row;
+#endif
+    auto task = [&](int id, int width) {
+        std::vector<float> s((size_t)longest);
+        const int u0 = (int)((int64_t)units * id / width), u1 = (int)((int64_t)units * (id + 1) / width);
+        for (int u = u0; u < u1; u++) {
+            const int h = u % H, br = u / H, b = br / R, r = br % R;
+            const int kvh = h / groups;
+            row_fn(q + (((int64_t)b * H + h) * R + r) * D, k + b * kb + kvh * kh, v + b * vb + kvh * vh, ks, vs,
+                   idx ? idx + (int64_t)br * idx_len : nullptr, counts[br], D, scale,
+                   out + (((int64_t)b * R + r) * H + h) * D, s.data());
+        }
+    };
+    std::lock_guard<std::mutex> lock(g_call);
+    if (!g_pool) g_pool = new Pool();
+    g_pool->run(threads, task);
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // Python module
 
@@ -545,6 +591,27 @@ PyObject* py_matmul(PyObject*, PyObject* args) {
     Py_RETURN_NONE;
 }
 
+PyObject* py_attend(PyObject*, PyObject* args) {
+    unsigned long long qp, kp, vp, op, cp, ip;
+    int B, H, Hkv, R, D, idx_len, threads;
+    long long kb, kh, ks, vb, vh, vs;
+    float scale;
+    if (!PyArg_ParseTuple(args, "KKKKiiiiiLLLLLLKKifi", &qp, &kp, &vp, &op, &B, &H, &Hkv, &R, &D, &kb, &kh, &ks, &vb,
+                          &vh, &vs, &cp, &ip, &idx_len, &scale, &threads))
+        return nullptr;
+    if (B <= 0 || R <= 0 || H <= 0 || Hkv <= 0 || H % Hkv != 0 || D <= 0 || D % 8 != 0) {
+        PyErr_Format(PyExc_ValueError, "bad attention shape: B=%d H=%d Hkv=%d R=%d D=%d (D a multiple of 8, H of Hkv)",
+                     B, H, Hkv, R, D);
+        return nullptr;
+    }
+    const int isa = g_isa;
+    Py_BEGIN_ALLOW_THREADS
+    attend((const float*)qp, (const float*)kp, (const float*)vp, (float*)op, B, H, Hkv, R, D, kb, kh, ks, vb, vh, vs,
+           (const int32_t*)cp, ip ? (const int32_t*)ip : nullptr, idx_len, scale, threads, isa);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 PyObject* py_isa(PyObject*, PyObject*) { return PyUnicode_FromString(ISA_NAMES[g_isa]); }
 PyObject* py_best_isa(PyObject*, PyObject*) { return PyUnicode_FromString(ISA_NAMES[g_best]); }
 
@@ -564,6 +631,9 @@ PyObject* py_set_isa(PyObject*, PyObject* args) {
 PyMethodDef METHODS[] = {
     {"matmul", py_matmul, METH_VARARGS,
      "matmul(kind, x_ptr, w_ptr, y_ptr, M, N, K, row_bytes, threads): y[M, N] = x[M, K] W[N, K]^T on W's GGUF blocks"},
+    {"attend", py_attend, METH_VARARGS,
+     "attend(q, k, v, out, B, H, Hkv, R, D, kb, kh, ks, vb, vh, vs, counts, idx, idx_len, scale, threads): each query "
+     "row's causal attention over its own keys, alone (row-invariant)"},
     {"isa", py_isa, METH_NOARGS, "the instruction set in use"},
     {"best_isa", py_best_isa, METH_NOARGS, "the best instruction set this CPU runs"},
     {"set_isa", py_set_isa, METH_VARARGS, "use another instruction set (scalar, avx2, avx512vnni), at most the best"},

@@ -1,0 +1,78 @@
+"""Attention on verispec's native row kernel (``verispec.blockmm.attend``): the blocks backend's attention.
+
+Each query row is computed alone over exactly the keys it sees, in the order a chain of one-token steps would have
+them, by one C++ routine whose operations do not depend on the other rows, the thread count or the instruction set.
+So a verify pass's rows are the bits of one-token steps, token-tree nodes those of the steps along their branch,
+and batched rows those of their sequences alone, with no padding to key buckets and no Python loop over rows (the
+float32 scheme of ``verispec.backends.hf.invariant`` it replaces in the blocks backend needed both). float32 only;
+other dtypes, or a CPU without the native module, take ``width_invariant_attention``, and passes with any other mask
+SDPA, as there.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from ... import blockmm
+from .invariant import RowKeys, width_invariant_attention, width_invariant_mask
+
+ROW_ATTENTION = "verispec_rows"
+
+
+@functools.lru_cache(maxsize=64)
+def _causal_counts(length: int, rows: int) -> torch.Tensor:
+    """Keys each row sees in one sequence's plain causal pass: row i of the last ``rows`` sees length - rows + i + 1."""
+    return torch.arange(length - rows + 1, length + 1, dtype=torch.int32)[None]
+
+
+_last: tuple[RowKeys | None, int, tuple[torch.Tensor, torch.Tensor | None] | None] = (None, 0, None)
+
+
+def _layout(rows: RowKeys, batch: int, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(counts [batch, width], index [batch, width, keys] or None) for a pass laid out by ``RowKeys``; built once a
+    pass (every layer asks with the same object)."""
+    global _last
+    if _last[0] is rows and _last[1] == width:
+        return _last[2]
+    if rows.lengths is not None:  # a batch: row r of sequence b sits at its position n_b - width + r
+        lengths = torch.tensor(rows.lengths, dtype=torch.int32)[:, None]
+        layout = (lengths - width + 1 + torch.arange(width, dtype=torch.int32)[None, :], None)
+    else:
+        widest = max(keys for keys, *_ in rows.groups)
+        counts = torch.ones(batch, width, dtype=torch.int32)
+        index = torch.zeros(batch, width, widest, dtype=torch.int32)
+        for keys, b, i, columns, hidden in rows.groups:
+            counts[b, i] = (~hidden).sum(-1).to(torch.int32)
+            index[b, i, :keys] = columns.masked_fill(hidden, 0).to(torch.int32)
+        layout = (counts, index)
+    _last = (rows, width, layout)
+    return layout
+
+
+def row_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                  verispec_keys: RowKeys | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature; ``query`` [batch, heads, rows, dim], ``key`` / ``value``
+    [batch, kv_heads, keys, dim]; returns [batch, rows, heads, dim]."""
+    if query.dtype != torch.float32 or dropout or not blockmm.available():
+        return width_invariant_attention(module, query, key, value, attention_mask, dropout, scaling,
+                                         verispec_keys=verispec_keys, **kwargs)
+    batch, _, rows, dim = query.shape
+    scale = scaling if scaling is not None else dim ** -0.5
+    if verispec_keys is not None:
+        counts, index = _layout(verispec_keys, batch, rows)
+    elif attention_mask is None and batch == 1:
+        counts, index = _causal_counts(key.shape[2], rows), None
+    else:
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, dropout=dropout,
+                                              scaling=scaling, **kwargs)
+    return blockmm.attend(query, key, value, counts, index, scale), None
+
+
+AttentionInterface.register(ROW_ATTENTION, row_attention)
+AttentionMaskInterface.register(ROW_ATTENTION, width_invariant_mask)
