@@ -5,9 +5,23 @@ another platform) the install goes on without it and the engines that need it sa
 Instruction sets are chosen at run time, so the build is the same on every x86-64 CPU (no -march=native).
 """
 
-from setuptools import Extension, setup
+from pathlib import Path
 
-setup(ext_modules=[Extension(
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+
+class BuildExt(build_ext):
+    """Deletes a kernel an earlier build left in the source tree before building: where this build fails (the kernel
+    is optional), the stale one would otherwise still import, with the old code."""
+
+    def run(self):
+        for stale in (Path(__file__).parent / "verispec" / "blockmm").glob("_native*.so"):
+            stale.unlink()
+        super().run()
+
+
+setup(cmdclass={"build_ext": BuildExt}, ext_modules=[Extension(
     "verispec.blockmm._native",
     sources=["verispec/blockmm/_native.cpp"],
     depends=["verispec/blockmm/simd_body.inc", "verispec/blockmm/attend_body.inc"],

@@ -59,7 +59,7 @@ def row_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
                   verispec_keys: RowKeys | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature; ``query`` [batch, heads, rows, dim], ``key`` / ``value``
     [batch, kv_heads, keys, dim]; returns [batch, rows, heads, dim]."""
-    if query.dtype != torch.float32 or dropout or not blockmm.available():
+    if query.dtype != torch.float32 or key.dtype != torch.float32 or dropout or not blockmm.available():
         return width_invariant_attention(module, query, key, value, attention_mask, dropout, scaling,
                                          verispec_keys=verispec_keys, **kwargs)
     batch, _, rows, dim = query.shape
@@ -71,7 +71,10 @@ def row_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
     else:
         return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask, dropout=dropout,
                                               scaling=scaling, **kwargs)
-    return blockmm.attend(query, key, value, counts, index, scale), None
+    if key.stride(3) != 1 or value.stride(3) != 1:
+        key, value = key.contiguous(), value.contiguous()
+    # the layouts above are built right: the checks of blockmm.attend would cost more than a short row's arithmetic
+    return blockmm._attend(query, key, value, counts, index, scale, None), None
 
 
 AttentionInterface.register(ROW_ATTENTION, row_attention)
