@@ -120,3 +120,13 @@ def test_bad_input_is_named():
         blockmm.matmul(torch.randn(1, 64), raw.float(), "Q4_0")
     with pytest.raises(ValueError, match="not available on this CPU|scalar"):
         blockmm.set_isa("nonsense")
+
+
+def test_a_missing_native_module_is_named_as_missing_not_as_a_circular_import():
+    from verispec.blockmm import _describe
+
+    missing = ImportError("cannot import name '_native' from partially initialized module 'verispec.blockmm' (most "
+                          "likely due to a circular import) (/x/verispec/blockmm/__init__.py)")
+    assert _describe(missing).startswith("no compiled _native module in ")
+    other = ImportError("libstdc++.so.6: version `GLIBCXX_3.4.32' not found")
+    assert _describe(other) == str(other)

@@ -19,12 +19,23 @@ import torch
 
 from .formats import TYPES, BlockType, block_type
 
+
+
+def _describe(error: ImportError) -> str:
+    """Why the native module did not import, in words: Python words a missing extension module imported from its
+    own package as a "partially initialized module ... (most likely due to a circular import)"."""
+    text = str(error)
+    if "_native" in text and "partially initialized" in text:
+        return f"no compiled _native module in {os.path.dirname(__file__)}"
+    return text
+
+
 try:
     from . import _native
     _IMPORT_ERROR: str | None = None
 except ImportError as e:  # not built (no compiler at install, or another platform)
     _native = None
-    _IMPORT_ERROR = str(e)
+    _IMPORT_ERROR = _describe(e)
 
 THREADS_ENV = "VERISPEC_BLOCKMM_THREADS"
 
