@@ -12,13 +12,16 @@ from setuptools.command.build_ext import build_ext
 
 
 class BuildExt(build_ext):
-    """Deletes a kernel an earlier build left in the source tree before building: where this build fails (the kernel
-    is optional), the stale one would otherwise still import, with the old code."""
+    """Where the kernel fails to build (it is optional), deletes the one an earlier build left in the source tree:
+    it would otherwise still import, with the old code."""
 
-    def run(self):
-        for stale in (Path(__file__).parent / "verispec" / "blockmm").glob("_native*.so"):
-            stale.unlink()
-        super().run()
+    def build_extension(self, ext):
+        try:
+            super().build_extension(ext)
+        except Exception:
+            for stale in (Path(__file__).parent / "verispec" / "blockmm").glob("_native*.so"):
+                stale.unlink()
+            raise
 
 
 setup(cmdclass={"build_ext": BuildExt}, ext_modules=[Extension(
