@@ -180,13 +180,14 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, counts: 
         index = index.to(torch.int32).reshape(B, R, -1).contiguous()
         if index.shape[2] < longest or (index.numel() and (int(index.min()) < 0 or int(index.max()) >= L)):
             raise ValueError(f"index must name each row's keys among the {L} columns")
-    return _attend(query, key, value, counts, index, scale, threads)
+    return attend_unchecked(query, key, value, counts, index, scale, threads)
 
 
-def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, counts: torch.Tensor,
-            index: torch.Tensor | None, scale: float | None, threads: int | None) -> torch.Tensor:
-    """``attend`` without its checks, for callers whose counts and index are built right (the blocks backend's
-    attention: 28 calls a pass)."""
+def attend_unchecked(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, counts: torch.Tensor,
+                     index: torch.Tensor | None, scale: float | None, threads: int | None = None) -> torch.Tensor:
+    """``attend`` without its checks, for callers whose inputs are built right: float32, contiguous rows, int32
+    ``counts`` [B, R] and ``index`` [B, R, n] (the blocks backend's attention, ~30 calls a pass, where the checks cost
+    more than a short row's arithmetic)."""
     B, H, R, D = query.shape
     Hkv = key.shape[1]
     q = query.contiguous()
@@ -198,5 +199,5 @@ def _attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, counts:
     return out
 
 
-__all__ = ["TYPES", "Matrix", "attend", "available", "best_isa", "block_type", "default_threads", "isa", "matmul", "set_isa",
-           "set_threads", "why_unavailable"]
+__all__ = ["TYPES", "Matrix", "attend", "attend_unchecked", "available", "best_isa", "block_type", "default_threads",
+           "isa", "matmul", "set_isa", "set_threads", "why_unavailable"]

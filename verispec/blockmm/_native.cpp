@@ -106,15 +106,20 @@ struct Group {
 
 inline bool is_k(int kind) { return kind == Q4_K || kind == Q5_K || kind == Q6_K; }
 
-// Q4_K / Q5_K: the eight 6-bit scales (bytes 0-7 of out) and minimums (8-15) from 12 bytes (llama.cpp's kmask trick)
-inline void k_scales(const uint8_t* s, uint8_t* out) {
-    uint32_t u[4];
+// Q4_K / Q5_K: the eight 6-bit scales (bytes 0-7 of out, or words 0-1 of u) and minimums (8-15, words 2-3) from 12
+// bytes (llama.cpp's kmask trick)
+inline void k_scale_words(const uint8_t* s, uint32_t* u) {
     std::memcpy(u, s, 12);
     u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
     const uint32_t aux = u[1] & 0x3f3f3f3f;
     u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
     u[2] = aux;
     u[0] &= 0x3f3f3f3f;
+}
+
+inline void k_scales(const uint8_t* s, uint8_t* out) {
+    uint32_t u[4];
+    k_scale_words(s, u);
     std::memcpy(out, u, 16);
 }
 

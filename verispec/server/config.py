@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, Mapping
 
@@ -329,8 +330,6 @@ class _Later:
     """A value made on first use, once, whichever thread asks first (the others wait for it)."""
 
     def __init__(self, make: Callable[[], Any]):
-        import threading
-
         self._make, self._lock, self._value = make, threading.Lock(), None
 
     def __call__(self) -> Any:

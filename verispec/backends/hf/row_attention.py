@@ -30,15 +30,16 @@ def _causal_counts(length: int, rows: int) -> torch.Tensor:
     return torch.arange(length - rows + 1, length + 1, dtype=torch.int32)[None]
 
 
-_last: tuple[RowKeys | None, int, tuple[torch.Tensor, torch.Tensor | None] | None] = (None, 0, None)
+_last: tuple[RowKeys | None, tuple[torch.Tensor, torch.Tensor | None] | None] = (None, None)
 
 
 def _layout(rows: RowKeys, batch: int, width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(counts [batch, width], index [batch, width, keys] or None) for a pass laid out by ``RowKeys``; built once a
-    pass (every layer asks with the same object)."""
+    pass (every layer asks with the same object, which fixes the pass's batch and width)."""
     global _last
-    if _last[0] is rows and _last[1] == width:
-        return _last[2]
+    last_rows, last_layout = _last  # one read: another thread may replace it
+    if last_rows is rows:
+        return last_layout
     if rows.lengths is not None:  # a batch: row r of sequence b sits at its position n_b - width + r
         lengths = torch.tensor(rows.lengths, dtype=torch.int32)[:, None]
         layout = (lengths - width + 1 + torch.arange(width, dtype=torch.int32)[None, :], None)
@@ -50,7 +51,7 @@ def _layout(rows: RowKeys, batch: int, width: int) -> tuple[torch.Tensor, torch.
             counts[b, i] = (~hidden).sum(-1).to(torch.int32)
             index[b, i, :keys] = columns.masked_fill(hidden, 0).to(torch.int32)
         layout = (counts, index)
-    _last = (rows, width, layout)
+    _last = (rows, layout)
     return layout
 
 
@@ -74,7 +75,7 @@ def row_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.T
     if key.stride(3) != 1 or value.stride(3) != 1:
         key, value = key.contiguous(), value.contiguous()
     # the layouts above are built right: the checks of blockmm.attend would cost more than a short row's arithmetic
-    return blockmm._attend(query, key, value, counts, index, scale, None), None
+    return blockmm.attend_unchecked(query, key, value, counts, index, scale), None
 
 
 AttentionInterface.register(ROW_ATTENTION, row_attention)
