@@ -89,6 +89,52 @@ def test_rows_invariant(kind):
         blockmm.set_isa(best)
 
 
+@pytest.mark.parametrize("kind", blockmm.K_TYPES)
+def test_the_one_row_path_and_the_tiles_give_the_same_bits(kind):
+    """One and two rows on the one-weight-row path or on the tiles (what ``choose_paths`` picks between per CPU):
+    the reference's bits, on every instruction set this CPU has."""
+    K = 512
+    raw = random_blocks(kind, 23, K, seed=11)
+    x = activations(2, K, seed=13)
+    want = reference.matmul(x, raw, kind)
+    before, best = blockmm.one_row_limits()[kind], blockmm.best_isa()
+    try:
+        for name in ("avx2", "avx512vnni"):
+            try:
+                blockmm.set_isa(name)
+            except ValueError:
+                continue
+            for limit in (0, 1, 2):
+                blockmm.set_one_row_limit(kind, limit)
+                assert blockmm.one_row_limits()[kind] == limit
+                assert torch.equal(blockmm.matmul(x[:1], raw, kind), want[:1]), (name, limit)
+                assert torch.equal(blockmm.matmul(x, raw, kind), want), (name, limit)
+    finally:
+        blockmm.set_one_row_limit(kind, before)
+        blockmm.set_isa(best)
+
+
+def test_choose_paths_times_both_paths_per_k_type_and_keeps_the_faster():
+    matrices = [blockmm.Matrix(random_blocks(kind, 64, 1024, seed=i), kind, 1024)
+                for i, kind in enumerate(("Q4_K", "Q6_K", "Q4_0"))]
+    before = blockmm.one_row_limits()
+    try:
+        found = blockmm.choose_paths(matrices, rounds=3)
+        assert set(found) == {"Q4_K", "Q6_K"}  # Q4_0 has one path
+        for kind, widths in found.items():
+            (one1, tiles1), (one2, tiles2) = widths[1], widths[2]
+            assert min(one1, tiles1, one2, tiles2) > 0
+            want = 2 if one1 <= tiles1 and one2 <= tiles2 else 1 if one1 <= tiles1 else 0
+            assert blockmm.one_row_limits()[kind] == want
+    finally:
+        for kind, rows in before.items():
+            blockmm.set_one_row_limit(kind, rows)
+    with pytest.raises(ValueError, match="Q4_0 has no one-row path"):
+        blockmm.set_one_row_limit("Q4_0", 1)
+    with pytest.raises(ValueError, match="0..2 rows"):
+        blockmm.set_one_row_limit("Q4_K", 3)
+
+
 @pytest.mark.parametrize("kind", list(TYPES))
 def test_close_to_float_product(kind):
     """Quantizing activations per 32 values costs little: close to x times the dequantized weights."""

@@ -13,7 +13,9 @@ The instruction set is chosen at run time: AVX-512 VNNI where the CPU has it, el
 
 from __future__ import annotations
 
+import mmap
 import os
+from contextlib import contextmanager
 
 import torch
 
@@ -75,6 +77,7 @@ def set_isa(name: str) -> None:
 
 
 _threads: int | None = None
+_held: int | None = None  # default_threads worked out for a block (threads_held)
 
 
 def set_threads(threads: int | None) -> None:
@@ -85,10 +88,25 @@ def set_threads(threads: int | None) -> None:
     _threads = threads
 
 
+@contextmanager
+def threads_held():
+    """Within this block the kernel's thread count is worked out once (``default_threads``), not at each product: a
+    pass makes ~230 calls, and reading the environment and the CPU affinity each time cost ~1 ms of a 75 ms pass."""
+    global _held
+    before = _held
+    _held = default_threads()
+    try:
+        yield
+    finally:
+        _held = before
+
+
 def default_threads() -> int:
     """Threads: as set by ``set_threads``, else VERISPEC_BLOCKMM_THREADS, else the cores this process may use."""
     if _threads is not None:
         return _threads
+    if _held is not None:
+        return _held
     value = os.environ.get(THREADS_ENV)
     if value:
         return max(1, int(value))
@@ -132,6 +150,76 @@ def matmul(x: torch.Tensor, blocks: torch.Tensor, kind: str | BlockType, threads
     return y.reshape(*lead, N)
 
 
+K_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # the types with a one-weight-row path beside the tiles
+
+
+def one_row_limits() -> dict[str, int]:
+    """Per K type, the widest pass (0, 1 or 2 rows) that takes the one-weight-row path; wider ones take the tiles."""
+    _require()
+    return {name: _native.one_row(block_type(name).ggml_id) for name in K_TYPES}
+
+
+def set_one_row_limit(kind: str, rows: int) -> None:
+    """Passes of at most ``rows`` (0..2) rows take the one-weight-row path for K type ``kind``. Speed only: both paths
+    compute the same bits."""
+    _require()
+    if kind not in K_TYPES:
+        raise ValueError(f"{kind} has no one-row path; the K types are {', '.join(K_TYPES)}")
+    _native.set_one_row(block_type(kind).ggml_id, rows)
+
+
+def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[int, tuple[float, float]]]:
+    """Time the one-weight-row path against the tiles on ``matrices`` (a model's own) at 1 and 2 rows, per K type,
+    in interleaved rounds, and keep the faster (``set_one_row_limit``): which wins depends on the CPU (docs/kernels.md)
+    and both give the same bits. Returns {type: {rows: (one-row ms, tiles ms)}}, medians over the rounds."""
+    import statistics
+    import time
+
+    _require()
+    found: dict[str, dict[int, tuple[float, float]]] = {}
+    for kind in K_TYPES:
+        mine = [m for m in matrices if m.type.name == kind]
+        if not mine:
+            continue
+        found[kind] = {}
+        for rows in (1, 2):
+            xs = {m.K: torch.randn(rows, m.K) for m in mine}
+            took: dict[int, list[float]] = {2: [], 0: []}
+            for _ in range(rounds):
+                for limit in took:  # 2: every pass of 1-2 rows on the one-row path; 0: on the tiles
+                    set_one_row_limit(kind, limit)
+                    start = time.perf_counter()
+                    for m in mine:
+                        m(xs[m.K])
+                    took[limit].append((time.perf_counter() - start) * 1e3)
+            found[kind][rows] = (statistics.median(took[2]), statistics.median(took[0]))
+        one_row_wins = [found[kind][rows][0] <= found[kind][rows][1] for rows in (1, 2)]
+        set_one_row_limit(kind, 2 if all(one_row_wins) else 1 if one_row_wins[0] else 0)
+    return found
+
+
+HUGE_PAGE = 2 << 20
+
+
+def weight_buffer(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of zeroed uint8 memory for matrices the kernel streams through, advised to Linux as transparent huge
+    pages (2 MB instead of 4 KB: a one-token pass reads every weight once, and with small pages it also walks ~250,000
+    page-table entries, costly in a virtual machine; measured in docs/kernels.md). Where the advice is not available
+    (another OS, THP switched off) it is plain memory. The tensor keeps the mapping alive."""
+    size = nbytes + HUGE_PAGE  # room to start on a 2 MB boundary, where the kernel can back it with huge pages
+    area = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) if hasattr(mmap, "MAP_ANONYMOUS") \
+        else mmap.mmap(-1, size)
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None:
+        try:
+            area.madvise(advice)
+        except OSError:  # THP not built into this kernel
+            pass
+    whole = torch.frombuffer(area, dtype=torch.uint8)
+    start = -whole.data_ptr() % HUGE_PAGE
+    return whole[start: start + nbytes]
+
+
 class Matrix:
     """One matrix checked once for many products (a decoding pass makes ~200: ``matmul``'s checks cost more than a
     small one's arithmetic): ``Matrix(blocks, kind, K)(x)`` is ``matmul(x, blocks, kind)``."""
@@ -152,7 +240,7 @@ class Matrix:
         y = torch.empty(x2.shape[0], self.N, dtype=torch.float32)
         kind, w, N, K, row_bytes = self._args
         _native.matmul(kind, x2.data_ptr(), w, y.data_ptr(), x2.shape[0], N, K, row_bytes,
-                       _threads or default_threads())
+                       _threads or _held or default_threads())
         return y.reshape(*x.shape[:-1], N)
 
 
@@ -195,7 +283,7 @@ def attend_unchecked(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     _native.attend(q.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), B, H, Hkv, R, D, key.stride(0),
                    key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2), counts.data_ptr(),
                    0 if index is None else index.data_ptr(), 0 if index is None else index.shape[2],
-                   float(D ** -0.5 if scale is None else scale), threads or default_threads())
+                   float(D ** -0.5 if scale is None else scale), threads or _threads or _held or default_threads())
     return out
 
 

@@ -343,6 +343,12 @@ constexpr int NR = 4;  // weight rows unpacked together: each activation chunk l
 // The fused few-row path can be switched off (VERISPEC_BLOCKMM_FUSED=0) to compare it with the buffered one.
 bool g_fused_off = false;
 inline bool fused_off() { return g_fused_off; }
+// Passes of at most g_one_row[kind] rows take the one-weight-row fused path for a K type, wider ones the tiles (AVX2) or
+// tiles / the buffered path (AVX-512). Which is faster depends on the CPU (measured: the one-row path is faster on
+// Zen 5 and for Q6_K on a Sapphire Rapids, 1.7x slower for Q4_K there), and both give the same bits, so the blocks
+// backend times them on its own matrices (blockmm.choose_paths) and sets the limit per type; 2 until then.
+int g_one_row[16] = {2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2};
+inline int one_row_max(int kind) { return g_one_row[kind & 15]; }
 
 typedef float vs_f8 __attribute__((vector_size(32)));  // eight float lanes (attend_body.inc)
 typedef int32_t vs_i8 __attribute__((vector_size(32)));
@@ -633,6 +639,24 @@ PyObject* py_set_isa(PyObject*, PyObject* args) {
     return nullptr;
 }
 
+PyObject* py_set_one_row(PyObject*, PyObject* args) {
+    int kind, rows;
+    if (!PyArg_ParseTuple(args, "ii", &kind, &rows)) return nullptr;
+    if (!is_k(kind) || rows < 0 || rows > 2) {
+        PyErr_Format(PyExc_ValueError, "set_one_row takes a K type (12, 13, 14) and 0..2 rows, not %d and %d", kind,
+                     rows);
+        return nullptr;
+    }
+    g_one_row[kind] = rows;
+    Py_RETURN_NONE;
+}
+
+PyObject* py_one_row(PyObject*, PyObject* args) {
+    int kind;
+    if (!PyArg_ParseTuple(args, "i", &kind)) return nullptr;
+    return PyLong_FromLong(is_k(kind) ? g_one_row[kind] : 0);
+}
+
 PyMethodDef METHODS[] = {
     {"matmul", py_matmul, METH_VARARGS,
      "matmul(kind, x_ptr, w_ptr, y_ptr, M, N, K, row_bytes, threads): y[M, N] = x[M, K] W[N, K]^T on W's GGUF blocks"},
@@ -640,6 +664,9 @@ PyMethodDef METHODS[] = {
      "attend(q, k, v, out, B, H, Hkv, R, D, kb, kh, ks, vb, vh, vs, counts, idx, idx_len, scale, threads): each query "
      "row's causal attention over its own keys, alone (row-invariant)"},
     {"isa", py_isa, METH_NOARGS, "the instruction set in use"},
+    {"set_one_row", py_set_one_row, METH_VARARGS,
+     "set_one_row(kind, rows): passes of at most rows rows take the one-weight-row path for this K type (0..2)"},
+    {"one_row", py_one_row, METH_VARARGS, "one_row(kind): the rows up to which this K type takes the one-row path"},
     {"best_isa", py_best_isa, METH_NOARGS, "the best instruction set this CPU runs"},
     {"set_isa", py_set_isa, METH_VARARGS, "use another instruction set (scalar, avx2, avx512vnni), at most the best"},
     {nullptr, nullptr, 0, nullptr}};
