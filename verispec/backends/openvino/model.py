@@ -549,7 +549,8 @@ def format_crashes(ref: str, weights: str, threads: int, kv_precision: str | Non
     from ..probe import probe
 
     code = (f"from verispec.backends.openvino.model import load\n"
-            f"m = load({ref!r}, {weights!r}, {threads}, {kv_precision!r}, {attention!r}, static_widths=())\n"
+            f"m = load({ref!r}, {weights!r}, {threads}, {kv_precision!r}, {attention!r}, static_widths=(), "
+            f"probe=False)\n"
             f"m.forward(m.new_kv(), [1, 2, 3, 4])\n")
     key = {"openvino": get_version(), "model": export_dir(ref, "fp32").name, "weights": weights, "threads": threads,
            "kv": kv_precision, "attention": attention}
@@ -567,7 +568,7 @@ def default_kv(weights: str) -> str:
 
 def load(ref: str, weights: str = "as-is", threads: int | None = None, kv_precision: str | None = None,
          attention: str = "paged", min_width: int | None = None,
-         static_widths: tuple[int, ...] | str | None = None) -> OpenVINOModel:
+         static_widths: tuple[int, ...] | str | None = None, probe: bool = True) -> OpenVINOModel:
     """A model reference exported once to OpenVINO (see ``verispec.load_model``); ``weights="auto"`` times fp32,
     fp16 and bf16 (where the CPU has it) once and runs the fastest for speculation. ``kv_precision`` defaults to
     ``default_kv(weights)``; ``attention="masked"`` runs the stateful graph for every pass (paged attention, the
@@ -575,7 +576,9 @@ def load(ref: str, weights: str = "as-is", threads: int | None = None, kv_precis
     pads one-token passes so that greedy speculation is bitwise identical to plain decoding (1 runs them unpadded;
     see ``OpenVINOModel``); ``static_widths`` are the widths one-sequence passes are padded up to and run on
     graphs of static shapes (default, or ``"auto"``: ``STATIC_WIDTHS``, and ``widths.AUTO_STATIC_EXTRA`` too where they
-    measure cheaper on this CPU; ``()``: the dynamic graph runs every pass)."""
+    measure cheaper on this CPU; ``()``: the dynamic graph runs every pass). bf16, which OpenVINO compiles with
+    kernels that have killed the process on some CPUs, is first run in a child (``format_crashes``) unless ``probe``
+    is False (that child's own load)."""
     from transformers import AutoConfig, AutoTokenizer
 
     from ..hf.model import _eos_ids
@@ -592,6 +595,11 @@ def load(ref: str, weights: str = "as-is", threads: int | None = None, kv_precis
         weights, timings = choose_weights(ref, threads, kv_precision, attention)
         log.info("weights auto -> %s (%s)", weights, timings)
     kv_precision = kv_precision or default_kv(weights)
+    if weights == "bf16" and probe:
+        crashed = format_crashes(ref, weights, threads, kv_precision, attention)
+        if crashed:
+            raise InvalidRequest(f"OpenVINO's bf16 compute kills its process on this CPU ({crashed}, seen in a child "
+                                 "process); use --weights fp32 or fp16 (auto skips bf16 here)")
     folder = export_dir(ref, weights)
     with transformers_progress_bars(False):
         tokenizer = AutoTokenizer.from_pretrained(folder)
