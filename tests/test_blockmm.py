@@ -114,10 +114,26 @@ def test_the_one_row_path_and_the_tiles_give_the_same_bits(kind):
         blockmm.set_isa(best)
 
 
+def test_q6k_wide_passes_give_the_same_bits_on_the_tiles_and_the_buffered_path():
+    K = 512
+    raw = random_blocks("Q6_K", 23, K, seed=17)
+    x = activations(19, K, seed=19)
+    want = reference.matmul(x, raw, "Q6_K")
+    before = blockmm.q6k_tiles()
+    try:
+        for on in (True, False):
+            blockmm.set_q6k_tiles(on)
+            assert blockmm.q6k_tiles() is on
+            for M in (3, 4, 8, 9, 19):
+                assert torch.equal(blockmm.matmul(x[:M], raw, "Q6_K"), want[:M]), (on, M)
+    finally:
+        blockmm.set_q6k_tiles(before)
+
+
 def test_choose_paths_times_both_paths_per_k_type_and_keeps_the_faster():
     matrices = [blockmm.Matrix(random_blocks(kind, 64, 1024, seed=i), kind, 1024)
                 for i, kind in enumerate(("Q4_K", "Q6_K", "Q4_0"))]
-    before = blockmm.one_row_limits()
+    before, q6k_before = blockmm.one_row_limits(), blockmm.q6k_tiles()
     try:
         found = blockmm.choose_paths(matrices, rounds=3)
         assert set(found) == {"Q4_K", "Q6_K"}  # Q4_0 has one path
@@ -126,9 +142,15 @@ def test_choose_paths_times_both_paths_per_k_type_and_keeps_the_faster():
             assert min(one1, tiles1, one2, tiles2) > 0
             want = 2 if one1 <= tiles1 and one2 <= tiles2 else 1 if one1 <= tiles1 else 0
             assert blockmm.one_row_limits()[kind] == want
+        if blockmm.isa() == "avx512vnni":
+            tiles, buffered = found["Q6_K"][8]
+            assert blockmm.q6k_tiles() == (tiles < buffered)
+        else:
+            assert 8 not in found["Q6_K"]
     finally:
         for kind, rows in before.items():
             blockmm.set_one_row_limit(kind, rows)
+        blockmm.set_q6k_tiles(q6k_before)
     with pytest.raises(ValueError, match="Q4_0 has no one-row path"):
         blockmm.set_one_row_limit("Q4_0", 1)
     with pytest.raises(ValueError, match="0..2 rows"):

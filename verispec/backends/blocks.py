@@ -133,6 +133,9 @@ class BlocksModel(LoadedModel):
         limits = blockmm.one_row_limits() if blockmm.available() else {}
         one_row = [kind for kind in sorted(self.swapped.kinds if self.swapped else ()) if limits.get(kind)]
         paths = f"; one-row path for {', '.join(one_row)}" if one_row else ""
+        if limits and "Q6_K" in (self.swapped.kinds if self.swapped else ()) and isa == "avx512vnni" \
+                and blockmm.q6k_tiles():
+            paths += "; Q6_K tiles"
         return f"verispec block kernel ({isa}{paths})" + ("; native row attention" if self.width_invariant else "")
 
     def compile_step(self, cached_only: bool = False) -> bool:
@@ -212,8 +215,9 @@ def _choose_paths(model: nn.Module) -> None:
     found = blockmm.choose_paths([m._matrix for m in model.modules() if isinstance(m, BlockLinear)])
     for kind, widths in found.items():
         log.info("block kernel, %s: %s", kind, "; ".join(
-            f"{rows} row{'s' if rows > 1 else ''}: one-row path {one:.1f} ms, tiles {tiles:.1f} ms a pass"
-            for rows, (one, tiles) in widths.items()))
+            f"{rows} rows: tiles {a:.1f} ms, buffered path {b:.1f} ms a pass" if rows > 2 else
+            f"{rows} row{'s' if rows > 1 else ''}: one-row path {a:.1f} ms, tiles {b:.1f} ms a pass"
+            for rows, (a, b) in widths.items()))
 
 
 register(BackendSpec(

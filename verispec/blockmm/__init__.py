@@ -168,13 +168,42 @@ def set_one_row_limit(kind: str, rows: int) -> None:
     _native.set_one_row(block_type(kind).ggml_id, rows)
 
 
-def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[int, tuple[float, float]]]:
-    """Time the one-weight-row path against the tiles on ``matrices`` (a model's own) at 1 and 2 rows, per K type,
-    in interleaved rounds, and keep the faster (``set_one_row_limit``): which wins depends on the CPU (docs/kernels.md)
-    and both give the same bits. Returns {type: {rows: (one-row ms, tiles ms)}}, medians over the rounds."""
+def q6k_tiles() -> bool:
+    """Whether Q6_K passes wider than its one-row limit take the tiles (else the buffered path; AVX-512 only: the AVX2
+    build always takes the tiles)."""
+    _require()
+    return _native.q6k_tiles()
+
+
+def set_q6k_tiles(on: bool) -> None:
+    """Q6_K passes wider than its one-row limit on the tiles (True) or the buffered path. Speed only (same bits)."""
+    _require()
+    _native.set_q6k_tiles(bool(on))
+
+
+def _time_rounds(settings: dict, apply, matrices: list["Matrix"], rows: int, rounds: int) -> dict:
+    """Median ms of one product per matrix at ``rows`` rows under each setting (``apply(setting)``), interleaved."""
     import statistics
     import time
 
+    xs = {m.K: torch.randn(rows, m.K) for m in matrices}
+    took: dict = {setting: [] for setting in settings}
+    for _ in range(rounds):
+        for setting in settings:
+            apply(setting)
+            start = time.perf_counter()
+            for m in matrices:
+                m(xs[m.K])
+            took[setting].append((time.perf_counter() - start) * 1e3)
+    return {setting: statistics.median(times) for setting, times in took.items()}
+
+
+def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[int, tuple[float, float]]]:
+    """Time the kernel's interchangeable paths on ``matrices`` (a model's own) and keep the faster of each: per K
+    type, the one-weight-row path against the tiles at 1 and 2 rows (``set_one_row_limit``), and on AVX-512 Q6_K's
+    tiles against its buffered path at 8 rows (``set_q6k_tiles``). Which wins depends on the CPU (docs/kernels.md);
+    every path computes the same bits. Returns {type: {rows: (first path's ms, second's)}}: for 1 and 2 rows the
+    one-row path and the tiles, for Q6_K's 8 the tiles and the buffered path; medians of interleaved rounds."""
     _require()
     found: dict[str, dict[int, tuple[float, float]]] = {}
     for kind in K_TYPES:
@@ -182,19 +211,15 @@ def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[in
         if not mine:
             continue
         found[kind] = {}
-        for rows in (1, 2):
-            xs = {m.K: torch.randn(rows, m.K) for m in mine}
-            took: dict[int, list[float]] = {2: [], 0: []}
-            for _ in range(rounds):
-                for limit in took:  # 2: every pass of 1-2 rows on the one-row path; 0: on the tiles
-                    set_one_row_limit(kind, limit)
-                    start = time.perf_counter()
-                    for m in mine:
-                        m(xs[m.K])
-                    took[limit].append((time.perf_counter() - start) * 1e3)
-            found[kind][rows] = (statistics.median(took[2]), statistics.median(took[0]))
+        for rows in (1, 2):  # limit 2: passes of 1-2 rows on the one-row path; 0: on the tiles
+            took = _time_rounds((2, 0), lambda limit: set_one_row_limit(kind, limit), mine, rows, rounds)
+            found[kind][rows] = (took[2], took[0])
         one_row_wins = [found[kind][rows][0] <= found[kind][rows][1] for rows in (1, 2)]
         set_one_row_limit(kind, 2 if all(one_row_wins) else 1 if one_row_wins[0] else 0)
+        if kind == "Q6_K" and isa() == "avx512vnni":
+            took = _time_rounds((True, False), set_q6k_tiles, mine, 8, rounds)
+            found[kind][8] = (took[True], took[False])
+            set_q6k_tiles(took[True] < took[False])
     return found
 
 

@@ -349,6 +349,9 @@ inline bool fused_off() { return g_fused_off; }
 // backend times them on its own matrices (blockmm.choose_paths) and sets the limit per type; 2 until then.
 int g_one_row[16] = {2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2};
 inline int one_row_max(int kind) { return g_one_row[kind & 15]; }
+// AVX-512: whether Q6_K passes past the one-row limit take the tiles (1) or the buffered path (0; measured a little
+// faster on a Zen 5); chosen per CPU the same way (blockmm.choose_paths).
+int g_q6k_tiles = 0;
 
 typedef float vs_f8 __attribute__((vector_size(32)));  // eight float lanes (attend_body.inc)
 typedef int32_t vs_i8 __attribute__((vector_size(32)));
@@ -651,6 +654,15 @@ PyObject* py_set_one_row(PyObject*, PyObject* args) {
     Py_RETURN_NONE;
 }
 
+PyObject* py_set_q6k_tiles(PyObject*, PyObject* args) {
+    int on;
+    if (!PyArg_ParseTuple(args, "p", &on)) return nullptr;
+    g_q6k_tiles = on;
+    Py_RETURN_NONE;
+}
+
+PyObject* py_q6k_tiles(PyObject*, PyObject*) { return PyBool_FromLong(g_q6k_tiles); }
+
 PyObject* py_one_row(PyObject*, PyObject* args) {
     int kind;
     if (!PyArg_ParseTuple(args, "i", &kind)) return nullptr;
@@ -667,6 +679,9 @@ PyMethodDef METHODS[] = {
     {"set_one_row", py_set_one_row, METH_VARARGS,
      "set_one_row(kind, rows): passes of at most rows rows take the one-weight-row path for this K type (0..2)"},
     {"one_row", py_one_row, METH_VARARGS, "one_row(kind): the rows up to which this K type takes the one-row path"},
+    {"set_q6k_tiles", py_set_q6k_tiles, METH_VARARGS,
+     "set_q6k_tiles(on): AVX-512 Q6_K passes past the one-row limit on the tiles (else the buffered path)"},
+    {"q6k_tiles", py_q6k_tiles, METH_NOARGS, "whether AVX-512 Q6_K passes past the one-row limit take the tiles"},
     {"best_isa", py_best_isa, METH_NOARGS, "the best instruction set this CPU runs"},
     {"set_isa", py_set_isa, METH_VARARGS, "use another instruction set (scalar, avx2, avx512vnni), at most the best"},
     {nullptr, nullptr, 0, nullptr}};
