@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import require_openvino
-from verispec import SpeculativeDecoder, load_model, make_drafter
+from verispec import InvalidRequest, SpeculativeDecoder, load_model, make_drafter
 from verispec.audit import run_audit
 from verispec.backends.references import DEFAULT_MODEL
 from verispec.cli import main
@@ -72,7 +72,11 @@ def test_rounded_formats_are_identical_to_plain_decoding_by_construction(weights
     require_openvino()
     if weights == "bf16" and "BF16" not in __import__("openvino").Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"):
         weights = "int4"  # no bf16 on this CPU (refused there): the other rounded format instead
-    target = load_model("smollm2-135m", backend="openvino", weights=weights)
+    try:
+        target = load_model("smollm2-135m", backend="openvino", weights=weights)
+    except InvalidRequest as exc:  # bf16 kills its process here (a Sapphire Rapids VM): refused, then int4 instead
+        assert weights == "bf16" and "kills its process on this CPU" in str(exc), exc
+        target = load_model("smollm2-135m", backend="openvino", weights="int4")
     assert target.min_width == 2, target.kernel
     if not target.width_invariant:  # the load-time probe found a CPU where the rule does not hold: said, not hidden
         assert "width-invariant" not in target.kernel
