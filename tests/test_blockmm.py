@@ -89,11 +89,12 @@ def test_rows_invariant(kind):
         blockmm.set_isa(best)
 
 
-@pytest.mark.parametrize("kind", blockmm.K_TYPES)
-def test_the_one_row_path_and_the_tiles_give_the_same_bits(kind):
-    """One and two rows on the one-weight-row path or on the tiles (what ``choose_paths`` picks between per CPU):
-    the reference's bits, on every instruction set this CPU has."""
-    K = 512
+@pytest.mark.parametrize("kind", list(TYPES))
+def test_the_one_row_path_and_the_others_give_the_same_bits(kind):
+    """One and two rows on the one-weight-row path or on the tiles / buffered path (what ``choose_paths`` picks
+    between per CPU): the reference's bits, on every instruction set this CPU has (K: a tail group for 32-weight
+    types)."""
+    K = 576 if TYPES[kind].weights == 32 else 512
     raw = random_blocks(kind, 23, K, seed=11)
     x = activations(2, K, seed=13)
     want = reference.matmul(x, raw, kind)
@@ -104,7 +105,7 @@ def test_the_one_row_path_and_the_tiles_give_the_same_bits(kind):
                 blockmm.set_isa(name)
             except ValueError:
                 continue
-            for limit in (0, 1, 2):
+            for limit in range(blockmm.ONE_ROW_MOST[kind] + 1):
                 blockmm.set_one_row_limit(kind, limit)
                 assert blockmm.one_row_limits()[kind] == limit
                 assert torch.equal(blockmm.matmul(x[:1], raw, kind), want[:1]), (name, limit)
@@ -133,15 +134,20 @@ def test_q6k_wide_passes_give_the_same_bits_on_the_tiles_and_the_buffered_path()
 def test_choose_paths_times_both_paths_per_k_type_and_keeps_the_faster():
     matrices = [blockmm.Matrix(random_blocks(kind, 64, 1024, seed=i), kind, 1024)
                 for i, kind in enumerate(("Q4_K", "Q6_K", "Q4_0"))]
+    matrices.append(blockmm.Matrix(random_blocks("Q8_0", 64, 1024, seed=9), "Q8_0", 1024))
     before, q6k_before = blockmm.one_row_limits(), blockmm.q6k_tiles()
     try:
         found = blockmm.choose_paths(matrices, rounds=3)
-        assert set(found) == {"Q4_K", "Q6_K"}  # Q4_0 has one path
-        for kind, widths in found.items():
-            (one1, tiles1), (one2, tiles2) = widths[1], widths[2]
+        assert set(found) == {"Q4_K", "Q6_K", "Q4_0", "Q8_0"}
+        for kind in ("Q4_K", "Q6_K"):
+            (one1, tiles1), (one2, tiles2) = found[kind][1], found[kind][2]
             assert min(one1, tiles1, one2, tiles2) > 0
             want = 2 if one1 <= tiles1 and one2 <= tiles2 else 1 if one1 <= tiles1 else 0
             assert blockmm.one_row_limits()[kind] == want
+        for kind in ("Q4_0", "Q8_0"):
+            assert set(found[kind]) == {1}
+            one, buffered = found[kind][1]
+            assert blockmm.one_row_limits()[kind] == (1 if one <= buffered else 0)
         if blockmm.isa() == "avx512vnni":
             tiles, buffered = found["Q6_K"][8]
             assert blockmm.q6k_tiles() == (tiles < buffered)
@@ -151,8 +157,10 @@ def test_choose_paths_times_both_paths_per_k_type_and_keeps_the_faster():
         for kind, rows in before.items():
             blockmm.set_one_row_limit(kind, rows)
         blockmm.set_q6k_tiles(q6k_before)
-    with pytest.raises(ValueError, match="Q4_0 has no one-row path"):
-        blockmm.set_one_row_limit("Q4_0", 1)
+    with pytest.raises(ValueError, match="F16 has no one-row path"):
+        blockmm.set_one_row_limit("F16", 1)
+    with pytest.raises(ValueError, match="0..1 rows"):
+        blockmm.set_one_row_limit("Q4_0", 2)
     with pytest.raises(ValueError, match="0..2 rows"):
         blockmm.set_one_row_limit("Q4_K", 3)
 

@@ -216,7 +216,8 @@ def _choose_paths(model: nn.Module) -> None:
     for kind, widths in found.items():
         log.info("block kernel, %s: %s", kind, "; ".join(
             f"{rows} rows: tiles {a:.1f} ms, buffered path {b:.1f} ms a pass" if rows > 2 else
-            f"{rows} row{'s' if rows > 1 else ''}: one-row path {a:.1f} ms, tiles {b:.1f} ms a pass"
+            f"{rows} row{'s' if rows > 1 else ''}: one-row path {a:.1f} ms, "
+            f"{'tiles' if kind in blockmm.K_TYPES else 'buffered path'} {b:.1f} ms a pass"
             for rows, (a, b) in widths.items()))
 
 

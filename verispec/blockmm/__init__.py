@@ -150,21 +150,25 @@ def matmul(x: torch.Tensor, blocks: torch.Tensor, kind: str | BlockType, threads
     return y.reshape(*lead, N)
 
 
-K_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # the types with a one-weight-row path beside the tiles
+K_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # one-row path for 1-2 rows beside the tiles; the 32-weight types' for 1 row
+ONE_ROW_MOST = {"Q4_0": 1, "Q4_1": 1, "Q5_0": 1, "Q8_0": 1, "Q4_K": 2, "Q5_K": 2, "Q6_K": 2}
 
 
 def one_row_limits() -> dict[str, int]:
-    """Per K type, the widest pass (0, 1 or 2 rows) that takes the one-weight-row path; wider ones take the tiles."""
+    """Per block type, the widest pass (0 up to ``ONE_ROW_MOST``) that takes the one-weight-row path; wider ones take
+    the tiles (K types) or the buffered path."""
     _require()
-    return {name: _native.one_row(block_type(name).ggml_id) for name in K_TYPES}
+    return {name: _native.one_row(block_type(name).ggml_id) for name in ONE_ROW_MOST}
 
 
 def set_one_row_limit(kind: str, rows: int) -> None:
-    """Passes of at most ``rows`` (0..2) rows take the one-weight-row path for K type ``kind``. Speed only: both paths
-    compute the same bits."""
+    """Passes of at most ``rows`` rows (0 .. ``ONE_ROW_MOST[kind]``) take the one-weight-row path for ``kind``. Speed
+    only: every path computes the same bits."""
     _require()
-    if kind not in K_TYPES:
-        raise ValueError(f"{kind} has no one-row path; the K types are {', '.join(K_TYPES)}")
+    if kind not in ONE_ROW_MOST:
+        raise ValueError(f"{kind} has no one-row path; the types are {', '.join(ONE_ROW_MOST)}")
+    if not 0 <= rows <= ONE_ROW_MOST[kind]:
+        raise ValueError(f"{kind}'s one-row path takes 0..{ONE_ROW_MOST[kind]} rows, not {rows}")
     _native.set_one_row(block_type(kind).ggml_id, rows)
 
 
@@ -199,23 +203,24 @@ def _time_rounds(settings: dict, apply, matrices: list["Matrix"], rows: int, rou
 
 
 def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[int, tuple[float, float]]]:
-    """Time the kernel's interchangeable paths on ``matrices`` (a model's own) and keep the faster of each: per K
-    type, the one-weight-row path against the tiles at 1 and 2 rows (``set_one_row_limit``), and on AVX-512 Q6_K's
+    """Time the kernel's interchangeable paths on ``matrices`` (a model's own) and keep the faster of each: per type,
+    the one-weight-row path against the tiles (K types, at 1 and 2 rows) or the buffered path (32-weight types, at 1
+    row; ``set_one_row_limit``), and on AVX-512 Q6_K's
     tiles against its buffered path at 8 rows (``set_q6k_tiles``). Which wins depends on the CPU (docs/kernels.md);
     every path computes the same bits. Returns {type: {rows: (first path's ms, second's)}}: for 1 and 2 rows the
-    one-row path and the tiles, for Q6_K's 8 the tiles and the buffered path; medians of interleaved rounds."""
+    one-row path and the other, for Q6_K's 8 the tiles and the buffered path; medians of interleaved rounds."""
     _require()
     found: dict[str, dict[int, tuple[float, float]]] = {}
-    for kind in K_TYPES:
+    for kind, most in ONE_ROW_MOST.items():
         mine = [m for m in matrices if m.type.name == kind]
         if not mine:
             continue
         found[kind] = {}
-        for rows in (1, 2):  # limit 2: passes of 1-2 rows on the one-row path; 0: on the tiles
-            took = _time_rounds((2, 0), lambda limit: set_one_row_limit(kind, limit), mine, rows, rounds)
-            found[kind][rows] = (took[2], took[0])
-        one_row_wins = [found[kind][rows][0] <= found[kind][rows][1] for rows in (1, 2)]
-        set_one_row_limit(kind, 2 if all(one_row_wins) else 1 if one_row_wins[0] else 0)
+        for rows in range(1, most + 1):  # limit `most`: passes up to it on the one-row path; 0: none
+            took = _time_rounds((most, 0), lambda limit: set_one_row_limit(kind, limit), mine, rows, rounds)
+            found[kind][rows] = (took[most], took[0])
+        one_row_wins = [found[kind][rows][0] <= found[kind][rows][1] for rows in range(1, most + 1)]
+        set_one_row_limit(kind, most if all(one_row_wins) else 1 if one_row_wins[0] else 0)
         if kind == "Q6_K" and isa() == "avx512vnni":
             took = _time_rounds((True, False), set_q6k_tiles, mine, 8, rounds)
             found[kind][8] = (took[True], took[False])

@@ -343,11 +343,13 @@ constexpr int NR = 4;  // weight rows unpacked together: each activation chunk l
 // The fused few-row path can be switched off (VERISPEC_BLOCKMM_FUSED=0) to compare it with the buffered one.
 bool g_fused_off = false;
 inline bool fused_off() { return g_fused_off; }
-// Passes of at most g_one_row[kind] rows take the one-weight-row fused path for a K type, wider ones the tiles (AVX2) or
-// tiles / the buffered path (AVX-512). Which is faster depends on the CPU (measured: the one-row path is faster on
-// Zen 5 and for Q6_K on a Sapphire Rapids, 1.7x slower for Q4_K there), and both give the same bits, so the blocks
-// backend times them on its own matrices (blockmm.choose_paths) and sets the limit per type; 2 until then.
-int g_one_row[16] = {2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2};
+// Passes of at most g_one_row[kind] rows take the one-weight-row fused path: for a K type (up to 2 rows) against the
+// tiles (AVX2) or tiles / the buffered path (AVX-512); for a 32-weight type (1 row) against the buffered path. Which
+// is faster depends on the CPU (measured: the K types' one-row path is faster on Zen 5 and for Q6_K on a Sapphire
+// Rapids, 1.8x slower for Q4_K there), and every path gives the same bits, so the blocks backend times them on its
+// own matrices (blockmm.choose_paths) and sets the limit per type; until then 2 for K types, 0 for the others.
+int g_one_row[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 0};
+inline int one_row_most(int kind) { return is_k(kind) ? 2 : 1; }
 inline int one_row_max(int kind) { return g_one_row[kind & 15]; }
 // AVX-512: whether Q6_K passes past the one-row limit take the tiles (1) or the buffered path (0; measured a little
 // faster on a Zen 5); chosen per CPU the same way (blockmm.choose_paths).
@@ -645,9 +647,10 @@ PyObject* py_set_isa(PyObject*, PyObject* args) {
 PyObject* py_set_one_row(PyObject*, PyObject* args) {
     int kind, rows;
     if (!PyArg_ParseTuple(args, "ii", &kind, &rows)) return nullptr;
-    if (!is_k(kind) || rows < 0 || rows > 2) {
-        PyErr_Format(PyExc_ValueError, "set_one_row takes a K type (12, 13, 14) and 0..2 rows, not %d and %d", kind,
-                     rows);
+    Format f;
+    if (!format_of(kind, &f) || rows < 0 || rows > one_row_most(kind)) {
+        PyErr_Format(PyExc_ValueError, "set_one_row takes a block type and 0..%d rows (1 for 32-weight types), not %d "
+                     "and %d", 2, kind, rows);
         return nullptr;
     }
     g_one_row[kind] = rows;
@@ -666,7 +669,8 @@ PyObject* py_q6k_tiles(PyObject*, PyObject*) { return PyBool_FromLong(g_q6k_tile
 PyObject* py_one_row(PyObject*, PyObject* args) {
     int kind;
     if (!PyArg_ParseTuple(args, "i", &kind)) return nullptr;
-    return PyLong_FromLong(is_k(kind) ? g_one_row[kind] : 0);
+    Format f;
+    return PyLong_FromLong(format_of(kind, &f) ? g_one_row[kind & 15] : 0);
 }
 
 PyMethodDef METHODS[] = {
