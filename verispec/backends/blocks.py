@@ -130,12 +130,7 @@ class BlocksModel(LoadedModel):
     @property
     def linear_kernel(self) -> str:
         isa = blockmm.isa() if blockmm.available() else "unavailable"
-        limits = blockmm.one_row_limits() if blockmm.available() else {}
-        one_row = [kind for kind in sorted(self.swapped.kinds if self.swapped else ()) if limits.get(kind)]
-        paths = f"; one-row path for {', '.join(one_row)}" if one_row else ""
-        if limits and "Q6_K" in (self.swapped.kinds if self.swapped else ()) and isa == "avx512vnni" \
-                and blockmm.q6k_tiles():
-            paths += "; Q6_K tiles"
+        paths = "".join(f"; {path}" for path in blockmm.paths_in_use(self.swapped.kinds if self.swapped else ()))
         return f"verispec block kernel ({isa}{paths})" + ("; native row attention" if self.width_invariant else "")
 
     def compile_step(self, cached_only: bool = False) -> bool:
@@ -210,8 +205,8 @@ def on_blocks(loaded: LoadedModel, rows, name: str = "the model") -> BlocksModel
 
 
 def _choose_paths(model: nn.Module) -> None:
-    """Pick the kernel's faster path per K type for one- and two-row passes on this model's own matrices (about a
-    second for the 1.5B; the same bits either way)."""
+    """Pick the kernel's faster paths per block type on this model's own matrices (``blockmm.choose_paths``: about a
+    second for the 1.5B; the same bits either way), and log what was timed."""
     found = blockmm.choose_paths([m._matrix for m in model.modules() if isinstance(m, BlockLinear)])
     for kind, widths in found.items():
         log.info("block kernel, %s: %s", kind, "; ".join(

@@ -185,6 +185,19 @@ def set_q6k_tiles(on: bool) -> None:
     _native.set_q6k_tiles(bool(on))
 
 
+def paths_in_use(kinds) -> list[str]:
+    """The non-default paths the kernel takes now for the block types ``kinds`` (a model's), in words, for the kernel
+    string that ``verispec costs`` and ``bench`` print: ["one-row path for Q6_K", "Q6_K tiles"]."""
+    if not available():
+        return []
+    limits = one_row_limits()
+    one_row = [kind for kind in sorted(kinds) if limits.get(kind)]
+    named = [f"one-row path for {', '.join(one_row)}"] if one_row else []
+    if "Q6_K" in kinds and isa() == "avx512vnni" and q6k_tiles():
+        named.append("Q6_K tiles")
+    return named
+
+
 def _time_rounds(settings: dict, apply, matrices: list["Matrix"], rows: int, rounds: int) -> dict:
     """Median ms of one product per matrix at ``rows`` rows under each setting (``apply(setting)``), interleaved."""
     import statistics

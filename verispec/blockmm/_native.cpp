@@ -649,8 +649,8 @@ PyObject* py_set_one_row(PyObject*, PyObject* args) {
     if (!PyArg_ParseTuple(args, "ii", &kind, &rows)) return nullptr;
     Format f;
     if (!format_of(kind, &f) || rows < 0 || rows > one_row_most(kind)) {
-        PyErr_Format(PyExc_ValueError, "set_one_row takes a block type and 0..%d rows (1 for 32-weight types), not %d "
-                     "and %d", 2, kind, rows);
+        PyErr_Format(PyExc_ValueError, "set_one_row takes a block type and 0..%d rows for it, not %d and %d",
+                     format_of(kind, &f) ? one_row_most(kind) : 0, kind, rows);
         return nullptr;
     }
     g_one_row[kind] = rows;
@@ -681,8 +681,9 @@ PyMethodDef METHODS[] = {
      "row's causal attention over its own keys, alone (row-invariant)"},
     {"isa", py_isa, METH_NOARGS, "the instruction set in use"},
     {"set_one_row", py_set_one_row, METH_VARARGS,
-     "set_one_row(kind, rows): passes of at most rows rows take the one-weight-row path for this K type (0..2)"},
-    {"one_row", py_one_row, METH_VARARGS, "one_row(kind): the rows up to which this K type takes the one-row path"},
+     "set_one_row(kind, rows): passes of at most rows rows take the one-weight-row path for this block type (0..2 "
+     "for K types, 0..1 for the 32-weight types)"},
+    {"one_row", py_one_row, METH_VARARGS, "one_row(kind): the rows up to which this block type takes the one-row path"},
     {"set_q6k_tiles", py_set_q6k_tiles, METH_VARARGS,
      "set_q6k_tiles(on): AVX-512 Q6_K passes past the one-row limit on the tiles (else the buffered path)"},
     {"q6k_tiles", py_q6k_tiles, METH_NOARGS, "whether AVX-512 Q6_K passes past the one-row limit take the tiles"},
