@@ -98,7 +98,7 @@ def test_the_one_row_path_and_the_others_give_the_same_bits(kind):
     raw = random_blocks(kind, 23, K, seed=11)
     x = activations(2, K, seed=13)
     want = reference.matmul(x, raw, kind)
-    before, best = blockmm.one_row_limits()[kind], blockmm.best_isa()
+    before, best, ahead = blockmm.one_row_limits()[kind], blockmm.best_isa(), blockmm.prefetch()
     try:
         for name in ("avx2", "avx512vnni"):
             try:
@@ -108,11 +108,14 @@ def test_the_one_row_path_and_the_others_give_the_same_bits(kind):
             for limit in range(blockmm.ONE_ROW_MOST[kind] + 1):
                 blockmm.set_one_row_limit(kind, limit)
                 assert blockmm.one_row_limits()[kind] == limit
-                assert torch.equal(blockmm.matmul(x[:1], raw, kind), want[:1]), (name, limit)
-                assert torch.equal(blockmm.matmul(x, raw, kind), want), (name, limit)
+                for nbytes in (0, 64, blockmm.PREFETCH):  # requesting weights ahead changes no bit
+                    blockmm.set_prefetch(nbytes)
+                    assert torch.equal(blockmm.matmul(x[:1], raw, kind), want[:1]), (name, limit, nbytes)
+                    assert torch.equal(blockmm.matmul(x, raw, kind), want), (name, limit, nbytes)
     finally:
         blockmm.set_one_row_limit(kind, before)
         blockmm.set_isa(best)
+        blockmm.set_prefetch(ahead)
 
 
 def test_q6k_wide_passes_give_the_same_bits_on_the_tiles_and_the_buffered_path():
@@ -135,10 +138,12 @@ def test_choose_paths_times_both_paths_per_k_type_and_keeps_the_faster():
     matrices = [blockmm.Matrix(random_blocks(kind, 64, 1024, seed=i), kind, 1024)
                 for i, kind in enumerate(("Q4_K", "Q6_K", "Q4_0"))]
     matrices.append(blockmm.Matrix(random_blocks("Q8_0", 64, 1024, seed=9), "Q8_0", 1024))
-    before, q6k_before = blockmm.one_row_limits(), blockmm.q6k_tiles()
+    before, q6k_before, ahead = blockmm.one_row_limits(), blockmm.q6k_tiles(), blockmm.prefetch()
     try:
         found = blockmm.choose_paths(matrices, rounds=3)
-        assert set(found) == {"Q4_K", "Q6_K", "Q4_0", "Q8_0"}
+        assert set(found) == {"Q4_K", "Q6_K", "Q4_0", "Q8_0", "prefetch"}
+        on, off = found["prefetch"][1]
+        assert blockmm.prefetch() == (blockmm.PREFETCH if on <= off else 0)
         for kind in ("Q4_K", "Q6_K"):
             (one1, tiles1), (one2, tiles2) = found[kind][1], found[kind][2]
             assert min(one1, tiles1, one2, tiles2) > 0
@@ -157,6 +162,9 @@ def test_choose_paths_times_both_paths_per_k_type_and_keeps_the_faster():
         for kind, rows in before.items():
             blockmm.set_one_row_limit(kind, rows)
         blockmm.set_q6k_tiles(q6k_before)
+        blockmm.set_prefetch(ahead)
+    with pytest.raises(ValueError, match="prefetch distance must be 0..1048576 bytes"):
+        blockmm.set_prefetch(-1)
     with pytest.raises(ValueError, match="F16 has no one-row path"):
         blockmm.set_one_row_limit("F16", 1)
     with pytest.raises(ValueError, match="0..1 rows"):
@@ -206,3 +214,19 @@ def test_a_missing_native_module_is_named_as_missing_not_as_a_circular_import():
     assert _describe(missing).startswith("no compiled _native module in ")
     other = ImportError("libstdc++.so.6: version `GLIBCXX_3.4.32' not found")
     assert _describe(other) == str(other)
+
+
+def test_rms_norm_is_the_formula_and_each_rows_bits_are_its_own():
+    torch.manual_seed(5)
+    for H in (32, 37, 1536):
+        x, w = 3 * torch.randn(9, H), torch.randn(H)
+        y = blockmm.rms_norm(x, w, 1e-6)
+        x64 = x.double()
+        want = w.double() * x64 / torch.sqrt((x64 ** 2).mean(-1, keepdim=True) + 1e-6)
+        assert torch.allclose(y.double(), want, rtol=1e-5, atol=1e-6), H
+        for i in range(9):
+            assert torch.equal(blockmm.rms_norm(x[i:i + 1], w, 1e-6), y[i:i + 1]), (H, i)
+        assert torch.equal(blockmm.rms_norm(x.flip(0), w, 1e-6), y.flip(0))
+        assert torch.equal(blockmm.rms_norm(x.view(3, 3, H), w, 1e-6), y.view(3, 3, H))
+    with pytest.raises(ValueError, match="weight must be a contiguous float32 vector of 8 values"):
+        blockmm.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6)

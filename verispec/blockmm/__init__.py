@@ -185,6 +185,24 @@ def set_q6k_tiles(on: bool) -> None:
     _native.set_q6k_tiles(bool(on))
 
 
+PREFETCH = 4096  # bytes ahead the one-row paths request weights when prefetching is on (the native default)
+
+
+def prefetch() -> int:
+    """How far ahead (bytes) the one-row paths request the weights they stream; 0: off (the hardware's prefetcher
+    alone)."""
+    _require()
+    return _native.prefetch()
+
+
+def set_prefetch(nbytes: int) -> None:
+    """The one-row paths request the weights ``nbytes`` ahead (0..1 MB; 0: off). Speed only: the same bits."""
+    _require()
+    if not 0 <= nbytes <= 1 << 20:
+        raise ValueError(f"prefetch distance must be 0..1048576 bytes, not {nbytes}")
+    _native.set_prefetch(int(nbytes))
+
+
 def paths_in_use(kinds) -> list[str]:
     """The non-default paths the kernel takes now for the block types ``kinds`` (a model's), in words, for the kernel
     string that ``verispec costs`` and ``bench`` print: ["one-row path for Q6_K", "Q6_K tiles"]."""
@@ -195,6 +213,8 @@ def paths_in_use(kinds) -> list[str]:
     named = [f"one-row path for {', '.join(one_row)}"] if one_row else []
     if "Q6_K" in kinds and isa() == "avx512vnni" and q6k_tiles():
         named.append("Q6_K tiles")
+    if one_row and not prefetch():
+        named.append("no prefetching")
     return named
 
 
@@ -218,10 +238,12 @@ def _time_rounds(settings: dict, apply, matrices: list["Matrix"], rows: int, rou
 def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[int, tuple[float, float]]]:
     """Time the kernel's interchangeable paths on ``matrices`` (a model's own) and keep the faster of each: per type,
     the one-weight-row path against the tiles (K types, at 1 and 2 rows) or the buffered path (32-weight types, at 1
-    row; ``set_one_row_limit``), and on AVX-512 Q6_K's
-    tiles against its buffered path at 8 rows (``set_q6k_tiles``). Which wins depends on the CPU (docs/kernels.md);
-    every path computes the same bits. Returns {type: {rows: (first path's ms, second's)}}: for 1 and 2 rows the
-    one-row path and the other, for Q6_K's 8 the tiles and the buffered path; medians of interleaved rounds."""
+    row; ``set_one_row_limit``), on AVX-512 Q6_K's
+    tiles against its buffered path at 8 rows (``set_q6k_tiles``), and the one-row paths with and without software
+    prefetching (``set_prefetch``). Which wins depends on the CPU (docs/kernels.md); every path computes the same
+    bits. Returns {type: {rows: (first path's ms, second's)}}: for 1 and 2 rows the one-row path and the other, for
+    Q6_K's 8 the tiles and the buffered path; and under "prefetch" {1: (ms with, ms without)}; medians of
+    interleaved rounds."""
     _require()
     found: dict[str, dict[int, tuple[float, float]]] = {}
     for kind, most in ONE_ROW_MOST.items():
@@ -238,6 +260,10 @@ def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[in
             took = _time_rounds((True, False), set_q6k_tiles, mine, 8, rounds)
             found[kind][8] = (took[True], took[False])
             set_q6k_tiles(took[True] < took[False])
+    if matrices:  # the one-row paths with and without requesting the weights ahead, on all the matrices at 1 row
+        took = _time_rounds((PREFETCH, 0), set_prefetch, matrices, 1, rounds)
+        found["prefetch"] = {1: (took[PREFETCH], took[0])}
+        set_prefetch(PREFETCH if took[PREFETCH] <= took[0] else 0)
     return found
 
 
@@ -263,6 +289,22 @@ def weight_buffer(nbytes: int) -> torch.Tensor:
     return whole[start: start + nbytes]
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x / sqrt(mean(x ** 2, -1) + eps))`` over the last dimension, in float32, as transformers' Llama and
+    Qwen2 RMSNorm compute it, in one native call (six torch operations there). Each row's sum of squares is taken in
+    a fixed order (``_native.cpp``), so a row's bits depend on that row alone."""
+    _require()
+    H = x.shape[-1]
+    if weight.shape != (H,) or weight.dtype != torch.float32 or not weight.is_contiguous():
+        raise ValueError(f"weight must be a contiguous float32 vector of {H} values, got {tuple(weight.shape)} "
+                         f"{weight.dtype}")
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        x = x.float().contiguous()
+    y = torch.empty(x.shape, dtype=torch.float32)
+    _native.rms_norm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // H, H, float(eps))
+    return y
+
+
 class Matrix:
     """One matrix checked once for many products (a decoding pass makes ~200: ``matmul``'s checks cost more than a
     small one's arithmetic): ``Matrix(blocks, kind, K)(x)`` is ``matmul(x, blocks, kind)``."""
@@ -275,16 +317,15 @@ class Matrix:
         self._args = (self.type.ggml_id, blocks.data_ptr(), self.N, self.K, blocks.shape[1])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.K:
-            raise ValueError(f"x has {x.shape[-1]} columns; this matrix multiplies {self.K}")
-        x2 = x.reshape(-1, self.K)
-        if x2.dtype != torch.float32 or not x2.is_contiguous():
-            x2 = x2.float().contiguous()
-        y = torch.empty(x2.shape[0], self.N, dtype=torch.float32)
         kind, w, N, K, row_bytes = self._args
-        _native.matmul(kind, x2.data_ptr(), w, y.data_ptr(), x2.shape[0], N, K, row_bytes,
+        if x.shape[-1] != K:
+            raise ValueError(f"x has {x.shape[-1]} columns; this matrix multiplies {K}")
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.float().contiguous()
+        y = torch.empty(x.shape[:-1] + (N,), dtype=torch.float32)
+        _native.matmul(kind, x.data_ptr(), w, y.data_ptr(), x.numel() // K, N, K, row_bytes,
                        _threads or _held or default_threads())
-        return y.reshape(*x.shape[:-1], N)
+        return y
 
 
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, counts: torch.Tensor,
@@ -331,4 +372,4 @@ def attend_unchecked(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 __all__ = ["TYPES", "Matrix", "attend", "attend_unchecked", "available", "best_isa", "block_type", "default_threads",
-           "isa", "matmul", "set_isa", "set_threads", "why_unavailable"]
+           "isa", "matmul", "prefetch", "rms_norm", "set_isa", "set_prefetch", "set_threads", "why_unavailable"]

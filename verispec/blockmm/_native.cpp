@@ -342,6 +342,8 @@ constexpr int NR = 4;  // weight rows unpacked together: each activation chunk l
 
 // The fused few-row path can be switched off (VERISPEC_BLOCKMM_FUSED=0) to compare it with the buffered one.
 bool g_fused_off = false;
+// bytes ahead of each super-block (group) the one-row paths request (0: none past the next rows' tile); set_prefetch
+int g_prefetch = 4096;
 inline bool fused_off() { return g_fused_off; }
 // Passes of at most g_one_row[kind] rows take the one-weight-row fused path: for a K type (up to 2 rows) against the
 // tiles (AVX2) or tiles / the buffered path (AVX-512); for a 32-weight type (1 row) against the buffered path. Which
@@ -607,6 +609,37 @@ PyObject* py_matmul(PyObject*, PyObject* args) {
     Py_RETURN_NONE;
 }
 
+// RMS normalization of M rows of H floats, as transformers' Llama / Qwen2 RMSNorm computes it in float32:
+// y = w * (x * (1 / sqrt(mean(x^2) + eps))). Element i's square is summed in lane i % 8, in order, the lanes combined
+// as lanes_sum does, so a row's bits depend on that row alone (not on M, the other rows or the instruction set).
+void rms_norm(const float* x, const float* w, float* y, int64_t M, int H, float eps) {
+    for (int64_t m = 0; m < M; m++) {
+        const float* xr = x + m * H;
+        float* yr = y + m * H;
+        float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        int i = 0;
+        for (; i + 8 <= H; i += 8)  // eight lanes side by side: the compiler keeps them in one vector
+            for (int l = 0; l < 8; l++) acc[l] = acc[l] + xr[i + l] * xr[i + l];
+        for (; i < H; i++) acc[i & 7] = acc[i & 7] + xr[i] * xr[i];
+        const float r = 1.0f / std::sqrt(lanes_sum(acc) / (float)H + eps);
+        for (i = 0; i < H; i++) yr[i] = w[i] * (xr[i] * r);
+    }
+}
+
+PyObject* py_rms_norm(PyObject*, PyObject* args) {
+    unsigned long long xp, wp, yp;
+    long long M;
+    int H;
+    float eps;
+    if (!PyArg_ParseTuple(args, "KKKLif", &xp, &wp, &yp, &M, &H, &eps)) return nullptr;
+    if (M < 0 || H <= 0) {
+        PyErr_Format(PyExc_ValueError, "bad shape: M=%lld H=%d", M, H);
+        return nullptr;
+    }
+    rms_norm((const float*)xp, (const float*)wp, (float*)yp, M, H, eps);
+    Py_RETURN_NONE;
+}
+
 PyObject* py_attend(PyObject*, PyObject* args) {
     unsigned long long qp, kp, vp, op, cp, ip;
     int B, H, Hkv, R, D, idx_len, threads;
@@ -666,6 +699,19 @@ PyObject* py_set_q6k_tiles(PyObject*, PyObject* args) {
 
 PyObject* py_q6k_tiles(PyObject*, PyObject*) { return PyBool_FromLong(g_q6k_tiles); }
 
+PyObject* py_set_prefetch(PyObject*, PyObject* args) {
+    int bytes;
+    if (!PyArg_ParseTuple(args, "i", &bytes)) return nullptr;
+    if (bytes < 0 || bytes > (1 << 20)) {
+        PyErr_Format(PyExc_ValueError, "set_prefetch takes 0..1048576 bytes, not %d", bytes);
+        return nullptr;
+    }
+    g_prefetch = bytes;
+    Py_RETURN_NONE;
+}
+
+PyObject* py_prefetch(PyObject*, PyObject*) { return PyLong_FromLong(g_prefetch); }
+
 PyObject* py_one_row(PyObject*, PyObject* args) {
     int kind;
     if (!PyArg_ParseTuple(args, "i", &kind)) return nullptr;
@@ -679,6 +725,8 @@ PyMethodDef METHODS[] = {
     {"attend", py_attend, METH_VARARGS,
      "attend(q, k, v, out, B, H, Hkv, R, D, kb, kh, ks, vb, vh, vs, counts, idx, idx_len, scale, threads): each query "
      "row's causal attention over its own keys, alone (row-invariant)"},
+    {"rms_norm", py_rms_norm, METH_VARARGS,
+     "rms_norm(x_ptr, w_ptr, y_ptr, M, H, eps): y = w * (x / sqrt(mean(x^2) + eps)) per row of H floats (row-invariant)"},
     {"isa", py_isa, METH_NOARGS, "the instruction set in use"},
     {"set_one_row", py_set_one_row, METH_VARARGS,
      "set_one_row(kind, rows): passes of at most rows rows take the one-weight-row path for this block type (0..2 "
@@ -687,6 +735,9 @@ PyMethodDef METHODS[] = {
     {"set_q6k_tiles", py_set_q6k_tiles, METH_VARARGS,
      "set_q6k_tiles(on): AVX-512 Q6_K passes past the one-row limit on the tiles (else the buffered path)"},
     {"q6k_tiles", py_q6k_tiles, METH_NOARGS, "whether AVX-512 Q6_K passes past the one-row limit take the tiles"},
+    {"set_prefetch", py_set_prefetch, METH_VARARGS,
+     "set_prefetch(bytes): the one-row paths request the weights this many bytes ahead (0: off)"},
+    {"prefetch", py_prefetch, METH_NOARGS, "the one-row paths' prefetch distance in bytes"},
     {"best_isa", py_best_isa, METH_NOARGS, "the best instruction set this CPU runs"},
     {"set_isa", py_set_isa, METH_VARARGS, "use another instruction set (scalar, avx2, avx512vnni), at most the best"},
     {nullptr, nullptr, 0, nullptr}};
