@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from verispec import SpeculativeDecoder, blockmm
-from verispec.backends.blocks import BlockLinear, BlocksModel, on_blocks
+from verispec.backends.blocks import BlockLinear, BlocksModel, RowRMSNorm, on_blocks, swap_norms
 from verispec.backends.openvino.gguf_blocks import GGUFRows
 from verispec.drafters import ModelDrafter, NgramDrafter
 
@@ -59,6 +59,23 @@ def test_every_linear_runs_on_blocks(pair):
 
 
 @torch.inference_mode()
+def test_rms_norms_run_on_the_native_kernel_where_they_compute_its_formula(pair):
+    _, model = pair
+    assert len([m for m in model.model.modules() if isinstance(m, RowRMSNorm)]) == 2 * 2 + 1  # two a layer, the last
+    assert not [m for m in model.model.modules() if type(m).__name__ == "LlamaRMSNorm"]
+
+    class OffsetRMSNorm(torch.nn.Module):  # Gemma's form, weight * (1 + w): must keep its own forward
+        def __init__(self):
+            super().__init__()
+            self.weight, self.variance_epsilon = torch.nn.Parameter(torch.randn(16)), 1e-6
+
+        def forward(self, x):
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon) * (1 + self.weight)
+
+    holder = torch.nn.Sequential(OffsetRMSNorm())
+    assert swap_norms(holder) == 0 and isinstance(holder[0], OffsetRMSNorm)
+
+
 def test_logits_close_to_the_float_model(pair):
     float_model, model = pair
     tokens = [1, 5, 9, 3, 7, 11, 4, 8, 20, 6]
