@@ -1,5 +1,6 @@
 """The blocks backend: the transformers model with every linear layer computed by verispec's native kernel on the GGUF
-file's own quantized blocks (``verispec.blockmm``); attention, norms and the KV cache stay the transformers backend's.
+file's own quantized blocks (``verispec.blockmm``), its attention and Llama / Qwen2 RMSNorms on the same native module
+(each row alone, in a fixed order); the KV cache and the rest of the step stay the transformers backend's.
 
 A matrix is held as the file holds it (about the file's size, not 4x in float32): each ``nn.Linear`` whose rows the
 file stores in a type the kernel multiplies becomes a ``BlockLinear`` over those rows' bytes. Which rows is found by

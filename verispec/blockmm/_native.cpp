@@ -342,7 +342,8 @@ constexpr int NR = 4;  // weight rows unpacked together: each activation chunk l
 
 // The fused few-row path can be switched off (VERISPEC_BLOCKMM_FUSED=0) to compare it with the buffered one.
 bool g_fused_off = false;
-// bytes ahead of each super-block (group) the one-row paths request (0: none past the next rows' tile); set_prefetch
+// bytes ahead of each super-block (group) that the one-row paths request, and on AVX2 the K types' tiles, which share
+// their loop (0: none past the next rows' tile); set_prefetch
 int g_prefetch = 4096;
 inline bool fused_off() { return g_fused_off; }
 // Passes of at most g_one_row[kind] rows take the one-weight-row fused path: for a K type (up to 2 rows) against the
