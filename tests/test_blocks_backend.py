@@ -58,7 +58,6 @@ def test_every_linear_runs_on_blocks(pair):
     assert model.vocab_size == pair[0].vocab_size
 
 
-@torch.inference_mode()
 def test_rms_norms_run_on_the_native_kernel_where_they_compute_its_formula(pair):
     _, model = pair
     assert len([m for m in model.model.modules() if isinstance(m, RowRMSNorm)]) == 2 * 2 + 1  # two a layer, the last
@@ -76,6 +75,7 @@ def test_rms_norms_run_on_the_native_kernel_where_they_compute_its_formula(pair)
     assert swap_norms(holder) == 0 and isinstance(holder[0], OffsetRMSNorm)
 
 
+@torch.inference_mode()
 def test_logits_close_to_the_float_model(pair):
     float_model, model = pair
     tokens = [1, 5, 9, 3, 7, 11, 4, 8, 20, 6]
