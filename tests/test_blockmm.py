@@ -230,3 +230,18 @@ def test_rms_norm_is_the_formula_and_each_rows_bits_are_its_own():
         assert torch.equal(blockmm.rms_norm(x.view(3, 3, H), w, 1e-6), y.view(3, 3, H))
     with pytest.raises(ValueError, match="weight must be a contiguous float32 vector of 8 values"):
         blockmm.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6)
+
+
+def test_rope_is_transformers_rotary_embedding_to_the_bit():
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(6)
+    for B, H, R, D, cos_batch in ((1, 12, 1, 128, 1), (1, 2, 5, 128, 1), (2, 3, 4, 64, 2), (2, 3, 4, 64, 1)):
+        # the layout the decoder layers hand it: heads of a projection's output, a view with a row stride of its own
+        x = torch.randn(B, R, H * D + 40, generator=g)[..., :H * D].view(B, R, H, D).transpose(1, 2)
+        cos, sin = torch.randn(cos_batch, R, D, generator=g), torch.randn(cos_batch, R, D, generator=g)
+        want, _ = apply_rotary_pos_emb(x, x, cos, sin)
+        got = blockmm.rope(x, cos, sin)
+        assert got.is_contiguous() and torch.equal(got, want), (B, H, R, D, cos_batch)
+    with pytest.raises(ValueError, match=r"cos and sin must be \[2 or 1, 4, 64\]"):
+        blockmm.rope(torch.randn(2, 3, 4, 64), torch.randn(2, 4, 32), torch.randn(2, 4, 32))

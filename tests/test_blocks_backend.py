@@ -76,6 +76,56 @@ def test_rms_norms_run_on_the_native_kernel_where_they_compute_its_formula(pair)
 
 
 @torch.inference_mode()
+def test_decoder_layers_take_the_lean_forward_with_the_same_bits(pair):
+    from verispec.backends.block_layers import LeanForward
+
+    _, model = pair
+    layers = model.model.model.layers
+    assert all(isinstance(layer.__dict__.get("forward"), LeanForward) for layer in layers)
+    tokens, more = [1, 5, 9, 3, 7], [12, 4, 30]
+    got = []
+    for lean in (True, False):
+        saved = [layer.__dict__.pop("forward") for layer in layers] if not lean else None
+        kv = model.new_kv()
+        got.append((model.forward(kv, tokens).logits, model.forward(kv, more).logits))
+        for layer, forward in zip(layers, saved or ()):
+            layer.forward = forward
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+
+
+@torch.inference_mode()
+def test_siblings_in_one_block_type_run_as_one_product_over_joined_rows():
+    float_model = loaded(make_model(seed=5, layers=2))
+    rows = quantized(float_model.model, kinds=("Q8_0",))
+    model = on_blocks(float_model, rows)
+    for layer in model.model.model.layers:
+        lean, attn = layer.__dict__["forward"], layer.self_attn
+        (matrix, bias, sizes), = lean.qkv.runs
+        assert sizes == [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
+        assert matrix.blocks.data_ptr() == attn.q_proj.blocks.data_ptr()  # a view of the three, not a copy
+        assert len(lean.gate_up.runs) == 1
+    # a joined product computes each column as alone: a wide pass's rows still equal one-token steps
+    kv = model.new_kv()
+    model.forward(kv, [1, 5, 9], last_only=True)
+    wide = model.forward(kv, [4, 8, 2]).logits
+    kv.truncate(3)
+    assert all(torch.equal(wide[i], model.forward(kv, [t]).logits[-1]) for i, t in enumerate([4, 8, 2]))
+
+
+def test_a_layer_computing_something_else_keeps_its_own_forward():
+    from verispec.backends.block_layers import install
+
+    float_model = loaded(make_model(seed=6, layers=2))
+    model = on_blocks(float_model, quantized(float_model.model))
+    layers = model.model.model.layers
+    for layer in layers:
+        layer.__dict__.pop("forward")
+    layers[1].mlp.act_fn = torch.nn.GELU()  # not the SiLU the lean forward computes: its probe must refuse it
+    assert install(model.model) == 1
+    assert "forward" in layers[0].__dict__ and "forward" not in layers[1].__dict__
+
+
+@torch.inference_mode()
 def test_logits_close_to_the_float_model(pair):
     float_model, model = pair
     tokens = [1, 5, 9, 3, 7, 11, 4, 8, 20, 6]

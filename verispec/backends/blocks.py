@@ -25,6 +25,8 @@ import torch
 from torch import nn
 
 from .. import blockmm
+from . import block_layers
+from .block_layers import fusable
 from ..errors import InvalidRequest, ModelNotFound
 from ..options import Option
 from .hf.model import LoadedModel
@@ -136,8 +138,17 @@ def swap_linears(model: nn.Module, rows) -> Swapped:
                 continue
             found.append((parent, name, child, kind, places))
     sizes = [len(places) * rows.raw[places[0][0]].shape[1] for *_, places in found]
-    starts = [sum(_aligned(size) for size in sizes[:i]) for i in range(len(sizes))]
-    buffer = blockmm.weight_buffer(sum(_aligned(size) for size in sizes))
+    # each matrix starts on a page, but siblings that read the same input (q / k / v, gate / up) in one block type
+    # follow one another with no gap: the decoder layers run them as one product over the joined rows (block_layers)
+    starts, end = [], 0
+    for i, (parent, name, child, kind, places) in enumerate(found):
+        before = found[i - 1] if i else None
+        joins = (before is not None and before[0] is parent and before[3] == kind
+                 and before[2].in_features == child.in_features and fusable(parent, name) is not None
+                 and fusable(parent, name) == fusable(parent, before[1]))
+        starts.append(end if joins else _aligned(end))
+        end = starts[-1] + sizes[i]
+    buffer = blockmm.weight_buffer(_aligned(end))
     for (parent, name, child, kind, places), start, size in zip(found, starts, sizes):
         blocks = buffer[start: start + size].view(len(places), -1)
         # rows of one file tensor in order are one slice of it; a reordered matrix (a fused q/k/v split) is gathered
@@ -240,6 +251,8 @@ def on_blocks(loaded: LoadedModel, rows, name: str = "the model") -> BlocksModel
     invariant = sliding_window(config) is None and not getattr(config, "attn_logit_softcapping", None)
     if invariant:
         loaded.model.set_attn_implementation(ROW_ATTENTION)
+    lean = block_layers.install(loaded.model)
+    log.info("%s: %d decoder layers on the lean forward (joined products, native rotary)", name, lean)
     return BlocksModel(model=loaded.model, tokenizer=loaded.tokenizer, name=loaded.name, dtype=torch.float32,
                        eos_token_ids=loaded.eos_token_ids, pack_requested=False, width_invariant=invariant,
                        swapped=swapped)

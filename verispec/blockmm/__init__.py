@@ -305,6 +305,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return y
 
 
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` with ``cos`` / ``sin`` [B, R, D] broadcast over x's heads (x [B, H, R, D],
+    float32, its last dimension contiguous): transformers' rotary embedding of the Llama / Qwen2 form, in one native
+    call with the same roundings (the same bits). Returns a new contiguous [B, H, R, D] tensor."""
+    _require()
+    B, H, R, D = x.shape
+    if cos.shape != (B, R, D) and cos.shape != (1, R, D) or sin.shape != cos.shape:
+        raise ValueError(f"cos and sin must be [{B} or 1, {R}, {D}] for x {tuple(x.shape)}, got {tuple(cos.shape)} and "
+                         f"{tuple(sin.shape)}")
+    if x.dtype != torch.float32 or x.stride(3) != 1:
+        x = x.float().contiguous()
+    if cos.dtype != torch.float32 or sin.dtype != torch.float32 or not cos.is_contiguous() or not sin.is_contiguous():
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    cb = 0 if cos.shape[0] == 1 else R * D
+    out = torch.empty(B, H, R, D, dtype=torch.float32)
+    _native.rope(x.data_ptr(), x.stride(0), x.stride(1), x.stride(2), cos.data_ptr(), sin.data_ptr(), cb, D,
+                 out.data_ptr(), B, H, R, D)
+    return out
+
+
 class Matrix:
     """One matrix checked once for many products (a decoding pass makes ~200: ``matmul``'s checks cost more than a
     small one's arithmetic): ``Matrix(blocks, kind, K)(x)`` is ``matmul(x, blocks, kind)``."""
@@ -372,4 +392,4 @@ def attend_unchecked(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 __all__ = ["TYPES", "Matrix", "attend", "attend_unchecked", "available", "best_isa", "block_type", "default_threads",
-           "isa", "matmul", "prefetch", "rms_norm", "set_isa", "set_prefetch", "set_threads", "why_unavailable"]
+           "isa", "matmul", "prefetch", "rms_norm", "rope", "set_isa", "set_prefetch", "set_threads", "why_unavailable"]

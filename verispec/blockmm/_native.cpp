@@ -643,6 +643,46 @@ PyObject* py_rms_norm(PyObject*, PyObject* args) {
     Py_RETURN_NONE;
 }
 
+// Rotary position embedding as transformers applies it (``q * cos + rotate_half(q) * sin``, rotate_half(q) =
+// cat(-q[D/2:], q[:D/2])): out[i] = x[i] * c[i] + (-x[i + D/2]) * s[i] for i < D/2, x[i] * c[i] + x[i - D/2] * s[i]
+// after, each product and the sum rounded to float on its own (no fused multiply-add: -ffp-contract=off), as torch's
+// three elementwise operations round them. x [B, H, R, D] with strides (xb, xh, xr, 1) in floats, cos / sin [B, R, D]
+// with strides (cb, cr, 1), out [B, H, R, D] contiguous.
+void rope(const float* x, int64_t xb, int64_t xh, int64_t xr, const float* c, const float* s, int64_t cb, int64_t cr,
+          float* out, int B, int H, int R, int D) {
+    const int h = D / 2;
+    for (int b = 0; b < B; b++)
+        for (int hd = 0; hd < H; hd++)
+            for (int r = 0; r < R; r++) {
+                const float* xv = x + b * xb + hd * xh + r * xr;
+                const float* cv = c + b * cb + r * cr;
+                const float* sv = s + b * cb + r * cr;
+                float* o = out + (((int64_t)b * H + hd) * R + r) * D;
+                for (int i = 0; i < h; i++) {
+                    const float a = xv[i] * cv[i], t = -xv[i + h] * sv[i];
+                    o[i] = a + t;
+                }
+                for (int i = h; i < D; i++) {
+                    const float a = xv[i] * cv[i], t = xv[i - h] * sv[i];
+                    o[i] = a + t;
+                }
+            }
+}
+
+PyObject* py_rope(PyObject*, PyObject* args) {
+    unsigned long long xp, cp, sp, op;
+    long long xb, xh, xr, cb, cr;
+    int B, H, R, D;
+    if (!PyArg_ParseTuple(args, "KLLLKKLLKiiii", &xp, &xb, &xh, &xr, &cp, &sp, &cb, &cr, &op, &B, &H, &R, &D))
+        return nullptr;
+    if (B < 0 || H < 0 || R < 0 || D <= 0 || D % 2 != 0) {
+        PyErr_Format(PyExc_ValueError, "bad rotary shape: B=%d H=%d R=%d D=%d (D even)", B, H, R, D);
+        return nullptr;
+    }
+    rope((const float*)xp, xb, xh, xr, (const float*)cp, (const float*)sp, cb, cr, (float*)op, B, H, R, D);
+    Py_RETURN_NONE;
+}
+
 PyObject* py_attend(PyObject*, PyObject* args) {
     unsigned long long qp, kp, vp, op, cp, ip;
     int B, H, Hkv, R, D, idx_len, threads;
@@ -730,6 +770,9 @@ PyMethodDef METHODS[] = {
      "row's causal attention over its own keys, alone (row-invariant)"},
     {"rms_norm", py_rms_norm, METH_VARARGS,
      "rms_norm(x_ptr, w_ptr, y_ptr, M, H, eps): y = w * (x / sqrt(mean(x^2) + eps)) per row of H floats (row-invariant)"},
+    {"rope", py_rope, METH_VARARGS,
+     "rope(x, xb, xh, xr, cos, sin, cb, cr, out, B, H, R, D): out = x * cos + rotate_half(x) * sin, rounded as "
+     "torch rounds it"},
     {"isa", py_isa, METH_NOARGS, "the instruction set in use"},
     {"set_one_row", py_set_one_row, METH_VARARGS,
      "set_one_row(kind, rows): passes of at most rows rows take the one-weight-row path for this block type (0..2 "
