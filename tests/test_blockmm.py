@@ -245,3 +245,24 @@ def test_rope_is_transformers_rotary_embedding_to_the_bit():
         assert got.is_contiguous() and torch.equal(got, want), (B, H, R, D, cos_batch)
     with pytest.raises(ValueError, match=r"cos and sin must be \[2 or 1, 4, 64\]"):
         blockmm.rope(torch.randn(2, 3, 4, 64), torch.randn(2, 4, 32), torch.randn(2, 4, 32))
+
+
+def test_row_digests_tell_rows_apart_by_their_exact_bytes():
+    torch.manual_seed(7)
+    x = torch.randn(4000, 96)
+    near = x[:500].clone()
+    near.view(torch.int32)[:, 37] ^= 1  # one bit of one value
+    sign = x[:500].clone()
+    sign[:, 0] = -sign[:, 0]
+    top = x[:500].clone()
+    top.view(torch.int32)[:, 95] ^= -2 ** 31  # the highest bit of the last word
+    every = torch.cat([x, near, sign, top])
+    digests = blockmm.row_digests(every)
+    assert len(digests) == len(every) and all(len(d) == 16 for d in digests)
+    assert len(set(digests)) == len(every)  # no two different rows share one
+    assert blockmm.row_digests(x[123:124]) == [digests[123]]  # a row's digest is its own, wherever it sits
+    assert blockmm.row_digests(x.flip(0)) == digests[:4000][::-1]
+    assert blockmm.row_digests(torch.zeros(3, 5)) == blockmm.row_digests(torch.zeros(3, 5))[:1] * 3
+    assert blockmm.row_digests(torch.zeros(1, 5)) != blockmm.row_digests(torch.zeros(1, 6))  # the length counts
+    with pytest.raises(ValueError, match="2-D"):
+        blockmm.row_digests(torch.zeros(5))

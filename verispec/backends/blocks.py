@@ -93,9 +93,10 @@ def swap_norms(model: nn.Module) -> int:
     probe = torch.Generator().manual_seed(0)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
+            if not type(child).__name__.endswith("RMSNorm"):  # first: a BlockLinear's weight is dequantized on reading
+                continue
             weight, eps = getattr(child, "weight", None), getattr(child, "variance_epsilon", None)
-            if not type(child).__name__.endswith("RMSNorm") or not isinstance(weight, torch.Tensor) \
-                    or weight.dim() != 1 or not isinstance(eps, float):
+            if not isinstance(weight, torch.Tensor) or weight.dim() != 1 or not isinstance(eps, float):
                 continue
             norm = RowRMSNorm(weight, eps)
             x = torch.randn(3, weight.shape[0], generator=probe)

@@ -47,6 +47,12 @@ def available() -> bool:
     return _native is not None and _native.best_isa() != "scalar"
 
 
+def native_built() -> bool:
+    """Whether the native module is built here (its portable routines run on any CPU; ``available()`` also asks for
+    the fast instruction sets)."""
+    return _native is not None
+
+
 def why_unavailable() -> str | None:
     """None when ``available()``; else what is missing and how to get it."""
     if _native is None:
@@ -325,6 +331,21 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def row_digests(values: torch.Tensor) -> list[bytes]:
+    """A 16-byte digest of each row's exact bytes (a 2-D tensor, any dtype): equal rows give equal digests, and two
+    different rows the same one with odds of about 2^-128 (xxHash64 rounds, ``_native.cpp``). For finding rows by
+    value among millions (the blocks backend's load) at memory speed."""
+    _require()
+    if values.dim() != 2:
+        raise ValueError(f"row_digests takes a 2-D tensor, not {values.dim()}-D")
+    values = values.contiguous()
+    rows, row_bytes = values.shape[0], values.shape[1] * values.element_size()
+    out = torch.empty(rows, 16, dtype=torch.uint8)
+    _native.row_hashes(values.data_ptr(), rows, row_bytes, out.data_ptr())
+    flat = out.numpy().tobytes()
+    return [flat[16 * i: 16 * i + 16] for i in range(rows)]
+
+
 class Matrix:
     """One matrix checked once for many products (a decoding pass makes ~200: ``matmul``'s checks cost more than a
     small one's arithmetic): ``Matrix(blocks, kind, K)(x)`` is ``matmul(x, blocks, kind)``."""
@@ -392,4 +413,4 @@ def attend_unchecked(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 __all__ = ["TYPES", "Matrix", "attend", "attend_unchecked", "available", "best_isa", "block_type", "default_threads",
-           "isa", "matmul", "prefetch", "rms_norm", "rope", "set_isa", "set_prefetch", "set_threads", "why_unavailable"]
+           "isa", "matmul", "prefetch", "rms_norm", "rope", "row_digests", "set_isa", "set_prefetch", "set_threads", "why_unavailable"]

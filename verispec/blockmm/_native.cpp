@@ -683,6 +683,57 @@ PyObject* py_rope(PyObject*, PyObject* args) {
     Py_RETURN_NONE;
 }
 
+// A 128-bit digest of each of `rows` rows of `row_bytes` bytes (xxHash64's round on four lanes, two finalizations of
+// the 256-bit state): how the blocks backend finds a matrix's rows among a file's dequantized rows by their exact
+// bytes, at memory speed instead of a Python hash call a row.
+inline uint64_t rotl64(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+constexpr uint64_t P1 = 11400714785074694791ULL, P2 = 14029467366897019727ULL, P3 = 1609587929392839161ULL,
+                   P4 = 9650029242287828579ULL, P5 = 2870177450012600261ULL;
+inline uint64_t xround(uint64_t acc, uint64_t in) { return rotl64(acc + in * P2, 31) * P1; }
+inline uint64_t avalanche(uint64_t h) {
+    h ^= h >> 33; h *= P2; h ^= h >> 29; h *= P3; h ^= h >> 32;
+    return h;
+}
+
+void row_hashes(const uint8_t* data, int64_t rows, int64_t row_bytes, uint8_t* out) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t* p = data + r * row_bytes;
+        uint64_t v[4] = {P1 + P2, P2, 0, 0 - P1};
+        int64_t i = 0;
+        for (; i + 32 <= row_bytes; i += 32)
+            for (int l = 0; l < 4; l++) {
+                uint64_t w;
+                std::memcpy(&w, p + i + 8 * l, 8);
+                v[l] = xround(v[l], w);
+            }
+        uint64_t tail = (uint64_t)row_bytes * P5;
+        for (; i + 8 <= row_bytes; i += 8) {
+            uint64_t w;
+            std::memcpy(&w, p + i, 8);
+            tail = rotl64(tail ^ xround(0, w), 27) * P1 + P4;
+        }
+        for (; i < row_bytes; i++) tail = rotl64(tail ^ (p[i] * P5), 11) * P1;
+        const uint64_t a = avalanche(rotl64(v[0], 1) + rotl64(v[1], 7) + rotl64(v[2], 12) + rotl64(v[3], 18) + tail);
+        const uint64_t b = avalanche((v[0] ^ rotl64(v[1], 29)) * P3 + (v[2] ^ rotl64(v[3], 41)) * P4 + (tail ^ a));
+        std::memcpy(out + 16 * r, &a, 8);
+        std::memcpy(out + 16 * r + 8, &b, 8);
+    }
+}
+
+PyObject* py_row_hashes(PyObject*, PyObject* args) {
+    unsigned long long dp, op;
+    long long rows, row_bytes;
+    if (!PyArg_ParseTuple(args, "KLLK", &dp, &rows, &row_bytes, &op)) return nullptr;
+    if (rows < 0 || row_bytes < 0) {
+        PyErr_Format(PyExc_ValueError, "bad shape: rows=%lld row_bytes=%lld", rows, row_bytes);
+        return nullptr;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    row_hashes((const uint8_t*)dp, rows, row_bytes, (uint8_t*)op);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 PyObject* py_attend(PyObject*, PyObject* args) {
     unsigned long long qp, kp, vp, op, cp, ip;
     int B, H, Hkv, R, D, idx_len, threads;
@@ -773,6 +824,8 @@ PyMethodDef METHODS[] = {
     {"rope", py_rope, METH_VARARGS,
      "rope(x, xb, xh, xr, cos, sin, cb, cr, out, B, H, R, D): out = x * cos + rotate_half(x) * sin, rounded as "
      "torch rounds it"},
+    {"row_hashes", py_row_hashes, METH_VARARGS,
+     "row_hashes(data, rows, row_bytes, out): a 16-byte digest of each row's bytes into out (rows * 16 bytes)"},
     {"isa", py_isa, METH_NOARGS, "the instruction set in use"},
     {"set_one_row", py_set_one_row, METH_VARARGS,
      "set_one_row(kind, rows): passes of at most rows rows take the one-weight-row path for this block type (0..2 "

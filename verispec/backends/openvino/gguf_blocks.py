@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -181,8 +182,15 @@ def decode(kind: str, raw: np.ndarray) -> Blocks:
     return Blocks(kind, blocks.q.reshape(rows, groups, group), blocks.scale.reshape(rows, groups), zero, blocks.bits)
 
 
-def _row_key(row: np.ndarray) -> bytes:
-    return hashlib.blake2b(np.ascontiguousarray(row, dtype=np.float32).tobytes(), digest_size=16).digest()
+def _row_keys(values: np.ndarray) -> list[bytes]:
+    """A 16-byte key per row of ``values`` [rows, columns] from its float32 bytes: the native kernel's digests where it
+    is built (memory speed: the 1.5B's 1.7 million rows in about a second), else blake2b a row (~20 s there)."""
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    from ... import blockmm
+
+    if blockmm.native_built():
+        return blockmm.row_digests(torch.from_numpy(values))
+    return [hashlib.blake2b(row.tobytes(), digest_size=16).digest() for row in values]
 
 
 @dataclass
@@ -215,8 +223,8 @@ class GGUFRows:
         """Hold tensor ``name`` of GGUF type ``kind``: its bytes [rows, bytes a row] and dequantized ``values``
         [rows, columns] (how its rows are found)."""
         self.kinds[name], self.raw[name] = kind, raw
-        for i, row in enumerate(values):
-            self.where.setdefault(_row_key(row), (name, i))
+        for i, key in enumerate(_row_keys(values)):
+            self.where.setdefault(key, (name, i))
 
     def blocks(self, name: str) -> "Blocks | np.ndarray":
         """The tensor's blocks (an F16 tensor: its float16 values)."""
@@ -228,8 +236,8 @@ class GGUFRows:
     def locate(self, matrix: np.ndarray) -> list[tuple[str, int]] | None:
         """Where each row of ``matrix`` [rows, columns] is in the file, or None if one row is nowhere."""
         found = []
-        for row in matrix:
-            hit = self.where.get(_row_key(row))
+        for key in _row_keys(matrix):
+            hit = self.where.get(key)
             if hit is None:
                 return None
             found.append(hit)
