@@ -53,6 +53,8 @@ def test_a_row_is_the_same_bits_alone_among_others_on_any_threads_and_instructio
         for start in range(0, 10 - width, 2):
             part = blockmm.attend(q[:, :, start : start + width], k, v, counts[:, start : start + width])
             assert torch.equal(part, full[:, start : start + width]), (width, start)
+    for threads in (1, 2, 5, 16):  # one row: the heads of a KV head split among the threads in parts, same bits
+        assert torch.equal(blockmm.attend(q[:, :, 4:5], k, v, counts[:, 4:5], threads=threads), full[:, 4:5])
     best = blockmm.best_isa()
     try:
         for isa in ("scalar", "avx2", "avx512vnni"):

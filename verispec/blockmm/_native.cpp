@@ -551,28 +551,34 @@ void matmul(int kind, const float* x, const uint8_t* W, float* y, int M, int N, 
 
 // Attention for R query rows of B sequences: q [B, H, R, D] (contiguous), k / v [B, Hkv, *, D] with the given strides
 // (in floats), out [B, R, H, D]; row (b, r) sees counts[b * R + r] keys, at rows idx[(b * R + r) * idx_len ...] when
-// idx is given, else the first ones. Query head h reads KV head h / (H / Hkv). Threads split the (b, r, h) rows.
+// idx is given, else the first ones. Query head h reads KV head h / (H / Hkv). Threads split the units (attend_group).
 void attend(const float* q, const float* k, const float* v, float* out, int B, int H, int Hkv, int R, int D,
             int64_t kb, int64_t kh, int64_t ks, int64_t vb, int64_t vh, int64_t vs, const int32_t* counts,
             const int32_t* idx, int idx_len, float scale, int threads, int isa) {
-    const int groups = H / Hkv, units = B * R * H;
+    // a unit: the query heads of one row that read one KV head (all of them, or a part where the rows and KV heads
+    // alone would leave a thread without a unit), computed together by attend_group
+    const int groups = H / Hkv;
+    int split = std::min(groups, std::max(1, (threads + B * R * Hkv - 1) / (B * R * Hkv)));
+    const int per = std::min(64, (groups + split - 1) / split);  // attend_group keeps 64 heads' sums at most
+    split = (groups + per - 1) / per;
+    const int units = B * R * Hkv * split;
     int longest = 1;
     for (int u = 0; u < B * R; u++) longest = std::max(longest, (int)counts[u]);
     threads = std::max(1, std::min(threads, units));
-    auto row_fn = portable::attend_row;
+    auto group_fn = portable::attend_group;
 #if VS_X86
-    if (isa == ISA_VNNI) row_fn = vnni::attend_row;
-    else if (isa == ISA_AVX2) row_fn = avx2::attend_row;
+    if (isa == ISA_VNNI) group_fn = vnni::attend_group;
+    else if (isa == ISA_AVX2) group_fn = avx2::attend_group;
 #endif
     auto task = [&](int id, int width) {
-        std::vector<float> s((size_t)longest);
+        std::vector<float> s((size_t)longest * per), keep((size_t)64 * per);
         const int u0 = (int)((int64_t)units * id / width), u1 = (int)((int64_t)units * (id + 1) / width);
         for (int u = u0; u < u1; u++) {
-            const int h = u % H, br = u / H, b = br / R, r = br % R;
-            const int kvh = h / groups;
-            row_fn(q + (((int64_t)b * H + h) * R + r) * D, k + b * kb + kvh * kh, v + b * vb + kvh * vh, ks, vs,
-                   idx ? idx + (int64_t)br * idx_len : nullptr, counts[br], D, scale,
-                   out + (((int64_t)b * R + r) * H + h) * D, s.data());
+            const int part = u % split, kvh = (u / split) % Hkv, br = u / (split * Hkv), b = br / R, r = br % R;
+            const int h0 = kvh * groups + part * per, G = std::min(per, groups - part * per);
+            group_fn(q + (((int64_t)b * H + h0) * R + r) * D, (int64_t)R * D, k + b * kb + kvh * kh,
+                     v + b * vb + kvh * vh, ks, vs, idx ? idx + (int64_t)br * idx_len : nullptr, counts[br], G, D,
+                     scale, out + (((int64_t)b * R + r) * H + h0) * D, D, s.data(), keep.data());
         }
     };
     std::lock_guard<std::mutex> lock(g_call);
