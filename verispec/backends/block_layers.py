@@ -25,6 +25,7 @@ from torch.nn import functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .. import blockmm
+from ..errors import InvalidRequest
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +140,7 @@ def install(model: nn.Module) -> int:
 
     try:
         layers = decoder_layers(model)
-    except Exception:  # noqa: BLE001 - a model without model.model.layers keeps its own forwards
+    except InvalidRequest:  # a model without model.model.layers keeps its own forwards
         return 0
     rotary = getattr(model.model, "rotary_emb", None)
     if rotary is None:

@@ -413,4 +413,5 @@ def attend_unchecked(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 __all__ = ["TYPES", "Matrix", "attend", "attend_unchecked", "available", "best_isa", "block_type", "default_threads",
-           "isa", "matmul", "prefetch", "rms_norm", "rope", "row_digests", "set_isa", "set_prefetch", "set_threads", "why_unavailable"]
+           "isa", "matmul", "native_built", "prefetch", "rms_norm", "rope", "row_digests", "set_isa", "set_prefetch",
+           "set_threads", "why_unavailable"]
