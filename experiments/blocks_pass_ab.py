@@ -13,7 +13,7 @@ import time
 from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 
 from verispec import blockmm, load_model
-from verispec.backends.blocks import RowRMSNorm
+from verispec.backends.block_modules import RowRMSNorm
 
 
 def main() -> None:

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from verispec import SpeculativeDecoder, blockmm
-from verispec.backends.blocks import BlockLinear, BlocksModel, RowRMSNorm, on_blocks, swap_norms
+from verispec.backends.block_modules import BlockLinear, RowRMSNorm
+from verispec.backends.blocks import BlocksModel, on_blocks, swap_norms
 from verispec.backends.openvino.gguf_blocks import GGUFRows
 from verispec.drafters import ModelDrafter, NgramDrafter
 

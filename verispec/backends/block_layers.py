@@ -26,6 +26,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .. import blockmm
 from ..errors import InvalidRequest
+from .block_modules import BlockLinear, RowRMSNorm
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +120,6 @@ class LeanForward:
 
 def _shaped(layer: nn.Module) -> bool:
     """Whether ``layer`` has the parts ``LeanForward`` uses, each of the kind it expects."""
-    from .blocks import BlockLinear, RowRMSNorm
-
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
     if attn is None or mlp is None:
         return False
