@@ -823,3 +823,31 @@ def test_training_uses_bfloat16_only_where_the_device_multiplies_it_natively(mon
         assert bf16_autocast(None, torch.device("cuda")) is True and _gen_dtype("auto", "cuda") == "bfloat16"
     assert bf16_autocast(True, torch.device("cpu")) is True and bf16_autocast(False, torch.device("cuda")) is False
     assert _gen_dtype("float16", "cpu") == "float16"
+
+
+def test_the_head_program_is_tried_again_after_cpythons_ast_depth_race_and_only_after_it(tiny_target, monkeypatch,
+                                                                                          caplog):
+    """CPython 3.11's ast module can raise a spurious SystemError when another thread parses at the same moment
+    (python/cpython#106905): the head's program is loaded once more; any other SystemError is a failure, warned, and
+    the torch head drafts."""
+    from verispec.eagle import engines
+    from verispec.eagle.compiled import CompiledHeadSteps
+
+    raised = ["AST constructor recursion depth mismatch (before=189, after=33)"]
+    calls = []
+
+    def flaky(cls, head, embedding_model, name="", *, cached_only=False):
+        calls.append(cached_only)
+        if raised:
+            raise SystemError(raised.pop())
+        return "the program"
+
+    monkeypatch.setattr(CompiledHeadSteps, "load_or_build", classmethod(flaky))
+    head = random_head(tiny_target)
+    assert engines.compiled_steps(head, tiny_target, cached_only=True) == "the program" and calls == [True, True]
+    head = random_head(tiny_target)
+    raised[:] = ["some other fault"]
+    calls.clear()
+    with caplog.at_level("WARNING"):
+        assert engines.compiled_steps(head, tiny_target) is None
+    assert calls == [False] and "some other fault" in caplog.text

@@ -108,8 +108,7 @@ def compiled_steps(head: EagleHead, target, cached_only: bool = False):
         steps = head.compiled_steps
         if steps is None:
             try:
-                steps = CompiledHeadSteps.load_or_build(head, target.embedding_model, target.name,
-                                                        cached_only=cached_only)
+                steps = _load_or_build(CompiledHeadSteps, head, target, cached_only)
             except InvalidRequest:
                 raise
             except Exception as exc:  # noqa: BLE001 - any compiler failure means: the torch head drafts
@@ -122,3 +121,16 @@ def compiled_steps(head: EagleHead, target, cached_only: bool = False):
 
 
 _COMPILED_LOCK = threading.Lock()
+
+
+def _load_or_build(steps_type, head: EagleHead, target, cached_only: bool):
+    """``steps_type.load_or_build``, tried a second time after CPython 3.11's spurious "AST constructor recursion
+    depth mismatch" (python/cpython#106905: the ast module's depth counter is shared by threads, so another thread
+    parsing at the same moment can trip it; the retry parses alone)."""
+    for attempt in (1, 2):
+        try:
+            return steps_type.load_or_build(head, target.embedding_model, target.name, cached_only=cached_only)
+        except SystemError as exc:
+            if attempt == 2 or "recursion depth mismatch" not in str(exc):
+                raise
+            log.info("the eagle head's program met CPython's AST depth race (%s); trying once more", exc)
