@@ -217,14 +217,14 @@ class SpeculativeDecoder:
         if isinstance(prompt, str):
             if not has_text(prompt):
                 raise InvalidRequest("prompt is empty; pass some text to continue or answer")
-            if raw or not getattr(tok, "chat_template", None):
+            if raw or not tok.chat_template:
                 ids = tok(prompt, add_special_tokens=True)["input_ids"]
             else:
                 ids = tok.apply_chat_template(
                     [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=True
                 )["input_ids"]
         elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
-            if not getattr(tok, "chat_template", None):
+            if not tok.chat_template:
                 raise InvalidRequest("this tokenizer has no chat template; pass a plain string with raw=True")
             ids = tok.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=True, return_dict=True)[
                 "input_ids"

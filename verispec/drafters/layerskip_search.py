@@ -129,7 +129,7 @@ def answers(target, prompts=PROMPTS, new_tokens: int = 48) -> list[tuple[list[in
     tok = target.tokenizer
     found = []
     for prompt in prompts:
-        if getattr(tok, "chat_template", None):
+        if tok.chat_template:
             ids = list(tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                                tokenize=True, return_dict=True)["input_ids"])
         else:

@@ -62,9 +62,9 @@ def encode_after(tokenizer, anchor: str, text: str) -> list[int]:
 
 def special_ids(tokenizer) -> set[int]:
     """Ids of the tokenizer's special tokens (named ones and added tokens marked special)."""
-    ids = set(getattr(tokenizer, "all_special_ids", ()) or ())
-    for i, token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
-        if getattr(token, "special", False):
+    ids = set(tokenizer.all_special_ids)
+    for i, token in tokenizer.added_tokens_decoder.items():
+        if token.special:
             ids.add(int(i))
     return ids
 
@@ -79,8 +79,8 @@ def special_map(source, into) -> dict[int, int]:
         j = into.convert_tokens_to_ids(spelling)  # an unknown spelling gives the unknown token's id: checked below
         if isinstance(j, int) and j in into_specials and into.convert_ids_to_tokens(j) == spelling:
             found[i] = j
-    for role in ("bos_token_id", "eos_token_id"):  # tokenizers name these by role (None where they have none)
-        i, j = getattr(source, role, None), getattr(into, role, None)
+    # beginning and end of sequence by role (None where a tokenizer has none)
+    for i, j in ((source.bos_token_id, into.bos_token_id), (source.eos_token_id, into.eos_token_id)):
         if i is not None and j is not None:
             found[i] = j
     return found
