@@ -10,6 +10,10 @@ os.environ["VERISPEC_COMPILE"] = "off"
 # --backend defaults to auto (timing every installed engine once per model): tests name the engine they test, and
 # those that test the choice itself set auto
 os.environ["VERISPEC_BACKEND"] = "transformers"
+# compiled steps are built without autotuning their GEMMs (inductor's default kernels: a third of the compile time,
+# and the same graph; the kernels chosen are torch's, not under test here); the setting is part of the compile
+# store's key, so a user's autotuned programs are never mistaken for these (docs/testing.md)
+os.environ.setdefault("VERISPEC_COMPILE_AUTOTUNE", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -65,6 +69,22 @@ def pytest_sessionfinish(session):
     if not hasattr(session.config, "workerinput") and _BEFORE in session.config.stash:
         for folder in _tiny_exports() - session.config.stash[_BEFORE]:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+# The modules that take longest with empty caches (a cold CI run: compiles, exports, downloads and conversions;
+# docs/testing.md), longest first. They run first, so the two workers end together: pytest-xdist's own order puts
+# the modules with the most tests first, which left these few-test, slow modules for the end, one worker idle.
+SLOWEST_FIRST = ("test_e2e_compiled", "test_e2e_openvino", "test_e2e_gemma3", "test_e2e_qwen_pair", "test_zoo",
+                 "test_compiled", "test_e2e_ray", "test_zoo_llamacpp", "test_e2e_llamacpp", "test_e2e_layerskip",
+                 "test_e2e_default_model", "test_e2e_cost_cache", "test_e2e_serve_bench", "test_e2e_openvino_peers")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Slowest modules first (``SLOWEST_FIRST``), the rest in their own order after them; a module's tests keep
+    theirs. Every worker sorts alike, so their collections still agree (``--no-loadscope-reorder`` in pyproject.toml
+    keeps this order)."""
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))
 
 
 def pytest_xdist_auto_num_workers(config):
