@@ -23,7 +23,7 @@ def head_dtype(choice: str, target: TargetModel) -> torch.dtype:
     if choice not in HEAD_DTYPES:
         raise InvalidRequest(f"head precision must be one of {', '.join(HEAD_DTYPES)}, got {choice!r}")
     if choice != "auto":
-        return getattr(torch, choice)
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[choice]
     if target.dtype == torch.float32 and target.device.type == "cpu":
         from ..backends.torch_cpu.cpu import bfloat16_dot_products
 
