@@ -134,6 +134,35 @@ def test_q6k_wide_passes_give_the_same_bits_on_the_tiles_and_the_buffered_path()
         blockmm.set_q6k_tiles(before)
 
 
+@pytest.mark.parametrize("kind", list(TYPES))
+def test_wide_passes_on_another_instruction_set_give_the_same_bits(kind):
+    """Products of 3 or more rows on another instruction set than the narrow ones (``set_wide_isa``, what
+    ``choose_paths`` picks on AVX-512 CPUs): the reference's bits at every width, the narrow ones untouched; and
+    ``set_isa`` puts every width back on one set."""
+    K = 512
+    raw = random_blocks(kind, 29, K, seed=23)
+    x = activations(17, K, seed=29)
+    want = reference.matmul(x, raw, kind)
+    best = blockmm.best_isa()
+    names = [name for name in ("scalar", "avx2", "avx512vnni")
+             if ("scalar", "avx2", "avx512vnni").index(name) <= ("scalar", "avx2", "avx512vnni").index(best)]
+    try:
+        for narrow in names:
+            for wide in names:
+                blockmm.set_isa(narrow)
+                blockmm.set_wide_isa(wide)
+                assert (blockmm.isa(), blockmm.wide_isa()) == (narrow, wide)
+                assert (f"{wide} past 2 rows" in blockmm.paths_in_use([kind])) == (wide != narrow)
+                for M in (1, 2, 3, 4, 8, 9, 17):
+                    assert torch.equal(blockmm.matmul(x[:M], raw, kind), want[:M]), (narrow, wide, M)
+        blockmm.set_isa(best)
+        assert blockmm.wide_isa() == best
+    finally:
+        blockmm.set_isa(best)
+    with pytest.raises(ValueError, match="not available on this CPU"):
+        blockmm.set_wide_isa("nonsense")
+
+
 def test_choose_paths_times_both_paths_per_k_type_and_keeps_the_faster():
     matrices = [blockmm.Matrix(random_blocks(kind, 64, 1024, seed=i), kind, 1024)
                 for i, kind in enumerate(("Q4_K", "Q6_K", "Q4_0"))]
@@ -141,7 +170,7 @@ def test_choose_paths_times_both_paths_per_k_type_and_keeps_the_faster():
     before, q6k_before, ahead = blockmm.one_row_limits(), blockmm.q6k_tiles(), blockmm.prefetch()
     try:
         found = blockmm.choose_paths(matrices, rounds=3)
-        assert set(found) == {"Q4_K", "Q6_K", "Q4_0", "Q8_0", "prefetch"}
+        assert set(found) - {"wide"} == {"Q4_K", "Q6_K", "Q4_0", "Q8_0", "prefetch"}
         on, off = found["prefetch"][1]
         assert blockmm.prefetch() == (blockmm.PREFETCH if on <= off else 0)
         for kind in ("Q4_K", "Q6_K"):
@@ -156,9 +185,13 @@ def test_choose_paths_times_both_paths_per_k_type_and_keeps_the_faster():
         if blockmm.isa() == "avx512vnni":
             tiles, buffered = found["Q6_K"][8]
             assert blockmm.q6k_tiles() == (tiles < buffered)
+            on512, on2 = found.pop("wide")[8]
+            assert blockmm.wide_isa() == ("avx512vnni" if on512 <= on2 else "avx2")
         else:
-            assert 8 not in found["Q6_K"]
+            assert 8 not in found["Q6_K"] and "wide" not in found
+            assert blockmm.wide_isa() == blockmm.isa()
     finally:
+        blockmm.set_isa(blockmm.best_isa())
         for kind, rows in before.items():
             blockmm.set_one_row_limit(kind, rows)
         blockmm.set_q6k_tiles(q6k_before)

@@ -218,6 +218,10 @@ def _choose_paths(model: nn.Module) -> None:
     if "prefetch" in found:
         (on, off), = found.pop("prefetch").values()
         log.info("block kernel, one row: prefetching %.1f ms, without %.1f ms a pass", on, off)
+    if "wide" in found:
+        (on512, on2), = found.pop("wide").values()
+        log.info("block kernel, 4 + 8 rows: AVX-512 %.1f ms, AVX2 %.1f ms a pass (%s kept)", on512, on2,
+                 blockmm.wide_isa())
     for kind, widths in found.items():
         log.info("block kernel, %s: %s", kind, "; ".join(
             f"{rows} rows: tiles {a:.1f} ms, buffered path {b:.1f} ms a pass" if rows > 2 else

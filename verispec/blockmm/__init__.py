@@ -82,6 +82,20 @@ def set_isa(name: str) -> None:
     _native.set_isa(name)
 
 
+def wide_isa() -> str:
+    """The instruction set of products over 3 or more rows (``isa()``'s unless ``set_wide_isa`` chose another)."""
+    _require()
+    return _native.wide_isa()
+
+
+def set_wide_isa(name: str) -> None:
+    """Products over 3 or more rows on ``name`` (at most this CPU's best), narrower ones on ``isa()``: on an AMD Zen 4
+    the AVX2 tiles beat the AVX-512 ones there (docs/kernels.md). Speed only: every set computes the same bits.
+    ``set_isa`` puts every width back on the set it names."""
+    _require()
+    _native.set_wide_isa(name)
+
+
 _threads: int | None = None
 _held: int | None = None  # default_threads worked out for a block (threads_held)
 
@@ -221,6 +235,8 @@ def paths_in_use(kinds) -> list[str]:
         named.append("Q6_K tiles")
     if one_row and not prefetch():
         named.append("no prefetching")
+    if wide_isa() != isa():
+        named.append(f"{wide_isa()} past 2 rows")
     return named
 
 
@@ -246,10 +262,11 @@ def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[in
     the one-weight-row path against the tiles (K types, at 1 and 2 rows) or the buffered path (32-weight types, at 1
     row; ``set_one_row_limit``), on AVX-512 Q6_K's
     tiles against its buffered path at 8 rows (``set_q6k_tiles``), and the one-row paths with and without software
-    prefetching (``set_prefetch``). Which wins depends on the CPU (docs/kernels.md); every path computes the same
-    bits. Returns {type: {rows: (first path's ms, second's)}}: for 1 and 2 rows the one-row path and the other, for
-    Q6_K's 8 the tiles and the buffered path; and under "prefetch" {1: (ms with, ms without)}; medians of
-    interleaved rounds."""
+    prefetching (``set_prefetch``), and on AVX-512 the AVX-512 and AVX2 code for products of 3 or more rows
+    (``set_wide_isa``; timed at 4 and 8 rows together). Which wins depends on the CPU (docs/kernels.md); every path
+    computes the same bits. Returns {type: {rows: (first path's ms, second's)}}: for 1 and 2 rows the one-row path
+    and the other, for Q6_K's 8 the tiles and the buffered path; under "prefetch" {1: (ms with, ms without)}; under
+    "wide" {8: (ms on AVX-512, ms on AVX2)} where timed; medians of interleaved rounds."""
     _require()
     found: dict[str, dict[int, tuple[float, float]]] = {}
     for kind, most in ONE_ROW_MOST.items():
@@ -270,6 +287,12 @@ def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[in
         took = _time_rounds((PREFETCH, 0), set_prefetch, matrices, 1, rounds)
         found["prefetch"] = {1: (took[PREFETCH], took[0])}
         set_prefetch(PREFETCH if took[PREFETCH] <= took[0] else 0)
+    if matrices and isa() == "avx512vnni":
+        wide = ("avx512vnni", "avx2")
+        took = [_time_rounds(wide, set_wide_isa, matrices, rows, rounds) for rows in (4, 8)]
+        on512, on2 = (sum(t[name] for t in took) for name in wide)
+        found["wide"] = {8: (on512, on2)}
+        set_wide_isa("avx512vnni" if on512 <= on2 else "avx2")
     return found
 
 
@@ -414,4 +437,4 @@ def attend_unchecked(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 __all__ = ["TYPES", "Matrix", "attend", "attend_unchecked", "available", "best_isa", "block_type", "default_threads",
            "isa", "matmul", "native_built", "prefetch", "rms_norm", "rope", "row_digests", "set_isa", "set_prefetch",
-           "set_threads", "why_unavailable"]
+           "set_threads", "set_wide_isa", "why_unavailable", "wide_isa"]

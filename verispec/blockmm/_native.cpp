@@ -413,6 +413,10 @@ int detect_isa() {
 
 int g_best = -1;
 int g_isa = -1;
+// The instruction set of products over 3 or more activation rows (-1: g_isa's). On a Zen 4 (AVX-512 double-pumped on
+// 256-bit units) the AVX2 tiles beat the AVX-512 ones there; the paths compute the same bits, so the faster is kept.
+int g_wide_isa = -1;
+const int WIDE_ROWS = 3;
 
 void range_scalar(const Problem& p, int n0, int n1) {
     const int C = p.K / 32;
@@ -609,7 +613,7 @@ PyObject* py_matmul(PyObject*, PyObject* args) {
         return nullptr;
     }
     if (M == 0 || N == 0) Py_RETURN_NONE;
-    const int isa = g_isa;
+    const int isa = (M >= WIDE_ROWS && g_wide_isa >= 0) ? g_wide_isa : g_isa;
     Py_BEGIN_ALLOW_THREADS
     matmul(kind, (const float*)xp, (const uint8_t*)wp, (float*)yp, M, N, K, row_bytes, threads, isa);
     Py_END_ALLOW_THREADS
@@ -770,6 +774,24 @@ PyObject* py_set_isa(PyObject*, PyObject* args) {
     for (int i = 0; i <= g_best; i++)
         if (std::strcmp(name, ISA_NAMES[i]) == 0) {
             g_isa = i;
+            g_wide_isa = -1;  // every width on the set chosen (tests compare one set's paths whole)
+            Py_RETURN_NONE;
+        }
+    PyErr_Format(PyExc_ValueError, "instruction set %s is not available on this CPU (best: %s)", name,
+                 ISA_NAMES[g_best]);
+    return nullptr;
+}
+
+PyObject* py_wide_isa(PyObject*, PyObject*) {
+    return PyUnicode_FromString(ISA_NAMES[g_wide_isa >= 0 ? g_wide_isa : g_isa]);
+}
+
+PyObject* py_set_wide_isa(PyObject*, PyObject* args) {
+    const char* name;
+    if (!PyArg_ParseTuple(args, "s", &name)) return nullptr;
+    for (int i = 0; i <= g_best; i++)
+        if (std::strcmp(name, ISA_NAMES[i]) == 0) {
+            g_wide_isa = i == g_isa ? -1 : i;
             Py_RETURN_NONE;
         }
     PyErr_Format(PyExc_ValueError, "instruction set %s is not available on this CPU (best: %s)", name,
@@ -845,6 +867,8 @@ PyMethodDef METHODS[] = {
     {"prefetch", py_prefetch, METH_NOARGS, "the one-row paths' prefetch distance in bytes"},
     {"best_isa", py_best_isa, METH_NOARGS, "the best instruction set this CPU runs"},
     {"set_isa", py_set_isa, METH_VARARGS, "use another instruction set (scalar, avx2, avx512vnni), at most the best"},
+    {"wide_isa", py_wide_isa, METH_NOARGS, "the instruction set of products over 3 or more rows"},
+    {"set_wide_isa", py_set_wide_isa, METH_VARARGS, "the instruction set of products over 3 or more rows"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef MODULE = {PyModuleDef_HEAD_INIT, "_native", "GGUF block matmul kernels", -1, METHODS};
