@@ -144,8 +144,8 @@ def test_wide_passes_on_another_instruction_set_give_the_same_bits(kind):
     x = activations(17, K, seed=29)
     want = reference.matmul(x, raw, kind)
     best = blockmm.best_isa()
-    names = [name for name in ("scalar", "avx2", "avx512vnni")
-             if ("scalar", "avx2", "avx512vnni").index(name) <= ("scalar", "avx2", "avx512vnni").index(best)]
+    sets = ("scalar", "avx2", "avx512vnni")
+    names = sets[:sets.index(best) + 1]  # every set this CPU runs
     try:
         for narrow in names:
             for wide in names:

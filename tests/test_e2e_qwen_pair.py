@@ -14,8 +14,8 @@ from verispec.audit import run_audit
 pytestmark = pytest.mark.e2e
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
-# on the files' blocks: passes about 5x cheaper than transformers' float32 (a cold CI run on a Zen 4 spent 166 s in
-# this module's tests on transformers, 54 s on blocks)
+# on the files' blocks: this module's tests took 166 s on transformers' float32 copy in a cold CI run on a Zen 4,
+# 54 s on blocks (run alone on the same CPU)
 BACKEND = "blocks" if blockmm.available() else "transformers"
 EDIT = ("Add type hints, change nothing else:\n\n```python\ndef clamp(x, low, high):\n    if x < low:\n        return low\n"
         "    return min(x, high)\n```")

@@ -268,6 +268,8 @@ def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[in
     and the other, for Q6_K's 8 the tiles and the buffered path; under "prefetch" {1: (ms with, ms without)}; under
     "wide" {8: (ms on AVX-512, ms on AVX2)} where timed; medians of interleaved rounds."""
     _require()
+    set_wide_isa(isa())  # every width on one set while the other paths are timed (a model loaded before may have
+    # put wide products on AVX2, where the Q6_K tiles setting below changes nothing)
     found: dict[str, dict[int, tuple[float, float]]] = {}
     for kind, most in ONE_ROW_MOST.items():
         mine = [m for m in matrices if m.type.name == kind]

@@ -768,18 +768,23 @@ PyObject* py_attend(PyObject*, PyObject* args) {
 PyObject* py_isa(PyObject*, PyObject*) { return PyUnicode_FromString(ISA_NAMES[g_isa]); }
 PyObject* py_best_isa(PyObject*, PyObject*) { return PyUnicode_FromString(ISA_NAMES[g_best]); }
 
-PyObject* py_set_isa(PyObject*, PyObject* args) {
+// The instruction set named by the single string argument, at most this CPU's best; -1 with a ValueError set if not.
+int isa_argument(PyObject* args) {
     const char* name;
-    if (!PyArg_ParseTuple(args, "s", &name)) return nullptr;
+    if (!PyArg_ParseTuple(args, "s", &name)) return -1;
     for (int i = 0; i <= g_best; i++)
-        if (std::strcmp(name, ISA_NAMES[i]) == 0) {
-            g_isa = i;
-            g_wide_isa = -1;  // every width on the set chosen (tests compare one set's paths whole)
-            Py_RETURN_NONE;
-        }
+        if (std::strcmp(name, ISA_NAMES[i]) == 0) return i;
     PyErr_Format(PyExc_ValueError, "instruction set %s is not available on this CPU (best: %s)", name,
                  ISA_NAMES[g_best]);
-    return nullptr;
+    return -1;
+}
+
+PyObject* py_set_isa(PyObject*, PyObject* args) {
+    const int i = isa_argument(args);
+    if (i < 0) return nullptr;
+    g_isa = i;
+    g_wide_isa = -1;  // every width on the set chosen (tests compare one set's paths whole)
+    Py_RETURN_NONE;
 }
 
 PyObject* py_wide_isa(PyObject*, PyObject*) {
@@ -787,16 +792,10 @@ PyObject* py_wide_isa(PyObject*, PyObject*) {
 }
 
 PyObject* py_set_wide_isa(PyObject*, PyObject* args) {
-    const char* name;
-    if (!PyArg_ParseTuple(args, "s", &name)) return nullptr;
-    for (int i = 0; i <= g_best; i++)
-        if (std::strcmp(name, ISA_NAMES[i]) == 0) {
-            g_wide_isa = i == g_isa ? -1 : i;
-            Py_RETURN_NONE;
-        }
-    PyErr_Format(PyExc_ValueError, "instruction set %s is not available on this CPU (best: %s)", name,
-                 ISA_NAMES[g_best]);
-    return nullptr;
+    const int i = isa_argument(args);
+    if (i < 0) return nullptr;
+    g_wide_isa = i == g_isa ? -1 : i;
+    Py_RETURN_NONE;
 }
 
 PyObject* py_set_one_row(PyObject*, PyObject* args) {
