@@ -133,10 +133,10 @@ def gguf_converter() -> Path:
 GGUF_CONFIG = {"gemma3": dict(num_hidden_layers=6, layer_types=["sliding_attention"] * 5 + ["full_attention"])}
 
 
-def zoo_gguf(family: str, tokenizer, folder: Path, seed: int = 0, **config) -> Path:
+def zoo_gguf(family: str, tokenizer, folder: Path, seed: int = 0, outtype: str = "f32", **config) -> Path:
     """The family's tiny model with ``tokenizer``'s vocabulary (llama.cpp's converter accepts only tokenizers it
-    knows), written as an F32 GGUF by llama.cpp's own converter; returns the file. The transformers model is
-    ``folder`` (load it with ``from_pretrained`` to compare). ``config`` overrides the zoo's sizes."""
+    knows), written as a GGUF of ``outtype`` (f32, q8_0, ...) by llama.cpp's own converter; returns the file. The
+    transformers model is ``folder`` (load it with ``from_pretrained`` to compare). ``config`` overrides the zoo's sizes."""
     config_class, model_class, extra = ARCHITECTURES[family]
     ids = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                pad_token_id=tokenizer.pad_token_id)
@@ -151,7 +151,7 @@ def zoo_gguf(family: str, tokenizer, folder: Path, seed: int = 0, **config) -> P
     out = folder.with_suffix(".gguf")
     # named "zoo": llama.cpp sets token attributes by model name ("phi3" asks for </s>, <unk>, <s>, which SmolLM2's
     # vocabulary lacks) and those touch only its own tokenizer, which verispec does not use
-    done = subprocess.run([sys.executable, "-c", _AS_SAVED, str(gguf_converter()), str(folder), "--outtype", "f32",
+    done = subprocess.run([sys.executable, "-c", _AS_SAVED, str(gguf_converter()), str(folder), "--outtype", outtype,
                            "--outfile", str(out), "--model-name", "zoo"], capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"llama.cpp's converter failed on the tiny {family}:\n{done.stderr[-3000:]}")

@@ -3,10 +3,12 @@ file's own quantized blocks (``verispec.blockmm``), its attention and Llama / Qw
 (each row alone, in a fixed order); the KV cache and the rest of the step stay the transformers backend's.
 
 A matrix is held as the file holds it (about the file's size, not 4x in float32): each ``nn.Linear`` whose rows the
-file stores in a type the kernel multiplies becomes a ``BlockLinear`` over those rows' bytes. Which rows is found by
-value (``verispec.backends.openvino.gguf_blocks.GGUFRows``: each row of the loaded float32 matrix, with every
-reordering transformers' GGUF loader applies, looked up among the file's dequantized rows), never guessed from names.
-Matrices of other types (F16, Q2_K, ...) stay float32 linears and the load says so.
+file stores in a type the kernel multiplies becomes a ``BlockLinear`` over those rows' bytes. The model is built
+straight from the file (``gguf_model``: transformers' own tensor names and per-architecture row reorderings, nothing
+converted to float32 on disk). Where transformers' loader does more to a matrix than reorder its rows, the rows are
+found by value instead (``on_blocks``: each row of the float32 conversion looked up among the file's dequantized
+rows, ``verispec.backends.openvino.gguf_blocks.GGUFRows``). Matrices of other types (F16, Q2_K, ...) stay float32
+linears and the load says so.
 
 Numbers: activations are quantized per 32 values to int8 (as llama.cpp quantizes them) and every product is exact
 integer arithmetic combined in one fixed order, so a row's logits do not depend on the pass width; attention runs
@@ -21,6 +23,7 @@ import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -30,6 +33,7 @@ from .block_layers import fusable
 from .block_modules import BlockLinear, RowRMSNorm
 from ..errors import InvalidRequest, ModelNotFound
 from ..options import Option
+from .gguf_model import NotRowOrder
 from .hf.model import LoadedModel
 from .references import is_gguf
 from .registry import BackendSpec, register
@@ -75,22 +79,30 @@ class Swapped:
 
 def swap_linears(model: nn.Module, rows) -> Swapped:
     """Replace every ``nn.Linear`` of ``model`` whose rows ``rows`` (a ``GGUFRows``) holds in one supported block type
-    with a ``BlockLinear`` over the file's bytes for those rows, in the matrix's row order. The matrices share one
-    buffer in the order the layers run (``blockmm.weight_buffer``: huge pages where Linux offers them)."""
+    with a ``BlockLinear`` over the file's bytes for those rows, in the matrix's row order (found by value)."""
+    return place_linears(model, rows.raw, rows.kinds,
+                         lambda name, linear: rows.locate(linear.weight.detach().float().numpy()))
+
+
+def place_linears(model: nn.Module, raw, kinds, locate) -> Swapped:
+    """Replace each ``nn.Linear`` of ``model`` (``name``: its qualified name) for which ``locate(name, linear)`` gives
+    the file rows it holds (a list of (tensor, row), all of one supported block type) with a ``BlockLinear`` over
+    those rows' bytes (``raw``: tensor -> uint8 [rows, bytes a row]; ``kinds``: tensor -> GGUF type). The matrices
+    share one buffer in the order the layers run (``blockmm.weight_buffer``: huge pages where Linux offers them)."""
     done = Swapped({}, [])
     found = []  # (parent, name, linear, kind, places), in the modules' order
-    for parent in list(model.modules()):
+    for prefix, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear):
                 continue
-            places = rows.locate(child.weight.detach().float().numpy())
-            kinds = {rows.kinds[t] for t, _ in places} if places else set()
-            kind = kinds.pop() if len(kinds) == 1 else None
+            places = locate(f"{prefix}.{name}" if prefix else name, child)
+            found_kinds = {kinds[t] for t, _ in places} if places else set()
+            kind = found_kinds.pop() if len(found_kinds) == 1 else None
             if kind not in blockmm.TYPES:
                 done.left.append(f"{name} ({kind or 'rows not in the file'})")
                 continue
             found.append((parent, name, child, kind, places))
-    sizes = [len(places) * rows.raw[places[0][0]].shape[1] for *_, places in found]
+    sizes = [len(places) * raw[places[0][0]].shape[1] for *_, places in found]
     # each matrix starts on a page, but siblings that read the same input (q / k / v, gate / up) in one block type
     # follow one another with no gap: the decoder layers run them as one product over the joined rows (block_layers)
     starts, end = [], 0
@@ -107,7 +119,10 @@ def swap_linears(model: nn.Module, rows) -> Swapped:
         # rows of one file tensor in order are one slice of it; a reordered matrix (a fused q/k/v split) is gathered
         for tensor in dict.fromkeys(t for t, _ in places):
             where = [i for i, (t, _) in enumerate(places) if t == tensor]
-            blocks[where] = torch.from_numpy(rows.raw[tensor][[r for t, r in places if t == tensor]])
+            picked = [r for t, r in places if t == tensor]
+            run = picked == list(range(picked[0], picked[0] + len(picked)))  # a slice: read straight from the file
+            part = raw[tensor][picked[0]: picked[0] + len(picked)] if run else raw[tensor][picked]
+            blocks.numpy()[where] = part  # one copy, straight from the file's pages
         setattr(parent, name, BlockLinear(blocks, kind, child.in_features, child.bias))
         done.kinds[kind] = done.kinds.get(kind, 0) + 1
     return done
@@ -163,8 +178,6 @@ def _torch_threads(n: int):
 
 
 def load(ref: str, threads: int | None = None) -> BlocksModel:
-    from .hf import load as load_transformers
-    from .openvino.gguf_blocks import GGUFRows
     from .references import gguf_file
 
     reason = blockmm.why_unavailable()
@@ -179,19 +192,47 @@ def load(ref: str, threads: int | None = None) -> BlocksModel:
         if threads < 1:
             raise InvalidRequest(f"threads must be >= 1, got {threads}")
         blockmm.set_threads(threads)
-    loaded = load_transformers(ref, "float32", None, False, "off")
-    model = on_blocks(loaded, GGUFRows.read(path), name=path.name)
+    try:
+        model = from_file(ref, path)
+    except NotRowOrder as exc:  # an architecture whose matrices transformers' loader rewrites: find rows by value
+        log.warning("%s: %s; building the model from its float32 conversion instead", path.name, exc)
+        from .hf import load as load_transformers
+        from .openvino.gguf_blocks import GGUFRows
+
+        model = on_blocks(load_transformers(ref, "float32", None, False, "off"), GGUFRows.read(path), name=path.name)
     log.info("%s: %s", ref, model.swapped.summary())
     return model
 
 
+def from_file(ref: str, path) -> BlocksModel:
+    """The model in GGUF file ``path`` built straight from it (``gguf_model``): its matrices the file's rows, never
+    converted to float32 on disk."""
+    from transformers import AutoTokenizer
+
+    from .gguf_model import read
+    from .references import ensure_tokenizer, transformers_progress_bars
+
+    folder = ensure_tokenizer(ref)  # the file's tokenizer, converted once; its configuration is kept beside it
+    with transformers_progress_bars(False):
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    file = read(path, cache=folder)
+    swapped = place_linears(file.model, file.raw, file.kinds, file.locate)
+    file.fill_rest()
+    loaded = LoadedModel(model=file.model, tokenizer=tokenizer, name=ref, dtype=torch.float32, pack_requested=False)
+    return _finish(loaded, swapped, path.name)
+
+
 def on_blocks(loaded: LoadedModel, rows, name: str = "the model") -> BlocksModel:
     """``loaded`` (a float32 transformers model whose matrices hold the file's values) with its linear layers on the
-    file's blocks (``rows``, a ``GGUFRows``) and width-invariant attention."""
+    file's blocks (``rows``, a ``GGUFRows``, found by value) and width-invariant attention."""
+    return _finish(loaded, swap_linears(loaded.model, rows), name)
+
+
+def _finish(loaded: LoadedModel, swapped: Swapped, name: str) -> BlocksModel:
+    """``loaded``, its linear layers on blocks (``swapped``), with the native norms and width-invariant attention."""
     from .hf.masks import sliding_window
     from .hf.row_attention import ROW_ATTENTION
 
-    swapped = swap_linears(loaded.model, rows)
     if not swapped.kinds:
         raise InvalidRequest(f"{name}: none of its matrices is in a block type the native kernel multiplies "
                              f"({', '.join(blockmm.TYPES)}); use --backend llamacpp or openvino")

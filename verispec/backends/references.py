@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import InvalidRequest, ModelNotFound
+from ..errors import ModelNotFound
 from .cache import cache_dir
 
 log = logging.getLogger(__name__)
@@ -169,53 +169,13 @@ def gguf_type_bytes(ref: str) -> dict[str, int] | None:
     """The bytes ``ref``'s GGUF file holds per tensor type ({"Q4_K": ..., "F32": ...}), read from its header alone (a
     built-in is fetched first if it is not here yet); None when ``ref`` is not a GGUF source.
 
-    The header is walked here rather than with ``gguf.GGUFReader``, which also decodes every metadata array (15 s for
-    the 1.5B's vocabulary on 2 cores: too slow for a choice meant to be quick)."""
+    The header alone is read (``gguf_header``): ``gguf.GGUFReader`` also decodes every metadata array, too slow for a
+    choice meant to be quick."""
     if not is_gguf(ref):
         return None
-    import struct
+    from .gguf_header import type_bytes
 
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    scalar = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value type -> bytes
-    with open(gguf_file(ref), "rb") as f:
-        def read(fmt):
-            return struct.unpack("<" + fmt, f.read(struct.calcsize("<" + fmt)))[0]
-
-        def skip_string():
-            f.seek(read("Q"), 1)
-
-        def skip_value(kind):
-            if kind == 8:
-                skip_string()
-            elif kind == 9:
-                inner, count = read("I"), read("Q")
-                if inner in scalar:
-                    f.seek(scalar[inner] * count, 1)
-                else:
-                    for _ in range(count):
-                        skip_value(inner)
-            else:
-                f.seek(scalar[kind], 1)
-
-        if f.read(4) != b"GGUF" or read("I") < 2:
-            raise InvalidRequest(f"{ref} is not a GGUF file of version 2 or later")
-        tensors, kvs = read("Q"), read("Q")
-        for _ in range(kvs):
-            skip_string()
-            skip_value(read("I"))
-        mix: dict[str, int] = {}
-        for _ in range(tensors):
-            skip_string()
-            dims = [read("Q") for _ in range(read("I"))]
-            kind = GGMLQuantizationType(read("I"))
-            read("Q")  # offset
-            weights, size = GGML_QUANT_SIZES[kind]
-            count = 1
-            for d in dims:
-                count *= d
-            mix[kind.name] = mix.get(kind.name, 0) + count // weights * size
-    return mix
+    return type_bytes(gguf_file(ref))
 
 
 def type_bits(name: str) -> float:

@@ -1,0 +1,110 @@
+"""The blocks backend builds a model straight from a GGUF file (``verispec.backends.gguf_model``): nothing converted
+to float32 on disk, and the same model, bit for bit, as finding each matrix's rows by value in the file's float32
+conversion. Tiny zoo families as Q8_0 files from llama.cpp's own converter: Llama (q / k rows permuted), Qwen2
+(attention biases, tied embeddings), Gemma 3 (norms stored as w + 1, sliding layers), Phi-3 (fused projections)."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from conftest import require_llama_cpp
+from verispec import blockmm
+from verispec.backends import blocks, gguf_model
+from verispec.backends.gguf_header import read_header
+from verispec.backends.hf import load as load_transformers
+from verispec.backends.openvino.gguf_blocks import GGUFRows
+from verispec.backends.references import DEFAULT_MODEL, cache_dir, resolve
+from zoo import zoo_gguf
+
+pytestmark = pytest.mark.skipif(not blockmm.available(), reason=str(blockmm.why_unavailable()))
+
+TOKENS = [1, 5, 9, 7, 3, 5, 9, 7, 3, 11, 4, 6, 8, 10]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    require_llama_cpp()  # the converter comes with llama-cpp-python's source
+    return AutoTokenizer.from_pretrained(str(resolve(DEFAULT_MODEL)))
+
+
+@pytest.fixture(scope="module")
+def files(tokenizer, tmp_path_factory):
+    """family -> its tiny model as a Q8_0 GGUF, written once for the module."""
+    made = {}
+
+    def file(family: str):
+        if family not in made:
+            made[family] = zoo_gguf(family, tokenizer, tmp_path_factory.mktemp("zoo") / family, outtype="q8_0")
+        return made[family]
+    return file
+
+
+@pytest.fixture
+def same_tokenizer(tokenizer, monkeypatch):
+    """Every file carries ``tokenizer``: hand it over instead of converting each file's copy (seconds apiece)."""
+    original = AutoTokenizer.from_pretrained
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained",
+                        lambda *a, **k: tokenizer if k.get("gguf_file") else original(*a, **k))
+    return tokenizer
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3", "phi3"])
+def test_built_from_the_file_is_the_model_found_by_value(family, files, same_tokenizer):
+    path = files(family)
+    conversions = set((cache_dir() / "gguf").glob(f"{path.stem}-*"))
+    direct = blocks.load(str(path))
+    assert set((cache_dir() / "gguf").glob(f"{path.stem}-*")) == conversions  # nothing written in float32
+    by_value = blocks.on_blocks(load_transformers(str(path), pack=False), GGUFRows.read(path))
+    assert direct.swapped == by_value.swapped and direct.swapped.left == [] and "Q8_0" in direct.swapped.kinds
+    assert direct.width_invariant == by_value.width_invariant
+    assert direct.eos_token_ids == by_value.eos_token_ids and direct.vocab_size == by_value.vocab_size
+    assert not [n for n, p in direct.model.named_parameters() if p.is_meta]
+    want = by_value.forward(by_value.new_kv(), TOKENS).logits
+    assert torch.equal(direct.forward(direct.new_kv(), TOKENS).logits, want)
+
+
+def test_the_configuration_is_read_once_and_kept(files, same_tokenizer, monkeypatch):
+    from transformers import modeling_gguf_pytorch_utils
+
+    path = files("qwen2")
+    first = blocks.load(str(path))
+    monkeypatch.setattr(modeling_gguf_pytorch_utils, "load_gguf_checkpoint",
+                        lambda *a, **k: pytest.fail("the metadata was read again"))
+    again = blocks.load(str(path))
+    assert torch.equal(again.forward(again.new_kv(), TOKENS).logits, first.forward(first.new_kv(), TOKENS).logits)
+
+
+def test_a_matrix_the_loader_rewrites_falls_back_to_rows_found_by_value(files, same_tokenizer, monkeypatch, caplog):
+    path = files("llama")
+    want = blocks.load(str(path))
+
+    class Scaling:  # a processor that changes a matrix's values, not only its row order
+        def process(self, weights, name, **kwargs):
+            return type("Done", (), {"weights": weights * 2, "name": name})()
+
+    with pytest.raises(gguf_model.NotRowOrder, match="beyond its row order"):
+        gguf_model._row_order(Scaling(), "blk.0.attn_q.weight", 4, {}, {})
+    monkeypatch.setattr(gguf_model, "_row_order", lambda *a: (_ for _ in ()).throw(gguf_model.NotRowOrder("test")))
+    with caplog.at_level(logging.WARNING):
+        got = blocks.load(str(path))
+    assert "from its float32 conversion instead" in caplog.text
+    assert torch.equal(got.forward(got.new_kv(), TOKENS).logits, want.forward(want.new_kv(), TOKENS).logits)
+
+
+def test_the_header_walk_is_ggufs_own_reading(files):
+    from gguf import GGUFReader
+
+    path = files("gemma3")
+    header = read_header(path)
+    theirs = GGUFReader(str(path))
+    assert header.architecture == "gemma3"
+    assert [t.name for t in header.tensors] == [t.name for t in theirs.tensors]
+    for mine, tensor in zip(header.tensors, theirs.tensors):
+        assert mine.kind == tensor.tensor_type.name and mine.nbytes == int(tensor.n_bytes)
+        assert mine.shape == tuple(int(d) for d in reversed(tensor.shape))
+        assert np.array_equal(mine.data.reshape(-1), np.asarray(tensor.data).view(np.uint8).reshape(-1))
