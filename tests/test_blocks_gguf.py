@@ -1,7 +1,8 @@
 """The blocks backend builds a model straight from a GGUF file (``verispec.backends.gguf_model``): nothing converted
-to float32 on disk, and the same model, bit for bit, as finding each matrix's rows by value in the file's float32
-conversion. Tiny zoo families as Q8_0 files from llama.cpp's own converter: Llama (q / k rows permuted), Qwen2
-(attention biases, tied embeddings), Gemma 3 (norms stored as w + 1, sliding layers), Phi-3 (fused projections)."""
+to float32 on disk, the token embedding kept as the file's blocks, and the same model, bit for bit, as finding each
+matrix's rows by value in the file's float32 conversion. Tiny zoo families as Q8_0 files from llama.cpp's own
+converter: Llama (q / k rows permuted), Qwen2 (attention biases, tied embeddings), Gemma 3 (norms stored as w + 1,
+scaled embeddings, sliding layers), Phi-3 (fused projections)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from transformers import AutoTokenizer
 from conftest import require_llama_cpp
 from verispec import blockmm
 from verispec.backends import blocks, gguf_model
+from verispec.backends.block_modules import BlockEmbedding
 from verispec.backends.gguf_header import read_header
 from verispec.backends.hf import load as load_transformers
 from verispec.backends.openvino.gguf_blocks import GGUFRows
@@ -64,6 +66,9 @@ def test_built_from_the_file_is_the_model_found_by_value(family, files, same_tok
     assert direct.width_invariant == by_value.width_invariant
     assert direct.eos_token_ids == by_value.eos_token_ids and direct.vocab_size == by_value.vocab_size
     assert not [n for n, p in direct.model.named_parameters() if p.is_meta]
+    table = direct.model.get_input_embeddings()  # the file's blocks, dequantized on reading
+    assert isinstance(table, BlockEmbedding) and table.kind.name == "Q8_0"
+    assert torch.equal(table.weight, by_value.model.get_input_embeddings().weight)
     want = by_value.forward(by_value.new_kv(), TOKENS).logits
     assert torch.equal(direct.forward(direct.new_kv(), TOKENS).logits, want)
 

@@ -25,11 +25,7 @@ class BlockLinear(nn.Module):
     def weight(self) -> torch.Tensor:
         """The matrix's float32 values, dequantized on each access (by gguf, as transformers' loader does): for
         readers of an output layer such as EAGLE and Medusa heads; the forward pass never builds it."""
-        from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
-
-        values = dequantize(self.blocks.numpy(), GGMLQuantizationType[self.kind.name])
-        return torch.from_numpy(values.reshape(self.out_features, self.in_features))
+        return _dequantized(self.blocks, self.kind, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._matrix.blocks is not self.blocks:  # the buffer was replaced (``_apply``, a load): check it again
@@ -41,6 +37,47 @@ class BlockLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind.name} blocks"
+
+
+def _dequantized(blocks: torch.Tensor, kind, columns: int) -> torch.Tensor:
+    """Rows of GGUF blocks as float32 [rows, columns], dequantized by gguf (as transformers' loader does)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    values = dequantize(blocks.numpy(), GGMLQuantizationType[kind.name])
+    return torch.from_numpy(values.reshape(blocks.shape[0], columns))
+
+
+class BlockEmbedding(nn.Module):
+    """A token embedding held as the file's blocks: each pass dequantizes only the rows its tokens pick (the 1.5B's
+    table is 0.9 GB in float32, 0.16 GB as Q4_K). ``embedding`` is the model's own module (``nn.Embedding`` or a
+    subclass, such as Gemma's scaled one); it computes each pass on those rows alone, so the output is its own."""
+
+    def __init__(self, embedding: nn.Embedding, blocks: torch.Tensor, kind: str):
+        super().__init__()
+        self.kind = blockmm.block_type(kind)
+        self.num_embeddings, self.embedding_dim = blocks.shape[0], embedding.embedding_dim
+        self.register_buffer("blocks", blocks.contiguous(), persistent=False)
+        self.inner = embedding
+        self.inner.weight = None  # never the whole table: each pass sets the rows it reads
+        self.inner.padding_idx = None  # an index into the whole table (it only stops gradients)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The whole table in float32, dequantized on each access (for readers such as EAGLE heads)."""
+        return _dequantized(self.blocks, self.kind, self.embedding_dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        picked, where = torch.unique(ids, return_inverse=True)
+        self.inner.weight = nn.Parameter(_dequantized(self.blocks[picked], self.kind, self.embedding_dim),
+                                         requires_grad=False)
+        try:
+            return self.inner(where)
+        finally:
+            self.inner.weight = None
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.kind.name} blocks"
 
 
 class RowRMSNorm(nn.Module):

@@ -1,6 +1,6 @@
 """A transformers model built straight from a GGUF file, for the blocks backend: its matrices left as the file's rows
-(``FileModel.locate`` names them), every other tensor (embeddings, norms, biases) dequantized, and nothing written to
-disk. The float32 conversion of the whole model the transformers backend needs (6.7 GB and about a minute for the
+(``FileModel.locate`` names them), its token embedding kept as the file's blocks (``BlockEmbedding``), every other
+tensor (norms, biases) dequantized, and nothing written to disk. The float32 conversion of the whole model the transformers backend needs (6.7 GB and about a minute for the
 1.5B) is skipped.
 
 Names and reorderings are transformers' own: its GGUF loader's tensor-name map (``get_gguf_hf_weights_map``) and its
@@ -19,8 +19,18 @@ import numpy as np
 import torch
 from torch import nn
 
+from .. import blockmm
 from ..errors import InvalidRequest
+from .block_modules import BlockEmbedding
 from .gguf_header import read_header
+
+
+def _embedding_classes() -> tuple[type, ...]:
+    """Embedding modules whose forward reads ``weight`` through ``nn.Embedding``'s own (``BlockEmbedding`` wraps those
+    alone): the plain one and Gemma 3's scaled one."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
+
+    return nn.Embedding, Gemma3TextScaledWordEmbedding
 
 
 class NotRowOrder(Exception):
@@ -49,12 +59,14 @@ class FileModel:
         """Every parameter still on the meta device (a matrix left float32, a tied output layer) given its values."""
         from accelerate.utils import set_module_tensor_to_device
 
-        head, embedding = self.model.get_output_embeddings(), self.model.get_input_embeddings()
+        head = self.model.get_output_embeddings()
+        tied = self.model.config.tie_word_embeddings and next(
+            (f"{n}.weight" for n, m in self.model.named_modules() if m is head), None)
         for name, param in list(self.model.named_parameters(remove_duplicate=False)):
             if not param.is_meta:
                 continue
-            if head is not None and param is getattr(head, "weight", None) and self.model.config.tie_word_embeddings:
-                head.weight = embedding.weight
+            if name == tied:  # an output layer left float32: the embedding's values (a BlockEmbedding dequantizes)
+                head.weight = nn.Parameter(self.model.get_input_embeddings().weight, requires_grad=False)
                 continue
             if name not in self._tensors:
                 kind = type(self.model).__name__
@@ -90,6 +102,7 @@ def read(path: Path, cache: Path | None = None) -> FileModel:
     found = FileModel(model, _process=process)
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
+    embedding = model.get_input_embeddings()
     for tensor in header.tensors:
         name = names.get(tensor.name)
         if name is None or name not in params:
@@ -102,8 +115,15 @@ def read(path: Path, cache: Path | None = None) -> FileModel:
             if isinstance(modules.get(owner), nn.Linear) and attribute == "weight":
                 found.rows[owner] = (tensor.name, _row_order(processor, tensor.name, rows, names, parsed))
                 continue
+            if (modules.get(owner) is embedding and type(embedding) in _embedding_classes()
+                    and tensor.kind in blockmm.TYPES
+                    and np.array_equal(_row_order(processor, tensor.name, rows, names, parsed), np.arange(rows))):
+                # the table stays the file's blocks; each pass dequantizes the rows its tokens pick
+                model.set_input_embeddings(BlockEmbedding(embedding, torch.from_numpy(np.array(tensor.data)),
+                                                          tensor.kind))
+                continue
         set_module_tensor_to_device(model, name, "cpu", value=process(tensor, params[name]))
-    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    head = model.get_output_embeddings()
     head_name = next((n for n, m in modules.items() if m is head), None)
     embedding_tensor = next((t for n, t in found._tensors.items() if n.endswith(".weight") and
                              modules.get(n.rpartition(".")[0]) is embedding), None)
