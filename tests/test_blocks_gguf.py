@@ -113,3 +113,22 @@ def test_the_header_walk_is_ggufs_own_reading(files):
         assert mine.kind == tensor.tensor_type.name and mine.nbytes == int(tensor.n_bytes)
         assert mine.shape == tuple(int(d) for d in reversed(tensor.shape))
         assert np.array_equal(mine.data.reshape(-1), np.asarray(tensor.data).view(np.uint8).reshape(-1))
+
+
+def test_converting_the_tokenizer_keeps_the_configuration_it_read(files, monkeypatch):
+    """The configuration is read from the metadata once, with the tokenizer (the Qwens' vocabulary makes each reading
+    about 10 s), and the load then reads it from beside the tokenizer."""
+    import json
+
+    from transformers import modeling_gguf_pytorch_utils
+
+    from verispec.backends.references import GGUF_CONFIG_FILE, ensure_tokenizer
+
+    path = files("llama")
+    monkeypatch.setenv("VERISPEC_CACHE", str(path.parent / "cache"))  # no tokenizer converted yet
+    folder = ensure_tokenizer(str(path))
+    want = modeling_gguf_pytorch_utils.load_gguf_checkpoint(str(path), return_tensors=False)["config"]
+    assert json.loads((folder / GGUF_CONFIG_FILE).read_text()) == json.loads(json.dumps(want))
+    monkeypatch.setattr(modeling_gguf_pytorch_utils, "load_gguf_checkpoint",
+                        lambda *a, **k: pytest.fail("the metadata was read again"))
+    assert blocks.load(str(path)).model.config.num_hidden_layers == want["num_hidden_layers"]

@@ -143,16 +143,15 @@ def _row_order(processor, tensor: str, rows: int, names, parsed) -> np.ndarray:
     return order[:, 0]
 
 
-SETTINGS_FILE = "gguf_config.json"
-
-
 def _settings(path: Path, cache: Path | None) -> dict:
     """The model's configuration as transformers' GGUF loader reads it from the file's metadata (kept in ``cache``)."""
     import json
 
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    kept = cache / SETTINGS_FILE if cache is not None else None
+    from .references import GGUF_CONFIG_FILE
+
+    kept = cache / GGUF_CONFIG_FILE if cache is not None else None
     if kept is not None and kept.is_file():
         return json.loads(kept.read_text())
     settings = load_gguf_checkpoint(str(path), return_tensors=False)["config"]

@@ -13,6 +13,7 @@ No backend lives here: both backends resolve their references through this modul
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -334,11 +335,13 @@ def ensure_tokenizer(ref: str, digest: str | None = None) -> Path:
         key = (digest or sha256_of(gguf))[:16]
     target = cache_dir() / "tokenizers" / f"{gguf.stem}-{key}"
     if not (target / "tokenizer_config.json").exists():
-        with transformers_progress_bars(False):
+        with transformers_progress_bars(False), _seen_gguf_config() as seen:
             tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         partial = target.with_name(f"{target.name}.{os.getpid()}.partial")
         shutil.rmtree(partial, ignore_errors=True)
         tokenizer.save_pretrained(partial)
+        if seen:  # the model's configuration, read with the tokenizer: the blocks backend builds from it
+            (partial / GGUF_CONFIG_FILE).write_text(json.dumps(seen[-1]))
         try:
             partial.rename(target)
         except OSError:
@@ -346,6 +349,29 @@ def ensure_tokenizer(ref: str, digest: str | None = None) -> Path:
                 raise
             shutil.rmtree(partial, ignore_errors=True)  # another process finished first
     return target
+
+
+GGUF_CONFIG_FILE = "gguf_config.json"  # beside a file's tokenizer: its configuration as transformers reads it
+
+
+@contextmanager
+def _seen_gguf_config():
+    """A list that receives the configuration transformers' GGUF loader reads from a file's metadata meanwhile (about
+    10 s for the Qwens' vocabulary on 2 cores, so it is read once: converting the tokenizer reads it too). Empty where
+    this transformers reads it another way; the configuration is then read again when needed."""
+    from unittest import mock
+
+    from transformers import modeling_gguf_pytorch_utils as loader
+
+    seen, original = [], loader.load_gguf_checkpoint
+
+    def recorded(*args, **kwargs):
+        parsed = original(*args, **kwargs)
+        seen.append(parsed.get("config"))
+        return parsed
+
+    with mock.patch.object(loader, "load_gguf_checkpoint", recorded):
+        yield seen
 
 
 def ensure_converted_gguf(path: Path) -> Path:
