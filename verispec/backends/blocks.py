@@ -23,7 +23,6 @@ import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import nn
 
