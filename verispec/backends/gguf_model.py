@@ -102,13 +102,15 @@ def read(path: Path, cache: Path | None = None) -> FileModel:
     found = FileModel(model, _process=process)
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
-    embedding = model.get_input_embeddings()
+    embedding, embedding_tensor = model.get_input_embeddings(), None
     for tensor in header.tensors:
         name = names.get(tensor.name)
         if name is None or name not in params:
             continue  # what transformers' loader skips too (rope frequency tables, ...)
         found._tensors[name] = tensor
         owner, _, attribute = name.rpartition(".")
+        if modules.get(owner) is embedding and attribute == "weight":
+            embedding_tensor = tensor
         if len(tensor.shape) == 2:
             rows = tensor.shape[0]
             found.raw[tensor.name], found.kinds[tensor.name] = tensor.data, tensor.kind
@@ -125,8 +127,6 @@ def read(path: Path, cache: Path | None = None) -> FileModel:
         set_module_tensor_to_device(model, name, "cpu", value=process(tensor, params[name]))
     head = model.get_output_embeddings()
     head_name = next((n for n, m in modules.items() if m is head), None)
-    embedding_tensor = next((t for n, t in found._tensors.items() if n.endswith(".weight") and
-                             modules.get(n.rpartition(".")[0]) is embedding), None)
     if head_name and head_name not in found.rows and config.tie_word_embeddings and embedding_tensor is not None:
         # a tied output layer multiplies the embedding's rows (as llama.cpp does when a file has no output tensor)
         found.rows[head_name] = (embedding_tensor.name, np.arange(embedding_tensor.shape[0]))
