@@ -79,7 +79,7 @@ def test_rows_invariant(kind):
         assert torch.equal(blockmm.matmul(x, raw, kind, threads=threads), full)
     best = blockmm.best_isa()
     try:
-        for name in ("scalar", "avx2", "avx512vnni"):
+        for name in blockmm.ISAS:
             try:
                 blockmm.set_isa(name)
             except ValueError:
@@ -100,7 +100,7 @@ def test_the_one_row_path_and_the_others_give_the_same_bits(kind):
     want = reference.matmul(x, raw, kind)
     before, best, ahead = blockmm.one_row_limits()[kind], blockmm.best_isa(), blockmm.prefetch()
     try:
-        for name in ("avx2", "avx512vnni"):
+        for name in blockmm.ISAS[1:]:
             try:
                 blockmm.set_isa(name)
             except ValueError:
@@ -134,6 +134,14 @@ def test_q6k_wide_passes_give_the_same_bits_on_the_tiles_and_the_buffered_path()
         blockmm.set_q6k_tiles(before)
 
 
+def test_the_instruction_sets_this_cpu_runs_are_a_prefix_of_the_list_up_to_its_best():
+    names = blockmm.isas()
+    assert names == blockmm.ISAS[:len(names)] and names[-1] == blockmm.best_isa() and names[0] == "scalar"
+    for name in blockmm.ISAS[len(names):]:  # the sets above the best are refused with the reason
+        with pytest.raises(ValueError, match=f"instruction set {name} is not available on this CPU"):
+            blockmm.set_isa(name)
+
+
 @pytest.mark.parametrize("kind", list(TYPES))
 def test_wide_passes_on_another_instruction_set_give_the_same_bits(kind):
     """Products of 3 or more rows on another instruction set than the narrow ones (``set_wide_isa``, what
@@ -144,8 +152,7 @@ def test_wide_passes_on_another_instruction_set_give_the_same_bits(kind):
     x = activations(17, K, seed=29)
     want = reference.matmul(x, raw, kind)
     best = blockmm.best_isa()
-    sets = ("scalar", "avx2", "avx512vnni")
-    names = sets[:sets.index(best) + 1]  # every set this CPU runs
+    names = blockmm.isas()  # every set this CPU runs
     try:
         for narrow in names:
             for wide in names:
@@ -185,8 +192,9 @@ def test_choose_paths_times_both_paths_per_k_type_and_keeps_the_faster():
         if blockmm.isa() == "avx512vnni":
             tiles, buffered = found["Q6_K"][8]
             assert blockmm.q6k_tiles() == (tiles < buffered)
-            on512, on2 = found.pop("wide")[8]
-            assert blockmm.wide_isa() == ("avx512vnni" if on512 <= on2 else "avx2")
+            took = found.pop("wide")[8]
+            fastest = min(range(len(took)), key=lambda i: (took[i], i))
+            assert blockmm.wide_isa() == blockmm.WIDE_CANDIDATES[fastest]
         else:
             assert 8 not in found["Q6_K"] and "wide" not in found
             assert blockmm.wide_isa() == blockmm.isa()

@@ -57,7 +57,7 @@ def test_a_row_is_the_same_bits_alone_among_others_on_any_threads_and_instructio
         assert torch.equal(blockmm.attend(q[:, :, 4:5], k, v, counts[:, 4:5], threads=threads), full[:, 4:5])
     best = blockmm.best_isa()
     try:
-        for isa in ("scalar", "avx2", "avx512vnni"):
+        for isa in blockmm.ISAS:
             try:
                 blockmm.set_isa(isa)
             except ValueError:

@@ -259,9 +259,9 @@ def _choose_paths(model: nn.Module) -> None:
         (on, off), = found.pop("prefetch").values()
         log.info("block kernel, one row: prefetching %.1f ms, without %.1f ms a pass", on, off)
     if "wide" in found:
-        (on512, on2), = found.pop("wide").values()
-        log.info("block kernel, 4 + 8 rows: AVX-512 %.1f ms, AVX2 %.1f ms a pass (%s kept)", on512, on2,
-                 blockmm.wide_isa())
+        took, = found.pop("wide").values()
+        log.info("block kernel, 4 + 8 rows: %s a pass (%s kept)", ", ".join(
+            f"{name} {ms:.1f} ms" for name, ms in zip(blockmm.WIDE_CANDIDATES, took)), blockmm.wide_isa())
     for kind, widths in found.items():
         log.info("block kernel, %s: %s", kind, "; ".join(
             f"{rows} rows: tiles {a:.1f} ms, buffered path {b:.1f} ms a pass" if rows > 2 else

@@ -65,7 +65,8 @@ def why_unavailable() -> str | None:
 
 
 def isa() -> str:
-    """The instruction set the kernel uses: avx512vnni, avx2 or scalar."""
+    """The instruction set the kernel uses: avx512vnni, vnni256 (the AVX2 code with AVX-512 VNNI's dot products on
+    256-bit registers), avx2 or scalar (``ISAS``)."""
     _require()
     return _native.isa()
 
@@ -76,10 +77,18 @@ def best_isa() -> str:
 
 
 def set_isa(name: str) -> None:
-    """Use another instruction set (``scalar``, ``avx2``, ``avx512vnni``; at most this CPU's best): for tests and
-    measurements. The results are the same bits on every one."""
+    """Use another instruction set (``ISAS``, at most this CPU's best): for tests and measurements. The results are
+    the same bits on every one."""
     _require()
     _native.set_isa(name)
+
+
+ISAS = ("scalar", "avx2", "vnni256", "avx512vnni")  # in order: a CPU that runs one runs those before it
+
+
+def isas() -> tuple[str, ...]:
+    """Every instruction set this CPU runs, from the portable code up to ``best_isa()``."""
+    return ISAS[:ISAS.index(best_isa()) + 1]
 
 
 def wide_isa() -> str:
@@ -90,7 +99,7 @@ def wide_isa() -> str:
 
 def set_wide_isa(name: str) -> None:
     """Products over 3 or more rows on ``name`` (at most this CPU's best), narrower ones on ``isa()``: on an AMD Zen 4
-    the AVX2 tiles beat the AVX-512 ones there (docs/kernels.md). Speed only: every set computes the same bits.
+    the 256-bit tiles beat the AVX-512 ones there (docs/kernels.md). Speed only: every set computes the same bits.
     ``set_isa`` puts every width back on the set it names."""
     _require()
     _native.set_wide_isa(name)
@@ -262,11 +271,11 @@ def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[in
     the one-weight-row path against the tiles (K types, at 1 and 2 rows) or the buffered path (32-weight types, at 1
     row; ``set_one_row_limit``), on AVX-512 Q6_K's
     tiles against its buffered path at 8 rows (``set_q6k_tiles``), and the one-row paths with and without software
-    prefetching (``set_prefetch``), and on AVX-512 the AVX-512 and AVX2 code for products of 3 or more rows
-    (``set_wide_isa``; timed at 4 and 8 rows together). Which wins depends on the CPU (docs/kernels.md); every path
+    prefetching (``set_prefetch``), and on AVX-512 the code for products of 3 or more rows (``set_wide_isa``:
+    ``WIDE_CANDIDATES``, timed at 4 and 8 rows together). Which wins depends on the CPU (docs/kernels.md); every path
     computes the same bits. Returns {type: {rows: (first path's ms, second's)}}: for 1 and 2 rows the one-row path
     and the other, for Q6_K's 8 the tiles and the buffered path; under "prefetch" {1: (ms with, ms without)}; under
-    "wide" {8: (ms on AVX-512, ms on AVX2)} where timed; medians of interleaved rounds."""
+    "wide" {8: (ms on each of WIDE_CANDIDATES)} where timed; medians of interleaved rounds."""
     _require()
     set_wide_isa(isa())  # every width on one set while the other paths are timed (a model loaded before may have
     # put wide products on AVX2, where the Q6_K tiles setting below changes nothing)
@@ -290,12 +299,13 @@ def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[in
         found["prefetch"] = {1: (took[PREFETCH], took[0])}
         set_prefetch(PREFETCH if took[PREFETCH] <= took[0] else 0)
     if matrices and isa() == "avx512vnni":
-        wide = ("avx512vnni", "avx2")
-        took = [_time_rounds(wide, set_wide_isa, matrices, rows, rounds) for rows in (4, 8)]
-        on512, on2 = (sum(t[name] for t in took) for name in wide)
-        found["wide"] = {8: (on512, on2)}
-        set_wide_isa("avx512vnni" if on512 <= on2 else "avx2")
+        took = [_time_rounds(WIDE_CANDIDATES, set_wide_isa, matrices, rows, rounds) for rows in (4, 8)]
+        found["wide"] = {8: tuple(sum(t[name] for t in took) for name in WIDE_CANDIDATES)}
+        set_wide_isa(min(WIDE_CANDIDATES, key=lambda name: sum(t[name] for t in took)))  # ties: the first
     return found
+
+
+WIDE_CANDIDATES = ("avx512vnni", "vnni256", "avx2")  # the sets choose_paths times for products of 3 or more rows
 
 
 HUGE_PAGE = 2 << 20
@@ -438,5 +448,5 @@ def attend_unchecked(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 __all__ = ["TYPES", "Matrix", "attend", "attend_unchecked", "available", "best_isa", "block_type", "default_threads",
-           "isa", "matmul", "native_built", "prefetch", "rms_norm", "rope", "row_digests", "set_isa", "set_prefetch",
+           "isa", "isas", "matmul", "native_built", "prefetch", "rms_norm", "rope", "row_digests", "set_isa", "set_prefetch",
            "set_threads", "set_wide_isa", "why_unavailable", "wide_isa"]

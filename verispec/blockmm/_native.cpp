@@ -372,6 +372,7 @@ namespace portable {
 // the rest of the library stays baseline x86-64 and runs on any CPU.
 #define VS_TARGET __attribute__((target("avx2,fma,f16c")))
 #define VS_USE_VNNI 0
+#define VS_YMM_VNNI 0
 namespace avx2 {
 #define VS_ATTEND_TARGET VS_TARGET
 #include "attend_body.inc"
@@ -379,9 +380,24 @@ namespace avx2 {
 #include "simd_body.inc"
 }
 #undef VS_TARGET
+#undef VS_YMM_VNNI
+// The AVX2 body (256-bit registers, its tiles and shuffles) with VNNI's accumulating dot products (vpdpwssd,
+// vpdpbusd on ymm, AVX-512 VL): one instruction where AVX2 takes two. For CPUs that run 512-bit instructions as two
+// 256-bit halves (AMD Zen 4), where the AVX-512 tiles lose to the AVX2 ones (docs/kernels.md).
+#define VS_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+#define VS_YMM_VNNI 1
+namespace vnni256 {
+#define VS_ATTEND_TARGET VS_TARGET
+#include "attend_body.inc"
+#undef VS_ATTEND_TARGET
+#include "simd_body.inc"
+}
+#undef VS_TARGET
 #undef VS_USE_VNNI
+#undef VS_YMM_VNNI
 #define VS_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 #define VS_USE_VNNI 1
+#define VS_YMM_VNNI 1
 namespace vnni {
 #define VS_ATTEND_TARGET VS_TARGET
 #include "attend_body.inc"
@@ -390,13 +406,15 @@ namespace vnni {
 }
 #undef VS_TARGET
 #undef VS_USE_VNNI
+#undef VS_YMM_VNNI
 #endif  // VS_X86
 
 // ---------------------------------------------------------------------------------------------------------------
 // Instruction set choice
 
-enum Isa : int { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_VNNI = 2 };
-const char* ISA_NAMES[] = {"scalar", "avx2", "avx512vnni"};
+// In order: a CPU that runs one runs those before it.
+enum Isa : int { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_VNNI256 = 2, ISA_VNNI = 3 };
+const char* ISA_NAMES[] = {"scalar", "avx2", "vnni256", "avx512vnni"};
 
 int detect_isa() {
 #if VS_X86
@@ -436,6 +454,7 @@ void range_scalar(const Problem& p, int n0, int n1) {
 void run_range(const Problem& p, int n0, int n1, int isa) {
 #if VS_X86
     if (isa == ISA_VNNI) return vnni::range(p, n0, n1);
+    if (isa == ISA_VNNI256) return vnni256::range(p, n0, n1);
     if (isa == ISA_AVX2) return avx2::range(p, n0, n1);
 #endif
     range_scalar(p, n0, n1);
@@ -537,6 +556,7 @@ void matmul(int kind, const float* x, const uint8_t* W, float* y, int M, int N, 
     SpanFn span = quantize_span;
 #if VS_X86
     if (isa == ISA_VNNI) span = vnni::quantize_span_simd;
+    else if (isa == ISA_VNNI256) span = vnni256::quantize_span_simd;
     else if (isa == ISA_AVX2) span = avx2::quantize_span_simd;
 #endif
     quantize_rows(&p, x, qx.data(), dx.data(), sx.data(), bsum.data(), span);
@@ -572,6 +592,7 @@ void attend(const float* q, const float* k, const float* v, float* out, int B, i
     auto group_fn = portable::attend_group;
 #if VS_X86
     if (isa == ISA_VNNI) group_fn = vnni::attend_group;
+    else if (isa == ISA_VNNI256) group_fn = vnni256::attend_group;
     else if (isa == ISA_AVX2) group_fn = avx2::attend_group;
 #endif
     auto task = [&](int id, int width) {
