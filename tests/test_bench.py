@@ -111,6 +111,20 @@ def test_charts_mark_a_changed_model_and_name_the_machine(tmp_path):
     assert plots.speedup_by_group(summary, tmp_path / "s.png").stat().st_size > 0
 
 
+def test_the_pass_cost_chart_draws_each_engines_curve_and_the_floor(tmp_path):
+    """``verispec costs --plot``'s chart from a summary with a memory floor and engines timed at different widths."""
+    import matplotlib.image
+
+    from verispec.bench import plots
+
+    summary = {"target": "m", "threads": 2, "context": 256, "cpu": "AMD EPYC (avx2, family 25, model 1)",
+               "floor_ms": 30.0, "bandwidth_gbs": 35.0,
+               "engines": {"a": {"ms": {"1": 40.0, "2": 50.0, "8": 120.0}}, "b": {"ms": {"1": 36.0, "4": 100.0}}}}
+    path = plots.pass_costs(summary, tmp_path / "c.png")
+    height, width = matplotlib.image.imread(path).shape[:2]
+    assert width > height > 300
+
+
 def test_a_loop_is_an_answer_whose_tail_repeats_itself():
     from verispec.bench.quality import loops
 

@@ -187,18 +187,22 @@ def test_not_a_candidate_of_auto_until_it_pays():
     assert "blocks" not in candidates("smollm2-135m")
 
 
-def test_costs_command_prints_each_engines_curve(tiny_dir, capsys):
+def test_costs_command_prints_each_engines_curve(tiny_dir, capsys, tmp_path):
     import json
 
     from verispec.cli import main
 
+    chart = tmp_path / "costs.png"
     assert main(["costs", "--target", str(tiny_dir), "--backends", "transformers", "--widths", "2,1",
-                 "--repeats", "1", "--context", "8"]) == 0
+                 "--repeats", "1", "--context", "8", "--plot", str(chart)]) == 0
     out = capsys.readouterr().out
     summary = json.loads(out.strip().splitlines()[-1])
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"chart: {chart}" in out
     assert summary["floor_ms"] is None  # a folder: no file whose bytes a pass reads
     assert list(summary["engines"]["transformers"]["ms"]) == ["1", "2"]
     assert "| transformers | " in out and "(1.00)" in out
     assert main(["costs", "--target", str(tiny_dir), "--widths", "a,b"]) == 2
     assert "--widths takes comma-separated integers" in capsys.readouterr().err
+    assert main(["costs", "--target", str(tiny_dir), "--plot", str(tmp_path / "no" / "c.png")]) == 2
+    assert "no folder" in capsys.readouterr().err
     assert main(["costs", "--target", str(tiny_dir), "--backends", "nope"]) == 2

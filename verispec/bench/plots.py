@@ -103,3 +103,29 @@ def analysis_plot(r, path: Path) -> Path:
     right.set_title(f"Speedup vs k ({r.drafter})")
     right.legend(fontsize="small")
     return _save(fig, path)
+
+
+def pass_costs(summary: dict, path: Path) -> Path:
+    """``verispec costs``'s curve (its JSON summary): ms a pass by width for each engine with the memory floor as a
+    line (left), and c(w) / c(1) with the ideal of 1 and w (right)."""
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    widths = sorted({int(w) for r in summary["engines"].values() for w in r["ms"]})
+    for name, r in summary["engines"].items():
+        ws = sorted(int(w) for w in r["ms"])
+        ms = [r["ms"][str(w)] if str(w) in r["ms"] else r["ms"][w] for w in ws]
+        left.plot(ws, ms, marker="o", label=name)
+        right.plot(ws, [m / ms[0] for m in ms], marker="o", label=name)
+    if summary.get("floor_ms"):
+        left.axhline(summary["floor_ms"], color="gray", linestyle=":",
+                     label=f"memory floor ({summary['floor_ms']:.1f} ms at {summary['bandwidth_gbs']:.1f} GB/s)")
+    right.plot(widths, widths, color="gray", linestyle=":", label="w one-token passes")
+    right.axhline(1.0, color="black", linewidth=0.8, linestyle="--", label="one-token pass")
+    left.set(xlabel="pass width w (tokens)", ylabel="ms a pass", ylim=(0, None),
+             title=f"{summary['target']}: one pass after {summary['context']} cached tokens")
+    right.set(xlabel="pass width w (tokens)", ylabel="c(w) / c(1)", ylim=(0, None),
+              title=f"{summary.get('cpu', '')}, {summary['threads']} threads")
+    for ax in (left, right):
+        ax.legend(fontsize="small")
+        ax.set_xticks(widths)
+    return _save(fig, path)

@@ -30,6 +30,8 @@ def add_costs_parser(sub) -> None:
     p.add_argument("--context", type=int, default=256, help="cached tokens before each pass (default: 256)")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds (default: 5)")
     p.add_argument("--threads", type=int, default=None, help="threads of every engine (default: this process's cores)")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="also draw the curves to this PNG file: ms a pass beside the memory floor, and c(w) / c(1)")
     p.set_defaults(func=cmd_costs)
 
 
@@ -62,6 +64,8 @@ def cmd_costs(args) -> int:
         names = [s.name for s in backend_specs() if s.installed() and s.runs_own_weights(target)]
     if not names:
         raise InvalidRequest(f"no installed engine runs {target!r}; name one with --backends")
+    if args.plot and not Path(args.plot).parent.is_dir():
+        raise InvalidRequest(f"--plot {args.plot}: no folder {Path(args.plot).parent}; create it or name another")
     threads = args.threads or default_threads()
     try:
         size = Path(gguf_file(target)).stat().st_size
@@ -95,9 +99,14 @@ def cmd_costs(args) -> int:
         base = r["ms"][1]
         cells = [f"{r['ms'][w]:.1f} ms ({r['ms'][w] / base:.2f})" for w in widths]
         print(f"| {name} | " + " | ".join(cells) + " |")
-    print(json.dumps({"target": target, "threads": threads, "context": args.context, "cpu": cpu,
-                      "floor_ms": round(floor, 2) if floor else None, "bandwidth_gbs": round(bandwidth / 1e9, 2),
-                      "engines": results}))
+    summary = {"target": target, "threads": threads, "context": args.context, "cpu": cpu,
+               "floor_ms": round(floor, 2) if floor else None, "bandwidth_gbs": round(bandwidth / 1e9, 2),
+               "engines": results}
+    if args.plot:
+        from ..bench.plots import pass_costs
+
+        print(f"chart: {pass_costs(json.loads(json.dumps(summary)), Path(args.plot))}")
+    print(json.dumps(summary))
     return 0
 
 
