@@ -106,14 +106,14 @@ def analysis_plot(r, path: Path) -> Path:
 
 
 def pass_costs(summary: dict, path: Path) -> Path:
-    """``verispec costs``'s curve (its JSON summary): ms a pass by width for each engine with the memory floor as a
-    line (left), and c(w) / c(1) with the ideal of 1 and w (right)."""
+    """``verispec costs``'s curve from its JSON summary (widths as string keys): ms a pass by width for each engine
+    with the memory floor as a line (left), and c(w) / c(1) beside 1 and w (right)."""
     plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     widths = sorted({int(w) for r in summary["engines"].values() for w in r["ms"]})
     for name, r in summary["engines"].items():
         ws = sorted(int(w) for w in r["ms"])
-        ms = [r["ms"][str(w)] if str(w) in r["ms"] else r["ms"][w] for w in ws]
+        ms = [r["ms"][str(w)] for w in ws]
         left.plot(ws, ms, marker="o", label=name)
         right.plot(ws, [m / ms[0] for m in ms], marker="o", label=name)
     if summary.get("floor_ms"):

@@ -84,6 +84,7 @@ def set_isa(name: str) -> None:
 
 
 ISAS = ("scalar", "avx2", "vnni256", "avx512vnni")  # in order: a CPU that runs one runs those before it
+WIDE_CANDIDATES = ("avx512vnni", "vnni256", "avx2")  # the sets choose_paths times for products of 3 or more rows
 
 
 def isas() -> tuple[str, ...]:
@@ -305,9 +306,6 @@ def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[in
     return found
 
 
-WIDE_CANDIDATES = ("avx512vnni", "vnni256", "avx2")  # the sets choose_paths times for products of 3 or more rows
-
-
 HUGE_PAGE = 2 << 20
 
 
@@ -448,5 +446,5 @@ def attend_unchecked(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 __all__ = ["TYPES", "Matrix", "attend", "attend_unchecked", "available", "best_isa", "block_type", "default_threads",
-           "isa", "isas", "matmul", "native_built", "prefetch", "rms_norm", "rope", "row_digests", "set_isa", "set_prefetch",
-           "set_threads", "set_wide_isa", "why_unavailable", "wide_isa"]
+           "isa", "isas", "matmul", "native_built", "prefetch", "rms_norm", "rope", "row_digests", "set_isa",
+           "set_prefetch", "set_threads", "set_wide_isa", "why_unavailable", "wide_isa"]
