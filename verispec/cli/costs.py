@@ -105,6 +105,7 @@ def cmd_costs(args) -> int:
     if args.plot:
         from ..bench.plots import pass_costs
 
+        # drawn from the summary as its JSON reads (widths as string keys), so a saved one draws the same
         print(f"chart: {pass_costs(json.loads(json.dumps(summary)), Path(args.plot))}")
     print(json.dumps(summary))
     return 0
