@@ -132,3 +132,50 @@ def test_converting_the_tokenizer_keeps_the_configuration_it_read(files, monkeyp
     monkeypatch.setattr(modeling_gguf_pytorch_utils, "load_gguf_checkpoint",
                         lambda *a, **k: pytest.fail("the metadata was read again"))
     assert blocks.load(str(path)).model.config.num_hidden_layers == want["num_hidden_layers"]
+
+
+def _without_origin(config) -> dict:
+    """A configuration's values but where it was read from and the loader's quantization note."""
+    return {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "quantization_config")}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3", "phi3"])
+def test_the_float32_conversion_is_transformers_loaders_model(family, files, same_tokenizer):
+    """The transformers backend's conversion of a GGUF file (``gguf_model.dequantized``, the metadata read once) is
+    the model transformers' own ``from_pretrained(gguf_file=...)`` builds: every tensor the same bits, the same
+    configuration."""
+    from transformers import AutoModelForCausalLM
+
+    path = files(family)
+    ours = gguf_model.dequantized(path)
+    theirs = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    mine, want = ours.state_dict(), theirs.state_dict()
+    assert mine.keys() == want.keys()
+    assert [k for k in want if not torch.equal(mine[k], want[k])] == []
+    assert _without_origin(ours.config) == _without_origin(theirs.config)
+    assert ours.generation_config.to_dict() == theirs.generation_config.to_dict()
+
+
+def test_converting_a_file_transformers_must_convert_still_converts(files, same_tokenizer, monkeypatch, caplog):
+    """Where the file's tensors do not fill the model by transformers' loop alone (``NotRowOrder``), the conversion
+    is transformers' ``from_pretrained``: the same folder either way."""
+    from safetensors.torch import load_file
+
+    from verispec.backends import references
+
+    path = files("qwen2")
+    monkeypatch.setenv("VERISPEC_CACHE", str(path.parent / "fast"))
+    fast = references.ensure_converted_gguf(path)
+    assert (fast / references.GGUF_CONFIG_FILE).is_file()  # the blocks backend builds from it without reading again
+
+    def refuse(*args, **kwargs):
+        raise gguf_model.NotRowOrder("test")
+
+    monkeypatch.setattr(gguf_model, "dequantized", refuse)
+    monkeypatch.setenv("VERISPEC_CACHE", str(path.parent / "slow"))
+    with caplog.at_level(logging.INFO, logger="verispec.backends.references"):
+        slow = references.ensure_converted_gguf(path)
+    assert "converting with transformers' from_pretrained" in caplog.text
+    a, b = load_file(fast / "model.safetensors"), load_file(slow / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert (fast / "config.json").read_text() == (slow / "config.json").read_text()

@@ -75,11 +75,12 @@ class FileModel:
             set_module_tensor_to_device(self.model, name, "cpu", value=self._process(self._tensors[name], param))
 
 
-def read(path: Path, cache: Path | None = None) -> FileModel:
-    """``path``'s model with its small tensors loaded. ``cache``: a folder of this file's (its tokenizer's) where the
-    configuration read from the metadata is kept (reading it takes ~10 s for the 1.5B's vocabulary on 2 cores)."""
+def _skeleton(path: Path, cache: Path | None):
+    """The model of GGUF file ``path`` on the meta device (rotary buffers computed), with what reading its tensors
+    the way transformers' loader does takes: ``(model, parsed, names, header, processed, processor)``; ``processed(tensor)`` is
+    what that loader makes of one tensor (gguf's dequantization, then the architecture's processor): its ``name``
+    (the file's name to look up in ``names``) and ``weights``."""
     from accelerate import init_empty_weights
-    from accelerate.utils import set_module_tensor_to_device
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -94,11 +95,24 @@ def read(path: Path, cache: Path | None = None) -> FileModel:
     processor = TENSOR_PROCESSORS.get(header.architecture, TensorProcessor)(config=parsed["config"])
     names = _names(model, processor)
 
-    def process(tensor, param: torch.Tensor) -> torch.Tensor:
+    def processed(tensor):
         values = dequantize(tensor.data, GGMLQuantizationType[tensor.kind])
-        done = processor.process(weights=values, name=tensor.name, tensor_key_mapping=names, parsed_parameters=parsed)
-        return torch.from_numpy(np.array(done.weights, dtype=np.float32)).reshape(param.shape)  # a copy: off the file
+        return processor.process(weights=values, name=tensor.name, tensor_key_mapping=names, parsed_parameters=parsed)
 
+    return model, parsed, names, header, processed, processor
+
+
+def read(path: Path, cache: Path | None = None) -> FileModel:
+    """``path``'s model with its small tensors loaded. ``cache``: a folder of this file's (its tokenizer's) where the
+    configuration read from the metadata is kept (reading it takes ~10 s for the 1.5B's vocabulary on 2 cores)."""
+    from accelerate.utils import set_module_tensor_to_device
+
+    model, parsed, names, header, processed, processor = _skeleton(path, cache)
+    config = model.config
+
+    def process(tensor, param: torch.Tensor) -> torch.Tensor:
+        weights = processed(tensor).weights
+        return torch.from_numpy(np.array(weights, dtype=np.float32)).reshape(param.shape)  # a copy: off the file
     found = FileModel(model, _process=process)
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
@@ -131,6 +145,36 @@ def read(path: Path, cache: Path | None = None) -> FileModel:
         # a tied output layer multiplies the embedding's rows (as llama.cpp does when a file has no output tensor)
         found.rows[head_name] = (embedding_tensor.name, np.arange(embedding_tensor.shape[0]))
     return found
+
+
+def dequantized(path: Path, cache: Path | None = None) -> nn.Module:
+    """``path``'s whole model in float32, every tensor as transformers' GGUF loader computes it (the transformers
+    backend's conversion, ``references``): the same loop as ``load_gguf_checkpoint``'s, each tensor dequantized,
+    processed, and set by the name the processor gives it, with the configuration read once (kept in ``cache``) and
+    the name map built once, where transformers' own ``from_pretrained`` reads the metadata three times (~20 s of a
+    25 s conversion of SmolLM2-135M on 2 cores). Raises ``NotRowOrder`` where the file's tensors do not fill the
+    model that way (a processor that gathers tensors across calls): the caller converts with transformers then."""
+    from accelerate.utils import set_module_tensor_to_device
+
+    model, parsed, names, header, processed, _ = _skeleton(path, cache)
+    parsed["tensors"] = {}  # where a processor that gathers tensors across calls would keep them
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for tensor in header.tensors:
+        done = processed(tensor)
+        name = names.get(done.name)
+        if name is None or name not in params:
+            continue  # what transformers' loader skips too (rope frequency tables, ...)
+        value = torch.from_numpy(np.copy(done.weights))
+        if value.shape != params[name].shape:
+            raise NotRowOrder(f"{tensor.name}: shaped {tuple(value.shape)}, {name} is {tuple(params[name].shape)}")
+        set_module_tensor_to_device(model, name, "cpu", value=value)
+    if parsed["tensors"] or set(parsed) != {"config", "tensors"}:
+        raise NotRowOrder(f"transformers' processor for {header.architecture} keeps tensors across calls")
+    model.tie_weights()  # a tied output layer: the embedding's values, as from_pretrained leaves it
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise NotRowOrder(f"the file has no tensor for {', '.join(missing[:3])}")
+    return model.eval()
 
 
 def _row_order(processor, tensor: str, rows: int, names, parsed) -> np.ndarray:

