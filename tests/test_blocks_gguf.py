@@ -156,26 +156,29 @@ def test_the_float32_conversion_is_transformers_loaders_model(family, files, sam
     assert ours.generation_config.to_dict() == theirs.generation_config.to_dict()
 
 
-def test_converting_a_file_transformers_must_convert_still_converts(files, same_tokenizer, monkeypatch, caplog):
-    """Where the file's tensors do not fill the model by transformers' loop alone (``NotRowOrder``), the conversion
-    is transformers' ``from_pretrained``: the same folder either way."""
+@pytest.mark.parametrize("failure", [gguf_model.NotRowOrder("test"), KeyError("an unknown architecture's key")])
+def test_converting_a_file_transformers_must_convert_still_converts(failure, files, same_tokenizer, monkeypatch,
+                                                                     caplog, tmp_path):
+    """Where the file's tensors do not fill the model by transformers' loop alone (``NotRowOrder``), or reading it
+    directly fails otherwise, the conversion is transformers' ``from_pretrained``: the same folder either way."""
     from safetensors.torch import load_file
 
     from verispec.backends import references
 
     path = files("qwen2")
-    monkeypatch.setenv("VERISPEC_CACHE", str(path.parent / "fast"))
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "fast"))
     fast = references.ensure_converted_gguf(path)
     assert (fast / references.GGUF_CONFIG_FILE).is_file()  # the blocks backend builds from it without reading again
 
     def refuse(*args, **kwargs):
-        raise gguf_model.NotRowOrder("test")
+        raise failure
 
     monkeypatch.setattr(gguf_model, "dequantized", refuse)
-    monkeypatch.setenv("VERISPEC_CACHE", str(path.parent / "slow"))
+    monkeypatch.setenv("VERISPEC_CACHE", str(tmp_path / "slow"))
     with caplog.at_level(logging.INFO, logger="verispec.backends.references"):
         slow = references.ensure_converted_gguf(path)
     assert "converting with transformers' from_pretrained" in caplog.text
+    assert isinstance(failure, gguf_model.NotRowOrder) or "reading it directly failed (KeyError" in caplog.text
     a, b = load_file(fast / "model.safetensors"), load_file(slow / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert (fast / "config.json").read_text() == (slow / "config.json").read_text()
