@@ -390,7 +390,7 @@ def test_the_store_format_is_part_of_the_key(monkeypatch):
 def test_autotuning_is_on_by_default_part_of_the_key_and_a_bad_setting_is_refused(monkeypatch):
     model = make_model(seed=2)
     monkeypatch.delenv(compile_store.AUTOTUNE_ENV, raising=False)
-    assert compile_store.options() == {"freezing": True, "max_autotune": True}
+    assert compile_store.options() == {**compile_store.OPTIONS, "freezing": True, "max_autotune": True}
     tuned = compile_store.package_path(compile_store.package_key(model, 1, "src"))
     monkeypatch.setenv(compile_store.AUTOTUNE_ENV, "0")
     assert compile_store.options()["max_autotune"] is False

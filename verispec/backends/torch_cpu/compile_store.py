@@ -45,7 +45,11 @@ import torch
 
 FORMAT = 2  # bump when a stored file's meaning changes: older ones then sit under another key (1: .pt2 packages)
 LEGACY_SUFFIX = ".pt2"  # format 1 stored whole packages; still listed and superseded, never loaded
-OPTIONS = {"freezing": True, "max_autotune": True}  # what inductor compiles the step with
+# What inductor compiles the step with. The generated wrapper (the C++ that calls the kernels in turn, no loops worth
+# optimizing) is compiled at -O0 and without a precompiled header: 7-8 s of g++ where -O1 took 12-15 s, and no header
+# to build first (9-10 s on an empty machine); the one-token step no slower (docs/kernels.md)
+OPTIONS = {"freezing": True, "max_autotune": True, "aot_inductor.compile_wrapper_opt_level": "O0",
+           "aot_inductor.precompile_headers": False}
 AUTOTUNE_ENV = "VERISPEC_COMPILE_AUTOTUNE"
 CAP_ENV = "VERISPEC_COMPILED_CACHE_GB"
 DEFAULT_CAP_GB = 8.0
@@ -54,10 +58,10 @@ log = logging.getLogger(__name__)
 
 
 def options() -> dict:
-    """What inductor compiles with: frozen weights and autotuned GEMM kernels. ``VERISPEC_COMPILE_AUTOTUNE=0``
-    skips the autotuning (inductor's default kernel choices): a build takes about a third of the time and its
-    kernels are slower (docs/kernels.md). For tests and quick experiments; the
-    setting is part of the package key, so the two builds are never mistaken for each other."""
+    """What inductor compiles with: frozen weights, autotuned GEMM kernels, the wrapper at -O0 (``OPTIONS``).
+    ``VERISPEC_COMPILE_AUTOTUNE=0`` skips the autotuning (inductor's default kernel choices): a build takes about a
+    third of the time and its kernels are slower (docs/kernels.md). For tests and quick experiments; the setting is
+    part of the package key, so the two builds are never mistaken for each other."""
     value = os.environ.get(AUTOTUNE_ENV, "1").strip().lower()
     if value not in ("0", "1", "false", "true", "no", "yes", "off", "on"):
         raise ValueError(f"{AUTOTUNE_ENV}={value!r}: use 1 (autotune the kernels, the default) or 0 (skip it)")
