@@ -1,7 +1,8 @@
 """A transformers model built straight from a GGUF file, for the blocks backend: its matrices left as the file's rows
 (``FileModel.locate`` names them), its token embedding kept as the file's blocks (``BlockEmbedding``), every other
-tensor (norms, biases) dequantized, and nothing written to disk. The float32 conversion of the whole model the transformers backend needs (6.7 GB and about a minute for the
-1.5B) is skipped.
+tensor (norms, biases) dequantized, and nothing written to disk: the float32 conversion of the whole model that the
+transformers backend needs (6.7 GB and half a minute for the 1.5B) is skipped. That conversion is built here too
+(``dequantized``: every tensor as transformers' loader computes it, the metadata read once).
 
 Names and reorderings are transformers' own: its GGUF loader's tensor-name map (``get_gguf_hf_weights_map``) and its
 per-architecture processors (Llama's q / k row permutation, Gemma's norms stored as ``w + 1``), applied to the values
@@ -77,9 +78,9 @@ class FileModel:
 
 def _skeleton(path: Path, cache: Path | None):
     """The model of GGUF file ``path`` on the meta device (rotary buffers computed), with what reading its tensors
-    the way transformers' loader does takes: ``(model, parsed, names, header, processed, processor)``; ``processed(tensor)`` is
-    what that loader makes of one tensor (gguf's dequantization, then the architecture's processor): its ``name``
-    (the file's name to look up in ``names``) and ``weights``."""
+    the way transformers' loader does takes: ``(model, parsed, names, header, processed, processor)``.
+    ``processed(tensor)`` is what that loader makes of one tensor (gguf's dequantization, then the architecture's
+    processor): its ``name`` (the file's name to look up in ``names``) and ``weights``."""
     from accelerate import init_empty_weights
     from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize
@@ -113,6 +114,7 @@ def read(path: Path, cache: Path | None = None) -> FileModel:
     def process(tensor, param: torch.Tensor) -> torch.Tensor:
         weights = processed(tensor).weights
         return torch.from_numpy(np.array(weights, dtype=np.float32)).reshape(param.shape)  # a copy: off the file
+
     found = FileModel(model, _process=process)
     params = dict(model.named_parameters(remove_duplicate=False))
     modules = dict(model.named_modules())
@@ -151,9 +153,10 @@ def dequantized(path: Path, cache: Path | None = None) -> nn.Module:
     """``path``'s whole model in float32, every tensor as transformers' GGUF loader computes it (the transformers
     backend's conversion, ``references``): the same loop as ``load_gguf_checkpoint``'s, each tensor dequantized,
     processed, and set by the name the processor gives it, with the configuration read once (kept in ``cache``) and
-    the name map built once, where transformers' own ``from_pretrained`` reads the metadata three times (~20 s of a
-    25 s conversion of SmolLM2-135M on 2 cores). Raises ``NotRowOrder`` where the file's tensors do not fill the
-    model that way (a processor that gathers tensors across calls): the caller converts with transformers then."""
+    the name map built once, where transformers' own ``from_pretrained`` reads the metadata three times and builds
+    the map per module (~19 s of a 25 s conversion of SmolLM2-135M on a Zen 4 core). Raises ``NotRowOrder`` where
+    the file's tensors do not fill the model that way (a processor that gathers tensors across calls): the caller
+    converts with transformers then."""
     from accelerate.utils import set_module_tensor_to_device
 
     model, parsed, names, header, processed, _ = _skeleton(path, cache)

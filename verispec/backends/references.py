@@ -353,8 +353,6 @@ def ensure_tokenizer(ref: str, digest: str | None = None) -> Path:
     return target
 
 
-
-
 @contextmanager
 def _seen_gguf_config():
     """A list that receives the configuration transformers' GGUF loader reads from a file's metadata meanwhile (about
