@@ -46,10 +46,10 @@ import torch
 FORMAT = 2  # bump when a stored file's meaning changes: older ones then sit under another key (1: .pt2 packages)
 LEGACY_SUFFIX = ".pt2"  # format 1 stored whole packages; still listed and superseded, never loaded
 # What inductor compiles the step with. The generated wrapper (the C++ that calls the kernels in turn, no loops worth
-# optimizing) is compiled at -O0 and without a precompiled header: 7-8 s of g++ where -O1 took 12-15 s, and no header
-# to build first (9-10 s on an empty machine); the one-token step no slower (docs/kernels.md)
-OPTIONS = {"freezing": True, "max_autotune": True, "aot_inductor.compile_wrapper_opt_level": "O0",
-           "aot_inductor.precompile_headers": False}
+# optimizing) is compiled at -O0: 7-8 s of g++ for the default model's where -O1 took 12-15 s, the step no slower.
+# Inductor's precompiled headers stay on: built once a machine (~10 s), they save ~3 s on every later compile
+# (docs/kernels.md)
+OPTIONS = {"freezing": True, "max_autotune": True, "aot_inductor.compile_wrapper_opt_level": "O0"}
 AUTOTUNE_ENV = "VERISPEC_COMPILE_AUTOTUNE"
 CAP_ENV = "VERISPEC_COMPILED_CACHE_GB"
 DEFAULT_CAP_GB = 8.0
