@@ -401,12 +401,10 @@ def _convert_gguf(gguf_path: Path, target: Path, digest: str | None = None) -> N
             tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_folder))
         try:
             model = dequantized(gguf_path, cache=tokenizer_folder)
-        except NotRowOrder as exc:
-            log.info("%s: %s; converting with transformers' from_pretrained", name, exc)
-            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-        except Exception as exc:  # an architecture the one-read path does not know: transformers' loader may still
-            log.warning("%s: reading it directly failed (%s: %s); converting with transformers' from_pretrained",
-                        name, type(exc).__name__, exc)
+        except Exception as exc:  # a file the one-read path cannot fill (NotRowOrder, expected) or does not know
+            log.log(logging.INFO if isinstance(exc, NotRowOrder) else logging.WARNING,
+                    "%s: reading it directly failed (%s: %s); converting with transformers' from_pretrained",
+                    name, type(exc).__name__, exc)
             model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     # The weights are already dequantized; the leftover GGUF quantization config only makes
     # save_pretrained refuse, so drop it before saving.
