@@ -108,7 +108,7 @@ def test_the_one_row_path_and_the_others_give_the_same_bits(kind):
             for limit in range(blockmm.ONE_ROW_MOST[kind] + 1):
                 blockmm.set_one_row_limit(kind, limit)
                 assert blockmm.one_row_limits()[kind] == limit
-                for nbytes in (0, 64, blockmm.PREFETCH):  # requesting weights ahead changes no bit
+                for nbytes in {0, 64, *blockmm.PREFETCH_CANDIDATES}:  # requesting weights ahead changes no bit
                     blockmm.set_prefetch(nbytes)
                     assert torch.equal(blockmm.matmul(x[:1], raw, kind), want[:1]), (name, limit, nbytes)
                     assert torch.equal(blockmm.matmul(x, raw, kind), want), (name, limit, nbytes)
@@ -170,6 +170,22 @@ def test_wide_passes_on_another_instruction_set_give_the_same_bits(kind):
         blockmm.set_wide_isa("nonsense")
 
 
+def test_the_kernel_string_names_a_prefetch_distance_other_than_the_default():
+    """``verispec costs`` and ``bench`` name the kernel's paths: a distance choose_paths moved off the default is
+    named, the default is not."""
+    ahead, limit = blockmm.prefetch(), blockmm.one_row_limits()["Q4_K"]
+    try:
+        blockmm.set_one_row_limit("Q4_K", 1)
+        for nbytes, named in ((blockmm.PREFETCH, None), (2048, "prefetching 2048 B ahead"), (0, "no prefetching")):
+            blockmm.set_prefetch(nbytes)
+            words = blockmm.paths_in_use(["Q4_K"])
+            assert "one-row path for Q4_K" in words
+            assert (not any("prefetch" in w for w in words)) if named is None else named in words, (nbytes, words)
+    finally:
+        blockmm.set_prefetch(ahead)
+        blockmm.set_one_row_limit("Q4_K", limit)
+
+
 def test_choose_paths_times_both_paths_per_k_type_and_keeps_the_faster():
     matrices = [blockmm.Matrix(random_blocks(kind, 64, 1024, seed=i), kind, 1024)
                 for i, kind in enumerate(("Q4_K", "Q6_K", "Q4_0"))]
@@ -178,8 +194,10 @@ def test_choose_paths_times_both_paths_per_k_type_and_keeps_the_faster():
     try:
         found = blockmm.choose_paths(matrices, rounds=3)
         assert set(found) - {"wide"} == {"Q4_K", "Q6_K", "Q4_0", "Q8_0", "prefetch"}
-        on, off = found["prefetch"][1]
-        assert blockmm.prefetch() == (blockmm.PREFETCH if on <= off else 0)
+        took = found["prefetch"][1]
+        assert len(took) == len(blockmm.PREFETCH_CANDIDATES) and min(took) > 0
+        fastest = min(range(len(took)), key=lambda i: (took[i], i))
+        assert blockmm.prefetch() == blockmm.PREFETCH_CANDIDATES[fastest]
         for kind in ("Q4_K", "Q6_K"):
             (one1, tiles1), (one2, tiles2) = found[kind][1], found[kind][2]
             assert min(one1, tiles1, one2, tiles2) > 0

@@ -256,8 +256,11 @@ def _choose_paths(model: nn.Module) -> None:
     second for the 1.5B; the same bits either way), and log what was timed."""
     found = blockmm.choose_paths([m._matrix for m in model.modules() if isinstance(m, BlockLinear)])
     if "prefetch" in found:
-        (on, off), = found.pop("prefetch").values()
-        log.info("block kernel, one row: prefetching %.1f ms, without %.1f ms a pass", on, off)
+        took, = found.pop("prefetch").values()
+        kept = blockmm.prefetch()
+        log.info("block kernel, one row: %s a pass (%s kept)", ", ".join(
+            f"prefetching {ahead} B ahead {ms:.1f} ms" if ahead else f"without prefetching {ms:.1f} ms"
+            for ahead, ms in zip(blockmm.PREFETCH_CANDIDATES, took)), f"{kept} B" if kept else "off")
     if "wide" in found:
         took, = found.pop("wide").values()
         log.info("block kernel, 4 + 8 rows: %s a pass (%s kept)", ", ".join(

@@ -216,6 +216,9 @@ def set_q6k_tiles(on: bool) -> None:
 
 
 PREFETCH = 4096  # bytes ahead the one-row paths request weights when prefetching is on (the native default)
+# the distances choose_paths times, in order of preference on a tie: 4 KB was fastest on an AMD EPYC Zen 3, 2 KB by a
+# quarter on an Intel Sapphire Rapids (docs/kernels.md); 0 is off
+PREFETCH_CANDIDATES = (PREFETCH, 2048, 0)
 
 
 def prefetch() -> int:
@@ -243,8 +246,8 @@ def paths_in_use(kinds) -> list[str]:
     named = [f"one-row path for {', '.join(one_row)}"] if one_row else []
     if "Q6_K" in kinds and isa() == "avx512vnni" and q6k_tiles():
         named.append("Q6_K tiles")
-    if one_row and not prefetch():
-        named.append("no prefetching")
+    if one_row and prefetch() != PREFETCH:
+        named.append(f"prefetching {prefetch()} B ahead" if prefetch() else "no prefetching")
     if wide_isa() != isa():
         named.append(f"{wide_isa()} past 2 rows")
     return named
@@ -271,12 +274,13 @@ def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[in
     """Time the kernel's interchangeable paths on ``matrices`` (a model's own) and keep the faster of each: per type,
     the one-weight-row path against the tiles (K types, at 1 and 2 rows) or the buffered path (32-weight types, at 1
     row; ``set_one_row_limit``), on AVX-512 Q6_K's
-    tiles against its buffered path at 8 rows (``set_q6k_tiles``), and the one-row paths with and without software
-    prefetching (``set_prefetch``), and on AVX-512 the code for products of 3 or more rows (``set_wide_isa``:
-    ``WIDE_CANDIDATES``, timed at 4 and 8 rows together). Which wins depends on the CPU (docs/kernels.md); every path
-    computes the same bits. Returns {type: {rows: (first path's ms, second's)}}: for 1 and 2 rows the one-row path
-    and the other, for Q6_K's 8 the tiles and the buffered path; under "prefetch" {1: (ms with, ms without)}; under
-    "wide" {8: (ms on each of WIDE_CANDIDATES)} where timed; medians of interleaved rounds."""
+    tiles against its buffered path at 8 rows (``set_q6k_tiles``), the one-row paths' software prefetching at each
+    distance of ``PREFETCH_CANDIDATES`` (``set_prefetch``; 0: off), and on AVX-512 the code for products of 3 or more
+    rows (``set_wide_isa``: ``WIDE_CANDIDATES``, timed at 4 and 8 rows together). Which wins depends on the CPU
+    (docs/kernels.md); every path computes the same bits. Returns {type: {rows: (first path's ms, second's)}}: for 1
+    and 2 rows the one-row path and the other, for Q6_K's 8 the tiles and the buffered path; under "prefetch" {1: (ms
+    at each of PREFETCH_CANDIDATES)}; under "wide" {8: (ms on each of WIDE_CANDIDATES)} where timed; medians of
+    interleaved rounds; ties go to the earlier candidate."""
     _require()
     set_wide_isa(isa())  # every width on one set while the other paths are timed (a model loaded before may have
     # put wide products on AVX2, where the Q6_K tiles setting below changes nothing)
@@ -295,10 +299,10 @@ def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[in
             took = _time_rounds((True, False), set_q6k_tiles, mine, 8, rounds)
             found[kind][8] = (took[True], took[False])
             set_q6k_tiles(took[True] < took[False])
-    if matrices:  # the one-row paths with and without requesting the weights ahead, on all the matrices at 1 row
-        took = _time_rounds((PREFETCH, 0), set_prefetch, matrices, 1, rounds)
-        found["prefetch"] = {1: (took[PREFETCH], took[0])}
-        set_prefetch(PREFETCH if took[PREFETCH] <= took[0] else 0)
+    if matrices:  # the one-row paths requesting the weights at each distance ahead, on all the matrices at 1 row
+        took = _time_rounds(PREFETCH_CANDIDATES, set_prefetch, matrices, 1, rounds)
+        found["prefetch"] = {1: tuple(took[ahead] for ahead in PREFETCH_CANDIDATES)}
+        set_prefetch(min(PREFETCH_CANDIDATES, key=lambda ahead: took[ahead]))  # ties: the first
     if matrices and isa() == "avx512vnni":
         took = [_time_rounds(WIDE_CANDIDATES, set_wide_isa, matrices, rows, rounds) for rows in (4, 8)]
         found["wide"] = {8: tuple(sum(t[name] for t in took) for name in WIDE_CANDIDATES)}
