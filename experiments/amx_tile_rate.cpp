@@ -10,6 +10,9 @@
 // product a chunk, stored and read back at once, ran 8 rows at ~80 GMAC/s against ~110 for this one).
 //
 //     g++ -O2 -march=native experiments/amx_tile_rate.cpp -o /tmp/amx_rate && /tmp/amx_rate
+#if !defined(__AMX_INT8__) || !defined(__AVX512F__)
+#error "this measures AMX-INT8 tile products: build it with -march=native on a CPU with AMX (an Intel Xeon from Sapphire Rapids on)"
+#endif
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
