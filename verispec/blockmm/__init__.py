@@ -216,8 +216,8 @@ def set_q6k_tiles(on: bool) -> None:
 
 
 PREFETCH = 4096  # bytes ahead the one-row paths request weights when prefetching is on (the native default)
-# the distances choose_paths times, in order of preference on a tie: 4 KB was fastest on an AMD EPYC Zen 3, 2 KB by a
-# quarter on an Intel Sapphire Rapids (docs/kernels.md); 0 is off
+# the distances choose_paths times, in order of preference on a tie (0: off); 4 KB was the AMD EPYC Zen 3's best, 2 KB
+# the Intel Sapphire Rapids' (figures: docs/kernels.md)
 PREFETCH_CANDIDATES = (PREFETCH, 2048, 0)
 
 
