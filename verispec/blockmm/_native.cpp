@@ -11,6 +11,12 @@
 //      float lanes:  acc[l] = acc[l] + float(s_j) * (A_j * dx_j);  acc[l] = acc[l] + B_j * sx_j.
 //   4. y = ((acc0 + acc1) + (acc2 + acc3)) + ((acc4 + acc5) + (acc6 + acc7)).
 //
+// The K types (Q4_K, Q5_K, Q6_K) take one float step a super-block: activations quantized per 256 values (llama.cpp's
+// block_q8_K: dx per 256, bsum = sum(q) per 32), the super-block's whole integer dot S = sum(c * w * q) with every
+// weight times its integer sub-scale (exact in int32, so any instruction set computes it: vpmaddwd lanes summed, or AMX
+// tile products per chunk times their sub-scales), then acc = acc + float(S) * (d * dx) and
+// accm = accm + float(sum_j mins_j * bsum_j) * (dmin * dx); y = acc - accm.
+//
 // Every float operation is one IEEE rounding in a fixed order (built with -ffp-contract=off: no fused multiply-add),
 // so row i of y depends on row i of x and on W alone: not on M, not on the other rows, not on the thread count,
 // and not on which instruction set ran it (the scalar, AVX2 and VNNI paths give the same bits).
@@ -291,10 +297,8 @@ inline float lanes_sum(const float* a) {
 //
 // 32-weight types: chunk j of a group lands in float lane j:
 //   acc[j] = acc[j] + float(sum(w * q)) * (A_j * dx_j);  acc[j] = acc[j] + B_j * sx_j;   y = lanes(acc)
-// K types: integer lane l (l = 0..7) of a group holds sum over its 8 chunks of the products of bytes 4l..4l+3 (the
-// lanes of vpmaddwd / vpdpbusd), each weight times its sub-scale:
-//   acc[l] = acc[l] + float(lane_l) * (d * dx);  accm = accm + float(sum_j mins_j * bsum_j) * (dmin * dx)
-//   y = lanes(acc) - accm
+// K types: a super-block's whole integer dot S, each weight times its sub-scale (exact in int32):
+//   acc = acc + float(S) * (d * dx);  accm = accm + float(sum_j mins_j * bsum_j) * (dmin * dx);  y = acc - accm
 
 void row_dot_scalar32(const Problem& p, const Group* row, int m, float* out) {
     const int8_t* q = p.qx + m * p.q_stride;
@@ -320,22 +324,22 @@ void row_dot_scalar_k(const Problem& p, const Group* row, int m, float* out) {
     const int8_t* q = p.qx + m * p.q_stride;
     const float* dx = p.dx + (int64_t)m * p.G;
     const int16_t* bs = p.bsum + (int64_t)m * 8 * p.G;
-    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    float acc = 0.0f;
     float accm = 0.0f;
     for (int gi = 0; gi < p.G; gi++) {
         const Group& g = row[gi];
-        int32_t lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+        int32_t S = 0;
         for (int j = 0; j < 8; j++)
             for (int i = 0; i < 32; i++)
-                lane[i / 4] += (int32_t)g.sw[2 * j + i / 16] * (int32_t)g.w[32 * j + i] * (int32_t)q[256 * gi + 32 * j + i];
+                S += (int32_t)g.sw[2 * j + i / 16] * (int32_t)g.w[32 * j + i] * (int32_t)q[256 * gi + 32 * j + i];
         const float t = g.d * dx[gi];
-        for (int l = 0; l < 8; l++) acc[l] = acc[l] + (float)lane[l] * t;
+        acc = acc + (float)S * t;
         int32_t im = 0;
         for (int j = 0; j < 8; j++) im += (int32_t)g.mins[j] * (int32_t)bs[8 * gi + j];
         const float u = g.dmin * dx[gi];
         accm = accm + (float)im * u;
     }
-    *out = lanes_sum(acc) - accm;
+    *out = acc - accm;
 }
 
 constexpr int NR = 4;  // weight rows unpacked together: each activation chunk loaded once serves NR rows

@@ -10,6 +10,11 @@
    acc = acc + float(s) * (A * dx), then acc = acc + B * sx;
 4. y = ((acc0 + acc1) + (acc2 + acc3)) + ((acc4 + acc5) + (acc6 + acc7)).
 
+The K types (Q4_K, Q5_K, Q6_K) take one float step a 256-weight super-block instead: its whole integer dot
+S = sum(c * w * q) (each weight times its integer sub-scale; exact in int32), acc = acc + float(S) * (d * dx), the
+minimums' accm = accm + float(sum_j mins_j * bsum_j) * (dmin * dx), and y = acc - accm. A whole super-block's integer
+is what every instruction set can compute exactly, AMX tile products included.
+
 It is slow (an integer tensor of every product) and meant for small shapes.
 """
 
@@ -168,14 +173,14 @@ def _matmul_k(x: torch.Tensor, raw: torch.Tensor, kind: str) -> torch.Tensor:
         c = sc.repeat_interleave(2, dim=-1).reshape(N, K // 16)  # the integer sub-scale of each 16 weights
     q, dx, bsum = quantize_rows(x, 256)
     cw = w * c.repeat_interleave(16, dim=1)  # each weight times its integer sub-scale
-    # integer lane l of a group: the products of bytes 4l..4l+3 of its eight chunks, summed (exact)
-    prod_lanes = torch.einsum("mgjli,ngjli->mngl", q.reshape(M, G, 8, 8, 4), cw.reshape(N, G, 8, 8, 4))
+    # a super-block's whole integer dot (exact)
+    prod = torch.einsum("mgk,ngk->mng", q.reshape(M, G, 256), cw.reshape(N, G, 256))
     im = torch.einsum("mgj,ngj->mng", bsum.reshape(M, G, 8), mins)
-    acc = torch.zeros(M, N, 8)
+    acc = torch.zeros(M, N)
     accm = torch.zeros(M, N)
     for g in range(G):
         t = d[None, :, g] * dx[:, None, g]
-        acc = acc + prod_lanes[:, :, g].float() * t[..., None]
+        acc = acc + prod[:, :, g].float() * t
         u = dmin[None, :, g] * dx[:, None, g]
         accm = accm + im[:, :, g].float() * u
-    return _lanes_sum(acc) - accm
+    return acc - accm
