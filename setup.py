@@ -27,7 +27,7 @@ class BuildExt(build_ext):
 setup(cmdclass={"build_ext": BuildExt}, ext_modules=[Extension(
     "verispec.blockmm._native",
     sources=["verispec/blockmm/_native.cpp"],
-    depends=["verispec/blockmm/simd_body.inc", "verispec/blockmm/attend_body.inc"],
+    depends=["verispec/blockmm/simd_body.inc", "verispec/blockmm/attend_body.inc", "verispec/blockmm/amx_body.inc"],
     language="c++",
     # -ffp-contract=off: no fused multiply-add, so every path (scalar, AVX2, VNNI) rounds as the reference does
     extra_compile_args=["-O3", "-std=c++17", "-ffp-contract=off", "-fno-math-errno", "-fvisibility=hidden",

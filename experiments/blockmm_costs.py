@@ -8,7 +8,8 @@ bandwidth measured here with the same threads (``timing.read_bandwidth``).
     python experiments/blockmm_costs.py --target qwen2.5-coder-1.5b --widths 1,2,4,8,16 --rounds 7
 
 ``--wide avx2,vnni256,avx512vnni`` times products of 3 or more rows on each of those instruction sets in the same
-rounds (``blockmm.set_wide_isa``), one column each.
+rounds (``blockmm.set_wide_isa``), one column each; ``amx`` among them puts the K types' products on the AMX tiles
+(``blockmm.set_amx_rows``; CPUs with AMX-INT8 only).
 """
 
 from __future__ import annotations
@@ -64,7 +65,9 @@ def main() -> None:
     times = {run: [] for run in runs}
     for r in range(args.rounds + 1):
         for w, name in runs:
-            blockmm.set_wide_isa(name)
+            blockmm.set_wide_isa(blockmm.isa() if name == "amx" else name)
+            if blockmm.amx_usable():
+                blockmm.set_amx_rows(1 if name == "amx" else 0)
             t = time.perf_counter()
             for (_, kind, K, raw), x, y in zip(mats, xs[w], ys[w]):
                 blockmm.matmul(x, raw, kind, threads=args.threads, out=y)

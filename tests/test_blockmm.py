@@ -193,7 +193,14 @@ def test_choose_paths_times_both_paths_per_k_type_and_keeps_the_faster():
     before, q6k_before, ahead = blockmm.one_row_limits(), blockmm.q6k_tiles(), blockmm.prefetch()
     try:
         found = blockmm.choose_paths(matrices, rounds=3)
-        assert set(found) - {"wide"} == {"Q4_K", "Q6_K", "Q4_0", "Q8_0", "prefetch"}
+        assert set(found) - {"wide", "amx"} == {"Q4_K", "Q6_K", "Q4_0", "Q8_0", "prefetch"}
+        if blockmm.isa() == "avx512vnni" and blockmm.amx_usable():
+            took = found.pop("amx")
+            assert tuple(took) == blockmm.AMX_WIDTHS and min(min(pair) for pair in took.values()) > 0
+            wins = [rows for rows in took if all(took[w][0] < took[w][1] for w in took if w >= rows)]
+            assert blockmm.amx_rows() == (wins[0] if wins else 0)
+        else:
+            assert "amx" not in found and blockmm.amx_rows() == 0
         took = found["prefetch"][1]
         assert len(took) == len(blockmm.PREFETCH_CANDIDATES) and min(took) > 0
         fastest = min(range(len(took)), key=lambda i: (took[i], i))
@@ -222,6 +229,8 @@ def test_choose_paths_times_both_paths_per_k_type_and_keeps_the_faster():
             blockmm.set_one_row_limit(kind, rows)
         blockmm.set_q6k_tiles(q6k_before)
         blockmm.set_prefetch(ahead)
+        if blockmm.amx_usable():
+            blockmm.set_amx_rows(0)
     with pytest.raises(ValueError, match="prefetch distance must be 0..1048576 bytes"):
         blockmm.set_prefetch(-1)
     with pytest.raises(ValueError, match="F16 has no one-row path"):
@@ -325,3 +334,46 @@ def test_row_digests_tell_rows_apart_by_their_exact_bytes():
     assert blockmm.row_digests(torch.zeros(1, 5)) != blockmm.row_digests(torch.zeros(1, 6))  # the length counts
     with pytest.raises(ValueError, match="2-D"):
         blockmm.row_digests(torch.zeros(5))
+
+
+NO_AMX = "this CPU or OS gives no AMX-INT8 tiles (an Intel Xeon from Sapphire Rapids on); the other tests cover its paths"
+
+
+@pytest.mark.skipif(not blockmm.available() or not blockmm.amx_usable(), reason=NO_AMX)
+@pytest.mark.parametrize("kind", blockmm.K_TYPES)
+def test_amx_tiles_give_the_reference_bits(kind):
+    """The K types on the AMX tiles: 16 weight rows and up to 16 activation rows a tile product, the rows past the
+    last whole 16 of a thread's share on the AVX-512 paths; every width (one tile block, several, a tail) and thread
+    count gives the reference's bits, so a row is the same whichever path took it."""
+    K = 768
+    x = activations(40, K, seed=31)
+    try:
+        for rows in (16, 37, 64):
+            raw = random_blocks(kind, rows, K, seed=rows)
+            want = reference.matmul(x, raw, kind)
+            blockmm.set_amx_rows(1)
+            assert blockmm.amx_rows() == 1
+            assert "AMX tiles from 1 rows" in blockmm.paths_in_use([kind])
+            for M in (1, 2, 3, 8, 15, 16, 17, 33, 40):
+                for threads in (1, 2, 3):
+                    got = blockmm.matmul(x[:M], raw, kind, threads=threads)
+                    assert torch.equal(got, want[:M]), (kind, rows, M, threads)
+            blockmm.set_amx_rows(9)  # narrower products stay on the AVX paths: the same bits
+            assert torch.equal(blockmm.matmul(x[:8], raw, kind), want[:8])
+    finally:
+        blockmm.set_amx_rows(0)
+    assert not any("AMX" in words for words in blockmm.paths_in_use([kind]))
+
+
+@pytest.mark.skipif(not blockmm.available(), reason="the native kernel is not built")
+def test_set_amx_rows_takes_the_tiles_only_where_they_exist():
+    with pytest.raises(ValueError, match="takes 0 .off. or the fewest rows"):
+        blockmm.set_amx_rows(-1)
+    if blockmm.amx_usable():
+        blockmm.set_amx_rows(8)
+        assert blockmm.amx_rows() == 8
+        blockmm.set_amx_rows(0)
+    else:
+        with pytest.raises(ValueError, match="no AMX-INT8 tiles"):
+            blockmm.set_amx_rows(8)
+    assert blockmm.amx_rows() == 0

@@ -106,6 +106,27 @@ def set_wide_isa(name: str) -> None:
     _native.set_wide_isa(name)
 
 
+def amx_usable() -> bool:
+    """Whether this CPU and OS let the kernel multiply on AMX-INT8 tiles (an Intel Xeon from Sapphire Rapids on, with
+    Linux's permission for the tile state): ``set_amx_rows`` then sends wide K-type products there."""
+    _require()
+    return _native.amx_usable()
+
+
+def amx_rows() -> int:
+    """The fewest rows at which Q4_K / Q5_K / Q6_K products take the AMX tiles (0: never, the default until
+    ``choose_paths`` times them on a model's matrices)."""
+    _require()
+    return _native.amx_rows()
+
+
+def set_amx_rows(rows: int) -> None:
+    """K-type products of ``rows`` or more rows on the AMX tiles (0: never). Speed only: the tiles compute the other
+    paths' bits (whole-super-block integers, the same float steps). ValueError where ``amx_usable()`` is false."""
+    _require()
+    _native.set_amx_rows(int(rows))
+
+
 _threads: int | None = None
 _held: int | None = None  # default_threads worked out for a block (threads_held)
 
@@ -250,6 +271,8 @@ def paths_in_use(kinds) -> list[str]:
         named.append(f"prefetching {prefetch()} B ahead" if prefetch() else "no prefetching")
     if wide_isa() != isa():
         named.append(f"{wide_isa()} past 2 rows")
+    if amx_rows() and isa() == "avx512vnni" and any(kind in K_TYPES for kind in kinds):
+        named.append(f"AMX tiles from {amx_rows()} rows")
     return named
 
 
@@ -270,6 +293,9 @@ def _time_rounds(settings: dict, apply, matrices: list["Matrix"], rows: int, rou
     return {setting: statistics.median(times) for setting, times in took.items()}
 
 
+AMX_WIDTHS = (4, 8, 16, 32)  # the widths choose_paths times the AMX tiles at
+
+
 def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[int, tuple[float, float]]]:
     """Time the kernel's interchangeable paths on ``matrices`` (a model's own) and keep the faster of each: per type,
     the one-weight-row path against the tiles (K types, at 1 and 2 rows) or the buffered path (32-weight types, at 1
@@ -279,8 +305,10 @@ def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[in
     rows (``set_wide_isa``: ``WIDE_CANDIDATES``, timed at 4 and 8 rows together). Which wins depends on the CPU
     (docs/kernels.md); every path computes the same bits. Returns {type: {rows: (first path's ms, second's)}}: for 1
     and 2 rows the one-row path and the other, for Q6_K's 8 the tiles and the buffered path; under "prefetch" {1: (ms
-    at each of PREFETCH_CANDIDATES)}; under "wide" {8: (ms on each of WIDE_CANDIDATES)} where timed; medians of
-    interleaved rounds; ties go to the earlier candidate."""
+    at each of PREFETCH_CANDIDATES)}; under "wide" {8: (ms on each of WIDE_CANDIDATES)} where timed; on CPUs with
+    AMX-INT8, under "amx" {rows: (ms on the tiles, ms without)} for the K types at each of ``AMX_WIDTHS``, and the
+    tiles kept from the narrowest of those widths from which they win at every wider one (``set_amx_rows``); medians
+    of interleaved rounds; ties go to the earlier candidate (the AVX paths, for the tiles)."""
     _require()
     set_wide_isa(isa())  # every width on one set while the other paths are timed (a model loaded before may have
     # put wide products on AVX2, where the Q6_K tiles setting below changes nothing)
@@ -304,9 +332,21 @@ def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[in
         found["prefetch"] = {1: tuple(took[ahead] for ahead in PREFETCH_CANDIDATES)}
         set_prefetch(min(PREFETCH_CANDIDATES, key=lambda ahead: took[ahead]))  # ties: the first
     if matrices and isa() == "avx512vnni":
+        set_amx_rows(0)
         took = [_time_rounds(WIDE_CANDIDATES, set_wide_isa, matrices, rows, rounds) for rows in (4, 8)]
         found["wide"] = {8: tuple(sum(t[name] for t in took) for name in WIDE_CANDIDATES)}
         set_wide_isa(min(WIDE_CANDIDATES, key=lambda name: sum(t[name] for t in took)))  # ties: the first
+    # every fourth K-type matrix of a big model (the types' mix kept): the four widths take ~5 s on all of the 1.5B's
+    k_matrices = [m for m in matrices if m.type.name in K_TYPES]
+    k_matrices = k_matrices[::4] if len(k_matrices) >= 32 else k_matrices
+    if k_matrices and isa() == "avx512vnni" and amx_usable():
+        found["amx"] = {}
+        for rows in AMX_WIDTHS:  # the tiles against the wide set just chosen
+            took = _time_rounds((1, 0), set_amx_rows, k_matrices, rows, rounds)
+            found["amx"][rows] = (took[1], took[0])
+        wins = [rows for rows in AMX_WIDTHS if all(found["amx"][w][0] < found["amx"][w][1]
+                                                     for w in AMX_WIDTHS if w >= rows)]
+        set_amx_rows(wins[0] if wins else 0)
     return found
 
 

@@ -27,6 +27,12 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#if defined(__x86_64__) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -257,6 +263,11 @@ struct Problem {
     const float* sx;      // 32-weight types: [M, 8G]
     const int16_t* bsum;  // K types: [M, 8G]
     float* y;
+    // the AMX path's activations (amx_layout), in blocks of 16 rows
+    int mblocks = 0;
+    const int8_t* qT = nullptr;
+    const int16_t* bsT = nullptr;
+    const float* dxT = nullptr;
 };
 
 using SpanFn = void (*)(const float*, int, int8_t*, float*, int*);
@@ -361,6 +372,8 @@ inline int one_row_max(int kind) { return g_one_row[kind & 15]; }
 // AVX-512: whether Q6_K passes past the one-row limit take the tiles (1) or the buffered path (0; measured a little
 // faster on a Zen 5); chosen per CPU the same way (blockmm.choose_paths).
 int g_q6k_tiles = 0;
+// super-blocks ahead that the AMX path requests each of its 16 rows' weights (amx_body.inc); VERISPEC_AMX_AHEAD
+int g_amx_ahead = 4;
 
 typedef float vs_f8 __attribute__((vector_size(32)));  // eight float lanes (attend_body.inc)
 typedef int32_t vs_i8 __attribute__((vector_size(32)));
@@ -407,6 +420,7 @@ namespace vnni {
 #include "attend_body.inc"
 #undef VS_ATTEND_TARGET
 #include "simd_body.inc"
+#include "amx_body.inc"
 }
 #undef VS_TARGET
 #undef VS_USE_VNNI
@@ -433,8 +447,28 @@ int detect_isa() {
     return ISA_SCALAR;
 }
 
+// AMX-INT8 tile units, usable here: the CPU has them (CPUID), the OS keeps their state (XCR0) and lets this process
+// use it (Linux's arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA, asked once). Only with AVX-512 VNNI (every AMX CPU has
+// it), whose paths take the rows the tiles leave.
+bool detect_amx() {
+#if defined(__x86_64__) && defined(__linux__)
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!((d >> 24) & 1) || !((d >> 25) & 1)) return false;  // AMX-TILE, AMX-INT8
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !((c >> 27) & 1)) return false;  // OSXSAVE
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if (((lo >> 17) & 3) != 3) return false;  // XTILECFG, XTILEDATA
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+#else
+    return false;
+#endif
+}
+
 int g_best = -1;
 int g_isa = -1;
+int g_amx = -1;       // -1: not probed; 0: not usable here; 1: usable
+int g_amx_rows = 0;   // K-type products of at least this many rows take the AMX tiles (0: none); set_amx_rows
 // The instruction set of products over 3 or more activation rows (-1: g_isa's). On a Zen 4 (AVX-512 double-pumped on
 // 256-bit units) the AVX2 tiles beat the AVX-512 ones there; the paths compute the same bits, so the faster is kept.
 int g_wide_isa = -1;
@@ -564,13 +598,38 @@ void matmul(int kind, const float* x, const uint8_t* W, float* y, int M, int N, 
     else if (isa == ISA_AVX2) span = avx2::quantize_span_simd;
 #endif
     quantize_rows(&p, x, qx.data(), dx.data(), sx.data(), bsum.data(), span);
-    // split W's rows into runs of NR, as evenly as possible
-    const int units = (N + NR - 1) / NR;
+#if VS_X86
+    const bool amx = g_amx == 1 && g_amx_rows > 0 && M >= g_amx_rows && is_k(kind) && g_isa == ISA_VNNI;
+#else
+    const bool amx = false;
+#endif
+    std::vector<int8_t> qT;
+    std::vector<int16_t> bsT;
+    std::vector<float> dxT;
+    if (amx) {
+        p.mblocks = (M + 15) / 16;
+        qT.assign((size_t)p.mblocks * 8 * G * 512, 0);
+        bsT.assign((size_t)p.mblocks * G * 4 * 32, 0);
+        dxT.assign((size_t)p.mblocks * G * 16, 0.0f);
+#if VS_X86
+        vnni::amx_layout(p, qT.data(), bsT.data(), dxT.data());
+#endif
+        p.qT = qT.data();
+        p.bsT = bsT.data();
+        p.dxT = dxT.data();
+    }
+    // split W's rows into runs of NR (16 for the AMX tiles), as evenly as possible
+    const int unit = amx ? 16 : NR;
+    const int units = (N + unit - 1) / unit;
     threads = std::max(1, std::min(threads, units));
     auto task = [&](int id, int width) {
         const int u0 = (int)((int64_t)units * id / width), u1 = (int)((int64_t)units * (id + 1) / width);
-        const int n0 = std::min(N, u0 * NR), n1 = std::min(N, u1 * NR);
-        if (n0 < n1) run_range(p, n0, n1, isa);
+        const int n0 = std::min(N, u0 * unit), n1 = std::min(N, u1 * unit);
+        if (n0 >= n1) return;
+#if VS_X86
+        if (amx) return vnni::amx_range(p, n0, n1);
+#endif
+        run_range(p, n0, n1, isa);
     };
     std::lock_guard<std::mutex> lock(g_call);
     if (!g_pool) g_pool = new Pool();
@@ -823,6 +882,32 @@ PyObject* py_set_wide_isa(PyObject*, PyObject* args) {
     Py_RETURN_NONE;
 }
 
+bool amx_usable() {
+    if (g_amx < 0) g_amx = g_best == ISA_VNNI && detect_amx() ? 1 : 0;
+    return g_amx == 1;
+}
+
+PyObject* py_amx_usable(PyObject*, PyObject*) { return PyBool_FromLong(amx_usable()); }
+
+PyObject* py_amx_rows(PyObject*, PyObject*) { return PyLong_FromLong(g_amx_rows); }
+
+PyObject* py_set_amx_rows(PyObject*, PyObject* args) {
+    int rows;
+    if (!PyArg_ParseTuple(args, "i", &rows)) return nullptr;
+    if (rows < 0) {
+        PyErr_Format(PyExc_ValueError, "set_amx_rows takes 0 (off) or the fewest rows a product takes the tiles at, not %d",
+                     rows);
+        return nullptr;
+    }
+    if (rows > 0 && !amx_usable()) {
+        PyErr_SetString(PyExc_ValueError, "this CPU or OS gives no AMX-INT8 tiles (an Intel Xeon from Sapphire Rapids on, "
+                                          "Linux 5.16 or later): the AVX paths compute the same bits");
+        return nullptr;
+    }
+    g_amx_rows = rows;
+    Py_RETURN_NONE;
+}
+
 PyObject* py_set_one_row(PyObject*, PyObject* args) {
     int kind, rows;
     if (!PyArg_ParseTuple(args, "ii", &kind, &rows)) return nullptr;
@@ -893,6 +978,10 @@ PyMethodDef METHODS[] = {
     {"set_isa", py_set_isa, METH_VARARGS, "use another instruction set (scalar, avx2, avx512vnni), at most the best"},
     {"wide_isa", py_wide_isa, METH_NOARGS, "the instruction set of products over 3 or more rows"},
     {"set_wide_isa", py_set_wide_isa, METH_VARARGS, "the instruction set of products over 3 or more rows"},
+    {"amx_usable", py_amx_usable, METH_NOARGS, "whether this CPU and OS let the kernel use AMX-INT8 tiles"},
+    {"amx_rows", py_amx_rows, METH_NOARGS, "the fewest rows at which K-type products take the AMX tiles (0: never)"},
+    {"set_amx_rows", py_set_amx_rows, METH_VARARGS,
+     "set_amx_rows(rows): K-type products of at least rows rows take the AMX tiles (0: never)"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef MODULE = {PyModuleDef_HEAD_INIT, "_native", "GGUF block matmul kernels", -1, METHODS};
@@ -902,6 +991,7 @@ PyModuleDef MODULE = {PyModuleDef_HEAD_INIT, "_native", "GGUF block matmul kerne
 PyMODINIT_FUNC PyInit__native(void) {
     const char* fused = std::getenv("VERISPEC_BLOCKMM_FUSED");
     g_fused_off = fused && fused[0] == '0';
+    if (const char* ahead = std::getenv("VERISPEC_AMX_AHEAD")) g_amx_ahead = std::max(0, std::atoi(ahead));
     g_best = detect_isa();
     g_isa = g_best;
     return PyModule_Create(&MODULE);
