@@ -195,12 +195,14 @@ def test_choose_paths_times_both_paths_per_k_type_and_keeps_the_faster():
         found = blockmm.choose_paths(matrices, rounds=3)
         assert set(found) - {"wide", "amx"} == {"Q4_K", "Q6_K", "Q4_0", "Q8_0", "prefetch"}
         if blockmm.isa() == "avx512vnni" and blockmm.amx_usable():
-            took = found.pop("amx")
-            assert tuple(took) == blockmm.AMX_WIDTHS and min(min(pair) for pair in took.values()) > 0
-            wins = [rows for rows in took if all(took[w][0] < took[w][1] for w in took if w >= rows)]
-            assert blockmm.amx_rows() == (wins[0] if wins else 0)
+            amx = found.pop("amx")
+            assert set(amx) == {"Q4_K", "Q6_K"}  # the K types among the matrices
+            for kind, took in amx.items():
+                assert tuple(took) == blockmm.AMX_WIDTHS and min(min(pair) for pair in took.values()) > 0
+                wins = [rows for rows in took if all(took[w][0] < took[w][1] for w in took if w >= rows)]
+                assert blockmm.amx_rows()[kind] == (wins[0] if wins else 0)
         else:
-            assert "amx" not in found and blockmm.amx_rows() == 0
+            assert "amx" not in found and set(blockmm.amx_rows().values()) == {0}
         took = found["prefetch"][1]
         assert len(took) == len(blockmm.PREFETCH_CANDIDATES) and min(took) > 0
         fastest = min(range(len(took)), key=lambda i: (took[i], i))
@@ -351,14 +353,14 @@ def test_amx_tiles_give_the_reference_bits(kind):
         for rows in (16, 37, 64):
             raw = random_blocks(kind, rows, K, seed=rows)
             want = reference.matmul(x, raw, kind)
-            blockmm.set_amx_rows(1)
-            assert blockmm.amx_rows() == 1
-            assert "AMX tiles from 1 rows" in blockmm.paths_in_use([kind])
+            blockmm.set_amx_rows(1, kind)
+            assert blockmm.amx_rows()[kind] == 1
+            assert f"AMX tiles for {kind} from 1 rows" in blockmm.paths_in_use([kind])
             for M in (1, 2, 3, 8, 15, 16, 17, 33, 40):
                 for threads in (1, 2, 3):
                     got = blockmm.matmul(x[:M], raw, kind, threads=threads)
                     assert torch.equal(got, want[:M]), (kind, rows, M, threads)
-            blockmm.set_amx_rows(9)  # narrower products stay on the AVX paths: the same bits
+            blockmm.set_amx_rows(9, kind)  # narrower products stay on the AVX paths: the same bits
             assert torch.equal(blockmm.matmul(x[:8], raw, kind), want[:8])
     finally:
         blockmm.set_amx_rows(0)
@@ -369,11 +371,14 @@ def test_amx_tiles_give_the_reference_bits(kind):
 def test_set_amx_rows_takes_the_tiles_only_where_they_exist():
     with pytest.raises(ValueError, match="takes 0 .off. or the fewest rows"):
         blockmm.set_amx_rows(-1)
+    with pytest.raises(ValueError, match="the AMX tiles take the K types"):
+        blockmm.set_amx_rows(8, "Q8_0")
     if blockmm.amx_usable():
-        blockmm.set_amx_rows(8)
-        assert blockmm.amx_rows() == 8
+        blockmm.set_amx_rows(8, "Q6_K")
+        assert blockmm.amx_rows() == {"Q4_K": 0, "Q5_K": 0, "Q6_K": 8}
+        assert blockmm.paths_in_use(["Q4_K", "Q6_K"])[-1] == "AMX tiles for Q6_K from 8 rows"
         blockmm.set_amx_rows(0)
     else:
         with pytest.raises(ValueError, match="no AMX-INT8 tiles"):
             blockmm.set_amx_rows(8)
-    assert blockmm.amx_rows() == 0
+    assert set(blockmm.amx_rows().values()) == {0}

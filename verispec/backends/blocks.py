@@ -265,10 +265,11 @@ def _choose_paths(model: nn.Module) -> None:
         took, = found.pop("wide").values()
         log.info("block kernel, 4 + 8 rows: %s a pass (%s kept)", ", ".join(
             f"{name} {ms:.1f} ms" for name, ms in zip(blockmm.WIDE_CANDIDATES, took)), blockmm.wide_isa())
-    if "amx" in found:
-        log.info("block kernel, AMX tiles for the K types: %s (%s)", "; ".join(
-            f"{rows} rows {on:.1f} ms against {off:.1f}" for rows, (on, off) in found.pop("amx").items()),
-            f"kept from {blockmm.amx_rows()} rows" if blockmm.amx_rows() else "not kept")
+    for kind, timed in found.pop("amx", {}).items():
+        kept = blockmm.amx_rows()[kind]
+        log.info("block kernel, %s on AMX tiles: %s (%s)", kind, "; ".join(
+            f"{rows} rows {on:.1f} ms against {off:.1f}" for rows, (on, off) in timed.items()),
+            f"kept from {kept} rows" if kept else "not kept")
     for kind, widths in found.items():
         log.info("block kernel, %s: %s", kind, "; ".join(
             f"{rows} rows: tiles {a:.1f} ms, buffered path {b:.1f} ms a pass" if rows > 2 else

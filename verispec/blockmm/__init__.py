@@ -113,18 +113,20 @@ def amx_usable() -> bool:
     return _native.amx_usable()
 
 
-def amx_rows() -> int:
-    """The fewest rows at which Q4_K / Q5_K / Q6_K products take the AMX tiles (0: never, the default until
-    ``choose_paths`` times them on a model's matrices)."""
+def amx_rows() -> dict[str, int]:
+    """Per K type (Q4_K, Q5_K, Q6_K), the fewest rows at which its products take the AMX tiles (0: never, the default
+    until ``choose_paths`` times them on a model's matrices)."""
     _require()
-    return _native.amx_rows()
+    return {kind: _native.amx_rows(block_type(kind).ggml_id) for kind in K_TYPES}
 
 
-def set_amx_rows(rows: int) -> None:
-    """K-type products of ``rows`` or more rows on the AMX tiles (0: never). Speed only: the tiles compute the other
-    paths' bits (whole-super-block integers, the same float steps). ValueError where ``amx_usable()`` is false."""
+def set_amx_rows(rows: int, kind: str | None = None) -> None:
+    """Products of ``rows`` or more rows of ``kind`` (every K type if None) on the AMX tiles (0: never). Speed only:
+    the tiles compute the other paths' bits (whole-super-block integers, the same float steps). ValueError where
+    ``amx_usable()`` is false, or for a type the tiles do not take."""
     _require()
-    _native.set_amx_rows(int(rows))
+    for name in K_TYPES if kind is None else (kind,):
+        _native.set_amx_rows(block_type(name).ggml_id, int(rows))
 
 
 _threads: int | None = None
@@ -271,8 +273,10 @@ def paths_in_use(kinds) -> list[str]:
         named.append(f"prefetching {prefetch()} B ahead" if prefetch() else "no prefetching")
     if wide_isa() != isa():
         named.append(f"{wide_isa()} past 2 rows")
-    if amx_rows() and isa() == "avx512vnni" and any(kind in K_TYPES for kind in kinds):
-        named.append(f"AMX tiles from {amx_rows()} rows")
+    tiles = amx_rows() if isa() == "avx512vnni" else {}
+    on = [f"{kind} from {tiles[kind]} rows" for kind in sorted(kinds) if tiles.get(kind)]
+    if on:
+        named.append(f"AMX tiles for {', '.join(on)}")
     return named
 
 
@@ -306,9 +310,9 @@ def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[in
     (docs/kernels.md); every path computes the same bits. Returns {type: {rows: (first path's ms, second's)}}: for 1
     and 2 rows the one-row path and the other, for Q6_K's 8 the tiles and the buffered path; under "prefetch" {1: (ms
     at each of PREFETCH_CANDIDATES)}; under "wide" {8: (ms on each of WIDE_CANDIDATES)} where timed; on CPUs with
-    AMX-INT8, under "amx" {rows: (ms on the tiles, ms without)} for the K types at each of ``AMX_WIDTHS``, and the
-    tiles kept from the narrowest of those widths from which they win at every wider one (``set_amx_rows``); medians
-    of interleaved rounds; ties go to the earlier candidate (the AVX paths, for the tiles)."""
+    AMX-INT8, under "amx" {type: {rows: (ms on the tiles, ms without)}} per K type at each of ``AMX_WIDTHS``, and a
+    type's tiles kept from the narrowest of those widths from which they win at every wider one (``set_amx_rows``);
+    medians of interleaved rounds; ties go to the earlier candidate (the AVX paths, for the tiles)."""
     _require()
     set_wide_isa(isa())  # every width on one set while the other paths are timed (a model loaded before may have
     # put wide products on AVX2, where the Q6_K tiles setting below changes nothing)
@@ -336,17 +340,20 @@ def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[in
         took = [_time_rounds(WIDE_CANDIDATES, set_wide_isa, matrices, rows, rounds) for rows in (4, 8)]
         found["wide"] = {8: tuple(sum(t[name] for t in took) for name in WIDE_CANDIDATES)}
         set_wide_isa(min(WIDE_CANDIDATES, key=lambda name: sum(t[name] for t in took)))  # ties: the first
-    # every fourth K-type matrix of a big model (the types' mix kept): the four widths take ~5 s on all of the 1.5B's
-    k_matrices = [m for m in matrices if m.type.name in K_TYPES]
-    k_matrices = k_matrices[::4] if len(k_matrices) >= 32 else k_matrices
-    if k_matrices and isa() == "avx512vnni" and amx_usable():
-        found["amx"] = {}
-        for rows in AMX_WIDTHS:  # the tiles against the wide set just chosen
-            took = _time_rounds((1, 0), set_amx_rows, k_matrices, rows, rounds)
-            found["amx"][rows] = (took[1], took[0])
-        wins = [rows for rows in AMX_WIDTHS if all(found["amx"][w][0] < found["amx"][w][1]
-                                                     for w in AMX_WIDTHS if w >= rows)]
-        set_amx_rows(wins[0] if wins else 0)
+    if isa() == "avx512vnni" and amx_usable():
+        set_amx_rows(0)
+        for kind in K_TYPES:  # each K type's tiles against the wide set just chosen
+            mine = [m for m in matrices if m.type.name == kind]
+            mine = mine[::4] if len(mine) >= 32 else mine  # a big model's every fourth: ~5 s on all of the 1.5B's
+            if not mine:
+                continue
+            timed = {}
+            for rows in AMX_WIDTHS:
+                took = _time_rounds((1, 0), lambda on: set_amx_rows(on, kind), mine, rows, rounds)
+                timed[rows] = (took[1], took[0])
+            found.setdefault("amx", {})[kind] = timed
+            wins = [rows for rows in AMX_WIDTHS if all(timed[w][0] < timed[w][1] for w in AMX_WIDTHS if w >= rows)]
+            set_amx_rows(wins[0] if wins else 0, kind)
     return found
 
 

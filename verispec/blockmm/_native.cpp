@@ -373,7 +373,7 @@ inline int one_row_max(int kind) { return g_one_row[kind & 15]; }
 // faster on a Zen 5); chosen per CPU the same way (blockmm.choose_paths).
 int g_q6k_tiles = 0;
 // super-blocks ahead that the AMX path requests each of its 16 rows' weights (amx_body.inc); VERISPEC_AMX_AHEAD
-int g_amx_ahead = 4;
+int g_amx_ahead = 1;
 
 typedef float vs_f8 __attribute__((vector_size(32)));  // eight float lanes (attend_body.inc)
 typedef int32_t vs_i8 __attribute__((vector_size(32)));
@@ -468,7 +468,7 @@ bool detect_amx() {
 int g_best = -1;
 int g_isa = -1;
 int g_amx = -1;       // -1: not probed; 0: not usable here; 1: usable
-int g_amx_rows = 0;   // K-type products of at least this many rows take the AMX tiles (0: none); set_amx_rows
+int g_amx_rows[16] = {0};  // per block type: products of at least this many rows take the AMX tiles (0: none)
 // The instruction set of products over 3 or more activation rows (-1: g_isa's). On a Zen 4 (AVX-512 double-pumped on
 // 256-bit units) the AVX2 tiles beat the AVX-512 ones there; the paths compute the same bits, so the faster is kept.
 int g_wide_isa = -1;
@@ -599,7 +599,7 @@ void matmul(int kind, const float* x, const uint8_t* W, float* y, int M, int N, 
 #endif
     quantize_rows(&p, x, qx.data(), dx.data(), sx.data(), bsum.data(), span);
 #if VS_X86
-    const bool amx = g_amx == 1 && g_amx_rows > 0 && M >= g_amx_rows && is_k(kind) && g_isa == ISA_VNNI;
+    const bool amx = g_amx == 1 && is_k(kind) && g_amx_rows[kind & 15] > 0 && M >= g_amx_rows[kind & 15] && g_isa == ISA_VNNI;
 #else
     const bool amx = false;
 #endif
@@ -889,11 +889,19 @@ bool amx_usable() {
 
 PyObject* py_amx_usable(PyObject*, PyObject*) { return PyBool_FromLong(amx_usable()); }
 
-PyObject* py_amx_rows(PyObject*, PyObject*) { return PyLong_FromLong(g_amx_rows); }
+PyObject* py_amx_rows(PyObject*, PyObject* args) {
+    int kind;
+    if (!PyArg_ParseTuple(args, "i", &kind)) return nullptr;
+    return PyLong_FromLong(is_k(kind) ? g_amx_rows[kind & 15] : 0);
+}
 
 PyObject* py_set_amx_rows(PyObject*, PyObject* args) {
-    int rows;
-    if (!PyArg_ParseTuple(args, "i", &rows)) return nullptr;
+    int kind, rows;
+    if (!PyArg_ParseTuple(args, "ii", &kind, &rows)) return nullptr;
+    if (!is_k(kind)) {
+        PyErr_Format(PyExc_ValueError, "the AMX tiles take the K types (Q4_K, Q5_K, Q6_K), not block type %d", kind);
+        return nullptr;
+    }
     if (rows < 0) {
         PyErr_Format(PyExc_ValueError, "set_amx_rows takes 0 (off) or the fewest rows a product takes the tiles at, not %d",
                      rows);
@@ -904,7 +912,7 @@ PyObject* py_set_amx_rows(PyObject*, PyObject* args) {
                                           "Linux 5.16 or later): the AVX paths compute the same bits");
         return nullptr;
     }
-    g_amx_rows = rows;
+    g_amx_rows[kind & 15] = rows;
     Py_RETURN_NONE;
 }
 
@@ -979,9 +987,9 @@ PyMethodDef METHODS[] = {
     {"wide_isa", py_wide_isa, METH_NOARGS, "the instruction set of products over 3 or more rows"},
     {"set_wide_isa", py_set_wide_isa, METH_VARARGS, "the instruction set of products over 3 or more rows"},
     {"amx_usable", py_amx_usable, METH_NOARGS, "whether this CPU and OS let the kernel use AMX-INT8 tiles"},
-    {"amx_rows", py_amx_rows, METH_NOARGS, "the fewest rows at which K-type products take the AMX tiles (0: never)"},
+    {"amx_rows", py_amx_rows, METH_VARARGS, "amx_rows(kind): the fewest rows at which its products take the AMX tiles"},
     {"set_amx_rows", py_set_amx_rows, METH_VARARGS,
-     "set_amx_rows(rows): K-type products of at least rows rows take the AMX tiles (0: never)"},
+     "set_amx_rows(kind, rows): a K type's products of at least rows rows take the AMX tiles (0: never)"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef MODULE = {PyModuleDef_HEAD_INIT, "_native", "GGUF block matmul kernels", -1, METHODS};
