@@ -2,9 +2,8 @@
 // Rapids VM ... 2026-12-04"): a Q4_K-shaped product y = x W^T at M = 1..16 rows, with each 32-weight chunk's integer
 // dot taken whole by a tile product (tdpbsud: the activations' signed bytes times the weights' unsigned nibbles),
 // then multiplied by its integer sub-scale and summed per 256-weight super-block in int32 (with the minimums' term),
-// then one float step per super-block. This is NOT the block kernel's arithmetic (that keeps eight byte-position lanes
-// per super-block, which tile products cannot reproduce): it measures the rate a reference with whole-chunk sums would
-// allow. Weights are held repacked for the tiles (the same nibbles in another order, the file's size), read once per
+// then one float step per super-block: the arithmetic the block kernel took on 2026-12-04 (its AMX path,
+// verispec/blockmm/amx_body.inc, unpacks the file's own blocks instead). Weights are held repacked for the tiles (the same nibbles in another order, the file's size), read once per
 // call; matrices small enough to stay in the caches, one thread; checked against a scalar computation first. A
 // super-block's eight chunks are unpacked first, then multiplied four C tiles a round (a first version with one tile
 // product a chunk, stored and read back at once, ran 8 rows at ~80 GMAC/s against ~110 for this one).
