@@ -341,7 +341,7 @@ def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[in
         found["wide"] = {8: tuple(sum(t[name] for t in took) for name in WIDE_CANDIDATES)}
         set_wide_isa(min(WIDE_CANDIDATES, key=lambda name: sum(t[name] for t in took)))  # ties: the first
     if isa() == "avx512vnni" and amx_usable():
-        set_amx_rows(0)
+        set_amx_rows(0)  # every type off while another's tiles are timed
         for kind in K_TYPES:  # each K type's tiles against the wide set just chosen
             mine = [m for m in matrices if m.type.name == kind]
             mine = mine[::4] if len(mine) >= 32 else mine  # a big model's every fourth: ~5 s on all of the 1.5B's
