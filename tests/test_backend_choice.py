@@ -62,6 +62,31 @@ def test_without_a_timing_auto_estimates_and_prepares_nothing(tmp_path, monkeypa
     assert not (tmp_path / "measurements").exists()  # an estimate is not stored
 
 
+# bytes per tensor type in the built-in files (their GGUF headers, ``references.gguf_type_bytes``)
+BUILTIN_MIXES = {
+    "smollm2-135m": {"Q8_0": 30081024, "F32": 140544, "Q4_1": 66355200},
+    "gemma3-270m": {"F32": 223744, "Q8_0": 179824640, "Q5_0": 43591680, "Q4_K": 13271040, "Q6_K": 9676800},
+    "qwen2.5-coder-0.5b": {"Q8_0": 146105344, "Q5_0": 266742784, "F32": 286208, "Q6_K": 42900480,
+                           "Q4_K": 29417472},
+    "qwen2.5-coder-1.5b": {"Q6_K": 354009600, "Q4_K": 756781056, "F32": 579584},
+}
+
+
+@pytest.mark.parametrize("ref, expected", [("smollm2-135m", "llamacpp"), ("gemma3-270m", "llamacpp"),
+                                           ("qwen2.5-coder-0.5b", "llamacpp"), ("qwen2.5-coder-1.5b", "blocks")])
+def test_the_blocks_kernel_is_the_quick_choice_where_its_block_types_make_wide_passes_cheap(ref, expected, tmp_path,
+                                                                                             monkeypatch):
+    """Untimed, blocks and llama.cpp are weighed by their declared costs of the file: the kernel's K-type passes of
+    several tokens cost far less than llama.cpp's (the 1.5B: Q4_K and Q6_K only), its 32-weight types' do not yet (the
+    smaller files, mostly Q8_0, Q5_0, Q4_1), so only the 1.5B starts on blocks (docs/kernels.md)."""
+    monkeypatch.setenv("VERISPEC_COST_CACHE", str(tmp_path / "measurements"))
+    monkeypatch.setattr(choice, "installed", lambda backend: backend in ("blocks", "llamacpp", "transformers"))
+    monkeypatch.setattr(choice, "gguf_type_bytes", lambda r: BUILTIN_MIXES[r])
+    picked = choice.choose(ref, lambda *a, **k: pytest.fail("nothing is prepared to choose"))
+    assert picked.backend == expected and "not timed" in picked.reason
+    assert "blocks" in picked.reason and "llamacpp" in picked.reason
+
+
 def test_the_estimate_is_scaled_by_the_nearest_model_timed_here(tmp_path, monkeypatch):
     """Timings of a similar file on this CPU turn each engine's declared cost into ms: an engine that the declared
     costs rank first but that ran slower a byte here loses."""
@@ -123,11 +148,11 @@ def test_the_faster_engine_wins_whichever_it_is(tiny_dir, tmp_path, monkeypatch)
 def test_only_engines_that_run_the_model_are_candidates(tiny_dir, monkeypatch):
     monkeypatch.setattr(choice, "installed", lambda backend: True)
     assert choice.candidates(str(tiny_dir)) == ["openvino", "transformers"]  # a folder: no GGUF for llama.cpp
-    assert choice.candidates("smollm2-135m") == ["openvino", "llamacpp", "transformers"]
+    assert choice.candidates("smollm2-135m") == ["openvino", "llamacpp", "blocks", "transformers"]
     assert choice.candidates("someone/some-model") == ["transformers"]  # a hub id: OpenVINO exports local models
     monkeypatch.setattr(choice, "installed", lambda backend: backend == "transformers")
     picked = choice.choose("smollm2-135m", fake_load)
-    assert picked.backend == "transformers" and "not installed: openvino, llamacpp" in picked.reason
+    assert picked.backend == "transformers" and "not installed: openvino, llamacpp, blocks" in picked.reason
 
 
 @pytest.mark.parametrize("options, backend", [(dict(dtype="bfloat16"), "transformers"),

@@ -156,7 +156,7 @@ def test_the_readme_command_runs_on_the_engine_auto_chooses_and_says_which(tmp_p
     assert main(["models", "--time", DEFAULT_MODEL]) == 0
     (record,) = (tmp_path / "measurements").glob("backend-auto-*.json")
     value = json.loads(record.read_text())["value"]
-    assert set(value["timings_ms"]) == {"openvino", "llamacpp", "transformers"}  # CI installs every engine
+    assert set(value["timings_ms"]) == {"blocks", "openvino", "llamacpp", "transformers"}  # CI installs every engine
     score = {name: auto_score(ms) for name, ms in value["timings_ms"].items()}
     assert score[quick] <= 1.10 * min(score.values()), (quick, score)
     capsys.readouterr()

@@ -278,14 +278,31 @@ def _choose_paths(model: nn.Module) -> None:
             for rows, (a, b) in widths.items()))
 
 
+# --backend auto's estimate of a pass before anything is timed, in the unit llama.cpp declares (the bytes a pass reads;
+# backends.choice): each block type's bytes times its PER_BYTE (the timed score a byte against llama.cpp's: the K types'
+# wide passes are cheap, the 32-weight types' are not yet), float32 bytes for matrices the kernel does not multiply,
+# plus PASS_BYTES (the work of a pass that does not grow with the weights). Fitted to the built-in files' timed
+# scores: experiments/auto_scores.py, docs/kernels.md ("--backend auto weighs the blocks backend").
+PER_BYTE = {**{kind: 1.2 for kind in blockmm.TYPES}, **{kind: 0.63 for kind in blockmm.K_TYPES}}
+PASS_BYTES = 15e6
+
+
+def declared_cost(mix) -> float:
+    """What ``--backend auto`` estimates a pass on a file holding ``mix`` (bytes per GGUF tensor type) costs here,
+    before timing anything, in llama.cpp's unit."""
+    from .references import float32_bytes
+
+    return PASS_BYTES + sum(size * PER_BYTE[kind] if kind in PER_BYTE else float32_bytes({kind: size})
+                            for kind, size in mix.items())
+
+
 register(BackendSpec(
     "blocks",
     summary="verispec's native kernel on the GGUF file's own quantized blocks (row-invariant; attention in float32)",
     load=load,
     installed=blockmm.available,
     runs_own_weights=is_gguf,
-    # not yet timed by --backend auto: its one-token pass is slower than llama.cpp's (docs/kernels.md, "The block
-    # kernel"), so timing it would only lengthen every first start (issue 82)
-    auto=False,
+    preference=0.5,  # a tie goes to llama.cpp (faster to load), not to transformers (4x the memory)
+    cost=declared_cost,
     options=(Option("threads", int, None, "the kernel's threads (default: the cores this process may use)"),),
 ))

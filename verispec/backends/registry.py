@@ -49,7 +49,7 @@ class BackendSpec:
     install: str = ""
     installed: Callable[[], bool] = lambda: True
     runs_own_weights: Callable[[str], bool] = lambda ref: True
-    preference: int = 0
+    preference: float = 0
     auto: bool = True
     # The declared cost model ``--backend auto`` chooses by before anything is prepared: the relative cost of one
     # pass from the bytes a GGUF file holds per tensor type ({"Q4_K": bytes, ...}); None: not estimated.
