@@ -1,6 +1,7 @@
 """Race the servers a CPU user would choose between, through the same OpenAI API, at several loads.
 
     python experiments/race_servers.py --out runs/DATE-race [--levels 1,4,8] [--requests 16] [--llama-server PATH]
+                                       [--groups mt_bench,translation,...]
 
 Starts, on the built-in model and the same GGUF file, all on loopback with the same thread count:
 
@@ -12,7 +13,8 @@ Starts, on the built-in model and the same GGUF file, all on loopback with the s
   model's own weights) and the default drafter (suffix);
 
 then, for every level, runs ``verispec bench-serve`` against each server in turn (rotating the order each round,
-so a slow spell of a shared machine hits all servers of a level alike). Writes each bench-serve folder,
+so a slow spell of a shared machine hits all servers of a level alike); with ``--groups``, every level once per group
+(``--categories G`` added to the bench arguments; the servers started once). Writes each bench-serve folder,
 ``table.md`` (output tokens/s per level and server, each server's ratio to plain llama-server, TPOT P50, errors)
 and ``table.json``.
 """
@@ -64,6 +66,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--llama-server", help="llama-server binary (default: found as verispec bench finds it)")
     ap.add_argument("--verispec-args", default="", help="more options for both verispec servers")
+    ap.add_argument("--groups", default="", help="Spec-Bench groups or categories to race one at a time at every "
+                                                 "level (default: the prompts as bench-args select them, together)")
     ap.add_argument("--bench-args", default="", help="more options for bench-serve, e.g. \"--limit 3\" (3 questions "
                                                     "of each Spec-Bench group instead of the first ones)")
     args = ap.parse_args()
@@ -83,19 +87,22 @@ def main() -> int:
         for name in names:
             servers[name] = start(name, args, max(levels), gguf, binary)
             print(f"{name}: {servers[name].url}", file=sys.stderr, flush=True)
+        groups = args.groups.split(",") if args.groups else [None]
         for r in range(args.rounds):
             order = names[r % len(names):] + names[:r % len(names)]
-            for level in levels:
+            for group, level in [(g, level) for g in groups for level in levels]:
+                row = f"{level} ({group})" if group else level
+                extra = shlex.split(args.bench_args) + (["--categories", group] if group else [])
                 for name in order:
                     t0 = time.perf_counter()
-                    folder = f"{name.replace(' ', '-')}-c{level}" + (f"-r{r}" if args.rounds > 1 else "")
-                    summary = bench(servers[name].url, level, args.requests, args.max_tokens, args.out / folder,
-                                    shlex.split(args.bench_args))
+                    folder = (f"{name.replace(' ', '-')}-c{level}" + (f"-{group}" if group else "")
+                              + (f"-r{r}" if args.rounds > 1 else ""))
+                    summary = bench(servers[name].url, level, args.requests, args.max_tokens, args.out / folder, extra)
                     summary["round"] = r
-                    rows.setdefault(level, {}).setdefault(name, []).append(summary)
-                    print(f"round {r} c={level} {name}: {summary.get('output_tokens_per_second')} tok/s, "
-                          f"{summary.get('errors')} errors ({time.perf_counter() - t0:.0f} s)", file=sys.stderr,
-                          flush=True)
+                    rows.setdefault(row, {}).setdefault(name, []).append(summary)
+                    print(f"round {r} c={level} {group or ''} {name}: {summary.get('output_tokens_per_second')} "
+                          f"tok/s, {summary.get('errors')} errors ({time.perf_counter() - t0:.0f} s)",
+                          file=sys.stderr, flush=True)
                     (args.out / "table.json").write_text(json.dumps(rows, indent=2))
     finally:
         for s in servers.values():
@@ -115,7 +122,7 @@ def write_table(rows: dict, names: list[str], args, gguf: Path, binary: Path) ->
             + " | ".join(f"{n} / {ref}" for n in names[1:]) + " | " + " | ".join(f"{n} TPOT P50 ms" for n in names)
             + " | errors |")
     lines = [head, "|" + "---|" * (3 * len(names) + 1)]
-    for level, by in sorted(rows.items()):
+    for level, by in rows.items():  # in the order raced
         tps = {n: _median([x.get("output_tokens_per_second") for x in by.get(n, [])]) for n in names}
         cells = [f"{tps[n]:.1f}" if tps[n] else "" for n in names]
         ratios = [f"{tps[n] / tps[ref]:.2f}x" if tps[n] and tps[ref] else "" for n in names[1:]]
@@ -125,7 +132,8 @@ def write_table(rows: dict, names: list[str], args, gguf: Path, binary: Path) ->
     text = "\n".join(lines) + "\n"
     command = (f"python experiments/race_servers.py --out {args.out} --levels {args.levels} --requests {args.requests} "
                f"--max-tokens {args.max_tokens} --rounds {args.rounds} --servers {shlex.quote(args.servers)}"
-               + (f" --bench-args {shlex.quote(args.bench_args)}" if args.bench_args else ""))
+               + (f" --bench-args {shlex.quote(args.bench_args)}" if args.bench_args else "")
+               + (f" --groups {args.groups}" if args.groups else ""))
     (args.out / "table.md").write_text(f"{machine_line()}\n\nModel file {gguf.name}; llama-server {binary}\n\n"
                                        f"`{command}`\n\n" + text)
     print(text)
