@@ -5,6 +5,7 @@ options only one backend takes decide it without timing; the command line says w
 GGUF files the quick choice is the timed one."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -69,19 +70,24 @@ BUILTIN_MIXES = {
     "qwen2.5-coder-0.5b": {"Q8_0": 146105344, "Q5_0": 266742784, "F32": 286208, "Q6_K": 42900480,
                            "Q4_K": 29417472},
     "qwen2.5-coder-1.5b": {"Q6_K": 354009600, "Q4_K": 756781056, "F32": 579584},
+    "f16-matrices.gguf": {"F16": 270000000, "F32": 140544},
 }
 
 
-@pytest.mark.parametrize("ref, expected", [("smollm2-135m", "llamacpp"), ("gemma3-270m", "llamacpp"),
-                                           ("qwen2.5-coder-0.5b", "llamacpp"), ("qwen2.5-coder-1.5b", "blocks")])
-def test_the_blocks_kernel_is_the_quick_choice_where_its_block_types_make_wide_passes_cheap(ref, expected, tmp_path,
-                                                                                             monkeypatch):
-    """Untimed, blocks and llama.cpp are weighed by their declared costs of the file: the kernel's K-type passes of
-    several tokens cost far less than llama.cpp's (the 1.5B: Q4_K and Q6_K only), its 32-weight types' do not yet (the
-    smaller files, mostly Q8_0, Q5_0, Q4_1), so only the 1.5B starts on blocks (docs/kernels.md)."""
+@pytest.mark.parametrize("ref, expected", [("smollm2-135m", "blocks"), ("gemma3-270m", "blocks"),
+                                           ("qwen2.5-coder-0.5b", "blocks"), ("qwen2.5-coder-1.5b", "blocks"),
+                                           ("f16-matrices.gguf", "llamacpp")])
+def test_the_blocks_kernel_is_the_quick_choice_where_it_multiplies_the_files_blocks(ref, expected, tmp_path,
+                                                                                    monkeypatch):
+    """Untimed, blocks and llama.cpp are weighed by their declared costs of the file: the kernel's passes of several
+    tokens cost less than llama.cpp's on the block types it multiplies (every built-in file's), so those start on
+    blocks; a file of F16 matrices, which it would hold in float32, starts on llama.cpp (docs/kernels.md)."""
     monkeypatch.setenv("VERISPEC_COST_CACHE", str(tmp_path / "measurements"))
     monkeypatch.setattr(choice, "installed", lambda backend: backend in ("blocks", "llamacpp", "transformers"))
-    monkeypatch.setattr(choice, "gguf_type_bytes", lambda r: BUILTIN_MIXES[r])
+    monkeypatch.setattr(choice, "gguf_type_bytes", lambda r: BUILTIN_MIXES[Path(r).name])
+    if ref.endswith(".gguf"):  # a file of the user's: the engines that run a file's blocks take an existing one
+        (tmp_path / ref).write_bytes(b"")
+        ref = str(tmp_path / ref)
     picked = choice.choose(ref, lambda *a, **k: pytest.fail("nothing is prepared to choose"))
     assert picked.backend == expected and "not timed" in picked.reason
     assert "blocks" in picked.reason and "llamacpp" in picked.reason

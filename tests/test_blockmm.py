@@ -91,12 +91,12 @@ def test_rows_invariant(kind):
 
 @pytest.mark.parametrize("kind", list(TYPES))
 def test_the_one_row_path_and_the_others_give_the_same_bits(kind):
-    """One and two rows on the one-weight-row path or on the tiles / buffered path (what ``choose_paths`` picks
-    between per CPU): the reference's bits, on every instruction set this CPU has (K: a tail group for 32-weight
-    types)."""
+    """One row up to one past the one-weight-row path's most (K types 2, 32-weight types 16) on that path or on the
+    tiles / buffered path (what ``choose_paths`` picks between per CPU): the reference's bits, on every instruction set
+    this CPU has (K: a tail group for 32-weight types)."""
     K = 576 if TYPES[kind].weights == 32 else 512
     raw = random_blocks(kind, 23, K, seed=11)
-    x = activations(2, K, seed=13)
+    x = activations(blockmm.ONE_ROW_MOST[kind] + 1, K, seed=13)
     want = reference.matmul(x, raw, kind)
     before, best, ahead = blockmm.one_row_limits()[kind], blockmm.best_isa(), blockmm.prefetch()
     try:
@@ -110,8 +110,8 @@ def test_the_one_row_path_and_the_others_give_the_same_bits(kind):
                 assert blockmm.one_row_limits()[kind] == limit
                 for nbytes in {0, 64, *blockmm.PREFETCH_CANDIDATES}:  # requesting weights ahead changes no bit
                     blockmm.set_prefetch(nbytes)
-                    assert torch.equal(blockmm.matmul(x[:1], raw, kind), want[:1]), (name, limit, nbytes)
-                    assert torch.equal(blockmm.matmul(x, raw, kind), want), (name, limit, nbytes)
+                    for rows in range(1, len(x) + 1):
+                        assert torch.equal(blockmm.matmul(x[:rows], raw, kind), want[:rows]), (name, limit, nbytes, rows)
     finally:
         blockmm.set_one_row_limit(kind, before)
         blockmm.set_isa(best)
@@ -207,15 +207,13 @@ def test_choose_paths_times_both_paths_per_k_type_and_keeps_the_faster():
         assert len(took) == len(blockmm.PREFETCH_CANDIDATES) and min(took) > 0
         fastest = min(range(len(took)), key=lambda i: (took[i], i))
         assert blockmm.prefetch() == blockmm.PREFETCH_CANDIDATES[fastest]
-        for kind in ("Q4_K", "Q6_K"):
-            (one1, tiles1), (one2, tiles2) = found[kind][1], found[kind][2]
-            assert min(one1, tiles1, one2, tiles2) > 0
-            want = 2 if one1 <= tiles1 and one2 <= tiles2 else 1 if one1 <= tiles1 else 0
+        for kind in ("Q4_K", "Q6_K", "Q4_0", "Q8_0"):  # kept up to the widest width up to which it wins at every one
+            timed = [rows for rows in blockmm.ONE_ROW_TIMED if rows <= blockmm.ONE_ROW_MOST[kind]]
+            assert set(found[kind]) - ({8} if kind == "Q6_K" else set()) == set(timed)
+            assert min(min(found[kind][rows]) for rows in timed) > 0
+            losing = [rows for rows in timed if found[kind][rows][0] > found[kind][rows][1]]
+            want = max([0] + [rows for rows in timed if not losing or rows < losing[0]])
             assert blockmm.one_row_limits()[kind] == want
-        for kind in ("Q4_0", "Q8_0"):
-            assert set(found[kind]) == {1}
-            one, buffered = found[kind][1]
-            assert blockmm.one_row_limits()[kind] == (1 if one <= buffered else 0)
         if blockmm.isa() == "avx512vnni":
             tiles, buffered = found["Q6_K"][8]
             assert blockmm.q6k_tiles() == (tiles < buffered)
@@ -237,8 +235,8 @@ def test_choose_paths_times_both_paths_per_k_type_and_keeps_the_faster():
         blockmm.set_prefetch(-1)
     with pytest.raises(ValueError, match="F16 has no one-row path"):
         blockmm.set_one_row_limit("F16", 1)
-    with pytest.raises(ValueError, match="0..1 rows"):
-        blockmm.set_one_row_limit("Q4_0", 2)
+    with pytest.raises(ValueError, match="0..16 rows"):
+        blockmm.set_one_row_limit("Q4_0", 17)
     with pytest.raises(ValueError, match="0..2 rows"):
         blockmm.set_one_row_limit("Q4_K", 3)
 

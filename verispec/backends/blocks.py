@@ -272,19 +272,17 @@ def _choose_paths(model: nn.Module) -> None:
             f"kept from {kept} rows" if kept else "not kept")
     for kind, widths in found.items():
         log.info("block kernel, %s: %s", kind, "; ".join(
-            f"{rows} rows: tiles {a:.1f} ms, buffered path {b:.1f} ms a pass" if rows > 2 else
+            f"{rows} rows: tiles {a:.1f} ms, buffered path {b:.1f} ms a pass" if rows > blockmm.ONE_ROW_MOST[kind] else
             f"{rows} row{'s' if rows > 1 else ''}: one-row path {a:.1f} ms, "
             f"{'tiles' if kind in blockmm.K_TYPES else 'buffered path'} {b:.1f} ms a pass"
             for rows, (a, b) in widths.items()))
 
 
 # --backend auto's estimate of a pass before anything is timed, in the unit llama.cpp declares (the bytes a pass reads;
-# backends.choice): each block type's bytes times its PER_BYTE (the timed score a byte against llama.cpp's: the K types'
-# wide passes are cheap, the 32-weight types' are not yet), float32 bytes for matrices the kernel does not multiply,
-# plus PASS_BYTES (the work of a pass that does not grow with the weights). Fitted to the built-in files' timed
-# scores: experiments/auto_scores.py, docs/kernels.md ("--backend auto weighs the blocks backend").
-PER_BYTE = {**{kind: 1.2 for kind in blockmm.TYPES}, **{kind: 0.63 for kind in blockmm.K_TYPES}}
-PASS_BYTES = 15e6
+# backends.choice): each block type's bytes times its PER_BYTE (the timed score a byte against llama.cpp's, whose
+# passes of several tokens cost more), float32 bytes for matrices the kernel does not multiply. Fitted to the built-in
+# files' timed scores: experiments/auto_scores.py, docs/kernels.md ("--backend auto weighs the blocks backend").
+PER_BYTE = {**{kind: 0.8 for kind in blockmm.TYPES}, **{kind: 0.63 for kind in blockmm.K_TYPES}}
 
 
 def declared_cost(mix) -> float:
@@ -292,8 +290,7 @@ def declared_cost(mix) -> float:
     before timing anything, in llama.cpp's unit."""
     from .references import float32_bytes
 
-    return PASS_BYTES + sum(size * PER_BYTE[kind] if kind in PER_BYTE else float32_bytes({kind: size})
-                            for kind, size in mix.items())
+    return sum(size * PER_BYTE[kind] if kind in PER_BYTE else float32_bytes({kind: size}) for kind, size in mix.items())
 
 
 register(BackendSpec(

@@ -203,8 +203,9 @@ def matmul(x: torch.Tensor, blocks: torch.Tensor, kind: str | BlockType, threads
     return y.reshape(*lead, N)
 
 
-K_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # one-row path for 1-2 rows beside the tiles; the 32-weight types' for 1 row
-ONE_ROW_MOST = {"Q4_0": 1, "Q4_1": 1, "Q5_0": 1, "Q8_0": 1, "Q4_K": 2, "Q5_K": 2, "Q6_K": 2}
+K_TYPES = ("Q4_K", "Q5_K", "Q6_K")  # one-row path for 1-2 rows beside the tiles; the 32-weight types' for 1-16 rows
+ONE_ROW_MOST = {"Q4_0": 16, "Q4_1": 16, "Q5_0": 16, "Q8_0": 16, "Q4_K": 2, "Q5_K": 2, "Q6_K": 2}
+ONE_ROW_TIMED = (1, 2, 4, 8, 16)  # the widths choose_paths times the one-row path at (those up to a type's most)
 
 
 def one_row_limits() -> dict[str, int]:
@@ -302,13 +303,14 @@ AMX_WIDTHS = (4, 8, 16, 32)  # the widths choose_paths times the AMX tiles at
 
 def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[int, tuple[float, float]]]:
     """Time the kernel's interchangeable paths on ``matrices`` (a model's own) and keep the faster of each: per type,
-    the one-weight-row path against the tiles (K types, at 1 and 2 rows) or the buffered path (32-weight types, at 1
-    row; ``set_one_row_limit``), on AVX-512 Q6_K's
+    the one-weight-row path against the tiles (K types, at 1 and 2 rows) or the buffered path (32-weight types, at
+    ``ONE_ROW_TIMED`` up to 16 rows: each group decoded once per 8 rows; ``set_one_row_limit``, kept up to the widest
+    timed width up to which it wins at every timed width), on AVX-512 Q6_K's
     tiles against its buffered path at 8 rows (``set_q6k_tiles``), the one-row paths' software prefetching at each
     distance of ``PREFETCH_CANDIDATES`` (``set_prefetch``; 0: off), and on AVX-512 the code for products of 3 or more
     rows (``set_wide_isa``: ``WIDE_CANDIDATES``, timed at 4 and 8 rows together). Which wins depends on the CPU
     (docs/kernels.md); every path computes the same bits. Returns {type: {rows: (first path's ms, second's)}}: for 1
-    and 2 rows the one-row path and the other, for Q6_K's 8 the tiles and the buffered path; under "prefetch" {1: (ms
+    to ``ONE_ROW_MOST[type]`` rows (those of ``ONE_ROW_TIMED``) the one-row path and the other, for Q6_K's 8 the tiles and the buffered path; under "prefetch" {1: (ms
     at each of PREFETCH_CANDIDATES)}; under "wide" {8: (ms on each of WIDE_CANDIDATES)} where timed; on CPUs with
     AMX-INT8, under "amx" {type: {rows: (ms on the tiles, ms without)}} per K type at each of ``AMX_WIDTHS``, and a
     type's tiles kept from the narrowest of those widths from which they win at every wider one (``set_amx_rows``);
@@ -322,11 +324,16 @@ def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[in
         if not mine:
             continue
         found[kind] = {}
-        for rows in range(1, most + 1):  # limit `most`: passes up to it on the one-row path; 0: none
+        widths = [rows for rows in ONE_ROW_TIMED if rows <= most]
+        for rows in widths:  # limit `most`: passes up to it on the one-row path; 0: none
             took = _time_rounds((most, 0), lambda limit: set_one_row_limit(kind, limit), mine, rows, rounds)
             found[kind][rows] = (took[most], took[0])
-        one_row_wins = [found[kind][rows][0] <= found[kind][rows][1] for rows in range(1, most + 1)]
-        set_one_row_limit(kind, most if all(one_row_wins) else 1 if one_row_wins[0] else 0)
+        limit = 0  # the widest timed width up to which the one-row path wins at every timed width
+        for rows in widths:
+            if found[kind][rows][0] > found[kind][rows][1]:
+                break
+            limit = rows
+        set_one_row_limit(kind, limit)
         if kind == "Q6_K" and isa() == "avx512vnni":
             took = _time_rounds((True, False), set_q6k_tiles, mine, 8, rounds)
             found[kind][8] = (took[True], took[False])
