@@ -279,10 +279,13 @@ def _choose_paths(model: nn.Module) -> None:
 
 
 # --backend auto's estimate of a pass before anything is timed, in the unit llama.cpp declares (the bytes a pass reads;
-# backends.choice): each block type's bytes times its PER_BYTE (the timed score a byte against llama.cpp's, whose
-# passes of several tokens cost more), float32 bytes for matrices the kernel does not multiply. Fitted to the built-in
-# files' timed scores: experiments/auto_scores.py, docs/kernels.md ("--backend auto weighs the blocks backend").
-PER_BYTE = {**{kind: 0.8 for kind in blockmm.TYPES}, **{kind: 0.63 for kind in blockmm.K_TYPES}}
+# backends.choice): each block type's bytes times its factor (the timed score a byte against llama.cpp's, whose passes
+# of several tokens cost more), float32 bytes for matrices the kernel does not multiply. Fitted to the built-in files'
+# timed scores on a Sapphire Rapids: experiments/auto_scores.py, docs/kernels.md ("--backend auto weighs the blocks
+# backend"). The 32-weight types' factor is higher on CPUs with AMX, where OpenVINO ran the small Q4_1 / Q8_0 / Q5_0
+# files faster still (a tie then goes to it); elsewhere it tied llama.cpp on them (AMD EPYC Zen 3).
+K_PER_BYTE = 0.63
+PER_BYTE_32 = {"amx": 0.95, "other": 0.8}
 
 
 def declared_cost(mix) -> float:
@@ -290,7 +293,9 @@ def declared_cost(mix) -> float:
     before timing anything, in llama.cpp's unit."""
     from .references import float32_bytes
 
-    return sum(size * PER_BYTE[kind] if kind in PER_BYTE else float32_bytes({kind: size}) for kind, size in mix.items())
+    per_32 = PER_BYTE_32["amx" if blockmm.amx_usable() else "other"]
+    return sum(size * (K_PER_BYTE if kind in blockmm.K_TYPES else per_32) if kind in blockmm.TYPES
+               else float32_bytes({kind: size}) for kind, size in mix.items())
 
 
 register(BackendSpec(
