@@ -181,9 +181,13 @@ def test_unsupported_file_is_refused_by_name():
         on_blocks(model, GGUFRows(path=None), name="empty.gguf")
 
 
-def test_not_a_candidate_of_auto_until_it_pays():
+def test_a_candidate_of_auto_for_gguf_files_where_the_kernel_runs(tiny_dir, monkeypatch):
+    from verispec import blockmm
     from verispec.backends.choice import candidates
 
+    assert ("blocks" in candidates("smollm2-135m")) == blockmm.available()
+    assert "blocks" not in candidates(str(tiny_dir))  # a transformers folder: no file blocks to run
+    monkeypatch.setattr(blockmm, "available", lambda: False)  # a CPU without AVX2, or no native build
     assert "blocks" not in candidates("smollm2-135m")
 
 

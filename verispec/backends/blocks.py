@@ -302,7 +302,7 @@ register(BackendSpec(
     "blocks",
     summary="verispec's native kernel on the GGUF file's own quantized blocks (row-invariant; attention in float32)",
     load=load,
-    installed=blockmm.available,
+    installed=lambda: blockmm.available(),
     runs_own_weights=is_gguf,
     preference=0.5,  # a tie goes to llama.cpp (faster to load), not to transformers (4x the memory)
     cost=declared_cost,
