@@ -294,8 +294,8 @@ def declared_cost(mix) -> float:
     from .references import float32_bytes
 
     per_32 = PER_BYTE_32["amx" if blockmm.amx_usable() else "other"]
-    return sum(size * (K_PER_BYTE if kind in blockmm.K_TYPES else per_32) if kind in blockmm.TYPES
-               else float32_bytes({kind: size}) for kind, size in mix.items())
+    factor = {kind: K_PER_BYTE if kind in blockmm.K_TYPES else per_32 for kind in blockmm.TYPES}
+    return sum(size * factor[kind] if kind in factor else float32_bytes({kind: size}) for kind, size in mix.items())
 
 
 register(BackendSpec(

@@ -309,9 +309,9 @@ def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[in
     tiles against its buffered path at 8 rows (``set_q6k_tiles``), the one-row paths' software prefetching at each
     distance of ``PREFETCH_CANDIDATES`` (``set_prefetch``; 0: off), and on AVX-512 the code for products of 3 or more
     rows (``set_wide_isa``: ``WIDE_CANDIDATES``, timed at 4 and 8 rows together). Which wins depends on the CPU
-    (docs/kernels.md); every path computes the same bits. Returns {type: {rows: (first path's ms, second's)}}: for 1
-    to ``ONE_ROW_MOST[type]`` rows (those of ``ONE_ROW_TIMED``) the one-row path and the other, for Q6_K's 8 the tiles and the buffered path; under "prefetch" {1: (ms
-    at each of PREFETCH_CANDIDATES)}; under "wide" {8: (ms on each of WIDE_CANDIDATES)} where timed; on CPUs with
+    (docs/kernels.md); every path computes the same bits. Returns {type: {rows: (first path's ms, second's)}}: at
+    the widths of ``ONE_ROW_TIMED`` up to ``ONE_ROW_MOST[type]`` the one-row path and the other, for Q6_K's 8 the
+    tiles and the buffered path; under "prefetch" {1: (ms at each of PREFETCH_CANDIDATES)}; under "wide" {8: (ms on each of WIDE_CANDIDATES)} where timed; on CPUs with
     AMX-INT8, under "amx" {type: {rows: (ms on the tiles, ms without)}} per K type at each of ``AMX_WIDTHS``, and a
     type's tiles kept from the narrowest of those widths from which they win at every wider one (``set_amx_rows``);
     medians of interleaved rounds; ties go to the earlier candidate (the AVX paths, for the tiles)."""

@@ -363,8 +363,7 @@ int g_prefetch = 4096;
 inline bool fused_off() { return g_fused_off; }
 // Passes of at most g_one_row[kind] rows take the one-weight-row fused path: for a K type (up to 2 rows) against the
 // tiles (AVX2) or tiles / the buffered path (AVX-512); for a 32-weight type (up to ROWS32 rows) against the buffered
-// path. Which
-// is faster depends on the CPU (measured: the K types' one-row path is faster on Zen 5 and for Q6_K on a Sapphire
+// path. Which is faster depends on the CPU (measured: the K types' one-row path is faster on Zen 5 and for Q6_K on a Sapphire
 // Rapids, 1.8x slower for Q4_K there), and every path gives the same bits, so the blocks backend times them on its
 // own matrices (blockmm.choose_paths) and sets the limit per type; until then 2 for K types, 0 for the others.
 int g_one_row[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 0};
