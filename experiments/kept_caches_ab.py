@@ -16,7 +16,6 @@ import argparse
 import statistics
 import time
 
-from prefill_policy_ab import step_all
 from verispec import SpeculativeDecoder, load_model
 from verispec.batching import BatchEngine
 from verispec.bench.prompts import load_questions, select
@@ -34,7 +33,11 @@ def second_turns(target, questions, max_new_tokens: int, keep_all: bool):
     before = engine.counters.reused_prompt_tokens
     start = time.perf_counter()
     seqs = [engine.submit(d, d.request(c, max_new_tokens=max_new_tokens)) for d, c in zip(decoders, chats)]
-    first = step_all(engine, seqs, start)
+    first = None
+    while engine.busy:
+        engine.step()
+        if first is None and all(s.state is not None and s.state.generated for s in seqs):
+            first = time.perf_counter() - start
     return engine.counters.reused_prompt_tokens - before, first, [s.result.token_ids for s in seqs]
 
 

@@ -29,22 +29,16 @@ class OnePromptAStep(BatchEngine):
             self._prefill_chunk(self.prefilling[0], self.prefill_chunk)
 
 
-def step_all(engine, seqs, start: float) -> float | None:
-    """Step the engine until it is idle; the seconds from ``start`` until every one of ``seqs`` had a token."""
-    first = None
-    while engine.busy:
-        engine.step()
-        if first is None and all(s.state is not None and s.state.generated for s in seqs):
-            first = time.perf_counter() - start
-    return first
-
-
 def run(engine_type, target, prompts, max_new_tokens: int):
     engine = engine_type(target, max_batch=len(prompts))
     decoders = [SpeculativeDecoder(target, SuffixDrafter(scope="request")) for _ in prompts]
     start = time.perf_counter()
     seqs = [engine.submit(d, d.request(p, max_new_tokens=max_new_tokens)) for d, p in zip(decoders, prompts)]
-    first = step_all(engine, seqs, start)
+    first = None
+    while engine.busy:
+        engine.step()
+        if first is None and all(s.state is not None and s.state.generated for s in seqs):
+            first = time.perf_counter() - start
     wall = time.perf_counter() - start
     for s in seqs:
         if s.error is not None:
