@@ -130,6 +130,23 @@ def test_a_packed_linear_given_one_row_computes_it_as_a_product_of_two():
 
 @needs_bf16_packing
 @torch.inference_mode()
+def test_a_packed_linear_gives_each_row_the_same_bits_at_any_width():
+    """Wider products than ``ROWS_AT_ONCE`` run as products of at most that many rows (oneDNN's kernel for wider ones
+    rounds rows otherwise: AMX tiles on Sapphire Rapids), so a row's bits do not depend on the pass: 1 to 70 rows,
+    rows at any place, a batch of sequences flattened or not."""
+    gen = torch.Generator().manual_seed(0)
+    layer = PackedLinear(torch.randn(576, 1536, generator=gen).to(torch.bfloat16))
+    layer.one_row_as_two, layer.rows_at_once = True, invariant.ROWS_AT_ONCE
+    x = torch.randn(1, 70, 1536, generator=gen).to(torch.bfloat16)
+    alone = torch.cat([layer(x[:, i : i + 1]) for i in range(70)], dim=1)
+    for w in (2, 31, 32, 33, 45, 64, 70):
+        assert torch.equal(layer(x[:, :w]), alone[:, :w]), w
+        assert torch.equal(layer(x[:, 70 - w :]), alone[:, 70 - w :]), w
+    assert torch.equal(layer(x[0, :63].reshape(9, 7, 1536)), alone[0, :63].reshape(9, 7, 576))
+
+
+@needs_bf16_packing
+@torch.inference_mode()
 def test_padded_batches_still_see_their_padding_mask():
     """train-eagle answers prompts in padded batches through the same bfloat16 model: those passes must keep
     transformers' padding mask (they take SDPA), or padded rows would attend to the padding."""

@@ -17,7 +17,10 @@ So, for plain causal passes (one sequence, no explicit mask):
   zeros past the cache), grouped so that rows of one bucket share one product of at least 3 rows (the query heads
   that share a KV head: a product never runs the one-row path);
 * a packed linear given one row computes two copies of it and keeps one (``PackedLinear.one_row_as_two``), which
-  costs nearly nothing in a pass bound by streaming the weights.
+  costs nearly nothing in a pass bound by streaming the weights; given more than ``ROWS_AT_ONCE`` rows it runs
+  products of at most that many (``PackedLinear.rows_at_once``): oneDNN takes another kernel for wider products
+  (AMX tiles on Sapphire Rapids past 32 rows: a batch of five sequences verifying 7 tokens each, a prefill of 51
+  tokens), which rounds rows otherwise.
 
 Passes whose rows see other keys than the plain causal rule gives them (token trees: a node sees the context and
 its ancestors; the rows of a batch, each sequence at its own length) say which in ``RowKeys``, built once per pass
@@ -49,6 +52,7 @@ from ..torch_cpu.packing import PackedLinear
 
 WIDTH_INVARIANT_ATTENTION = "verispec_width_invariant"
 BUCKET = 256  # keys a row attends over: its position rounded up to a multiple of this
+ROWS_AT_ONCE = 32  # the widest packed bfloat16 product run at once (module doc)
 
 
 def _groups(length: int, rows: int) -> list[tuple[int, int, int]]:
@@ -222,10 +226,13 @@ def kernels_are_width_invariant() -> bool:
     try:
         with torch.inference_mode():
             linear = PackedLinear(torch.randn(576, 1536, generator=gen).to(torch.bfloat16))
-            linear.one_row_as_two = True
-            x = torch.randn(1, 17, 1536, generator=gen).to(torch.bfloat16)
+            linear.one_row_as_two, linear.rows_at_once = True, ROWS_AT_ONCE
+            x = torch.randn(1, 2 * ROWS_AT_ONCE + 5, 1536, generator=gen).to(torch.bfloat16)
             full = linear(x)
-            if not all(torch.equal(linear(x[:, :w]), full[:, :w]) for w in (1, 2, 3, 5, 9)):
+            widths = (1, 2, 3, 5, 9, 17, ROWS_AT_ONCE, ROWS_AT_ONCE + 1, ROWS_AT_ONCE + 7, 2 * ROWS_AT_ONCE + 1)
+            if not all(torch.equal(linear(x[:, :w]), full[:, :w]) for w in widths):
+                return False
+            if not all(torch.equal(linear(x[:, w:]), full[:, w:]) for w in (1, 7)):  # rows that start elsewhere
                 return False
             q = torch.randn(1, 9, 9, 64, generator=gen).to(torch.bfloat16)
             k, v = (torch.randn(1, 3, 309, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
@@ -270,5 +277,5 @@ def make_width_invariant(model: nn.Module) -> bool:
     model.set_attn_implementation(WIDTH_INVARIANT_ATTENTION)
     for module in model.modules():
         if isinstance(module, PackedLinear):
-            module.one_row_as_two = True
+            module.one_row_as_two, module.rows_at_once = True, ROWS_AT_ONCE
     return True

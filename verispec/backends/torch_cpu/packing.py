@@ -43,6 +43,10 @@ class PackedLinear(nn.Module):
         # one row computed as two copies of it: oneDNN's one-row path can round a row otherwise than a product of
         # several rows does (``verispec.backends.hf.invariant``); off unless a model asks for width-invariant passes
         self.one_row_as_two = False
+        # the widest product run at once: oneDNN switches to another kernel for wider ones (bfloat16 on Sapphire
+        # Rapids: past 32 rows, AMX tiles), which rounds a row otherwise; wider passes then run as products of at most
+        # this many rows. None (off) unless a model asks for width-invariant passes
+        self.rows_at_once: int | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # the packed copy is a snapshot: a model moved to another dtype or device, or a caller that needs
@@ -51,6 +55,14 @@ class PackedLinear(nn.Module):
         if stale or x.dtype != self.weight.dtype or (torch.is_grad_enabled() and x.requires_grad):
             return nn.functional.linear(x, self.weight, self.bias)
         bias = None if self.bias is None else self.bias.detach()
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if self.rows_at_once and rows > self.rows_at_once:
+            flat = x.reshape(rows, x.shape[-1])
+            parts = [self._product(flat[i : i + self.rows_at_once], bias) for i in range(0, rows, self.rows_at_once)]
+            return torch.cat(parts).reshape(*x.shape[:-1], self.out_features)
+        return self._product(x, bias)
+
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.one_row_as_two and x.numel() == x.shape[-1]:
             twice = torch.cat([x, x], dim=-2) if x.dim() >= 2 else torch.stack([x, x])
             out = torch.ops.mkldnn._linear_pointwise(twice, self._packed, bias, "none", [], "")
