@@ -141,6 +141,29 @@ def test_stop_string_ends_one_sequence_while_others_continue(tiny_target):
     assert "".join(deltas) == c.result.text
 
 
+def test_joining_prompts_share_each_steps_prefill_budget(tiny_target):
+    """While a stream decodes, a step feeds joining prompts ``prefill_chunk`` tokens in all, in arrival order: short
+    prompts join in the same step (not one a step), a long one takes several steps cut where it would be cut alone
+    (every ``prefill_chunk`` tokens, not at what is left of a step's budget), and no step feeds more."""
+    engine = BatchEngine(tiny_target, max_batch=5, prefill_chunk=12, reuse_prefix=False)  # every token fed
+    make = lambda: SpeculativeDecoder(tiny_target, NgramDrafter(), k=3)  # noqa: E731
+    first = make()
+    engine.submit(first, first.request(PROMPTS[0], max_new_tokens=60))
+    engine.step()  # alone: prefilled whole, then decoding
+    assert len(engine.running) == 1
+    # fed before the pending last token: 1 + 5 + 27 prompt tokens
+    joining = [PROMPTS[1], PROMPTS[3], PROMPTS[2]]
+    seqs = [engine.submit(d, d.request(p, max_new_tokens=60)) for d, p in zip([make() for _ in joining], joining)]
+    fed = []
+    while any(s.state is None or s not in engine.running for s in seqs):
+        before = engine.counters.prefill_tokens
+        engine.step()
+        fed.append(engine.counters.prefill_tokens - before)
+    # the two short prompts (6 tokens) in one step; the long one's first 12 do not fit the 6 left, so 12, 12, 3
+    assert fed == [6, 12, 12, 3]
+    assert [s.result is None and s.error is None for s in seqs] == [True] * 3
+
+
 def test_eos_and_cancel_leave_the_batch(tiny_target):
     target = loaded(tiny_target.model, tiny_target.tokenizer, eos=frozenset({EOS}))
     engine = BatchEngine(target, max_batch=2)
@@ -289,6 +312,7 @@ def test_padded_batch_cuts_drafts_to_one_shared_length(tiny_target, accepted, sl
         engine.step()
     # after the steps: a decoding step takes the measured curve of the passes as they run (a program may come in)
     engine.costs = LinearCost(slope)
+    engine._cap = None  # no shared length kept from the joining steps' passes (their costs were the real ones)
     for seq in engine.running:
         for _ in range(50):
             seq.decoder.controller.state.acceptance.observe(6, accepted)

@@ -6,14 +6,15 @@ draft tokens included), and every sequence *settles* (strict acceptance with its
 own cache only) and commits. Planning and settling are ``SpeculativeDecoder``'s own halves of a step, so a
 batched sequence runs exactly the code a lone one runs; only the pass is shared.
 
-Sequences join and leave between steps. A joining prompt is prefilled in chunks of ``prefill_chunk`` tokens, one
-chunk per step, while others are decoding (whole when nobody is waiting for it), so a long prompt delays running
-streams by one chunk's pass at a time. A joining prompt that starts like a cached sequence (a live one, or the
-last one to finish, whose cache is kept until its row is needed) takes that prefix's keys and values instead of
-computing them (``KVGroup.copy_prefix``; the lone decoder's prompt-prefix reuse, across sequences), so a shared
-system prompt is prefilled once. Speculation adapts to load: each sequence's controller sees the pass as
-the whole batch's (``Controller.share_passes``), so drafts are verified only where they raise the batch's tokens
-per second; with many sequences speculation shrinks or stops by itself, with one it runs as it would alone.
+Sequences join and leave between steps. Joining prompts are prefilled ``prefill_chunk`` tokens a step in all while
+others are decoding (in arrival order: short prompts several a step, a long one in chunks; the first whole when
+nobody is waiting), so prompts delay running streams by at most one chunk's tokens a step. A joining prompt that
+starts like a cached sequence (a live one, or the last one to finish, whose cache is kept until its row is needed)
+takes that prefix's keys and values instead of computing them (``KVGroup.copy_prefix``; the lone decoder's prompt-
+prefix reuse, across sequences), so a shared system prompt is prefilled once. Speculation adapts to load: each
+sequence's controller sees the pass as the whole batch's (``Controller.share_passes``), so drafts are verified only
+where they raise the batch's tokens per second; with many sequences speculation shrinks or stops by itself, with one
+it runs as it would alone.
 
 Thread use: ``submit`` and ``cancel`` may be called from any thread; ``step`` (or ``run``) from one thread.
 """
@@ -162,8 +163,7 @@ class BatchEngine:
         with torch_threads(host_threads(self.target)):
             while self.waiting and self.size < self.max_batch:
                 self._admit(self.waiting.popleft())
-            if self.prefilling:
-                self._prefill_chunk(self.prefilling[0])
+            self._prefill()
             if self.running:
                 self._decode()
 
@@ -230,15 +230,35 @@ class BatchEngine:
             self.parked.cache.close()
             self.parked = None
 
-    def _prefill_chunk(self, seq: BatchedSequence) -> None:
+    def _prefill(self) -> None:
+        """Feed joining prompts, in arrival order, ``prefill_chunk`` tokens in all this step while others decode, so
+        short prompts join together instead of one a step; with no stream waiting, the first prompt whole. A prompt
+        is cut where it would be cut alone (every ``prefill_chunk`` tokens, never at what is left of a step's
+        budget): on a backend whose numbers depend on the pass's width (bfloat16 transformers) its prefill then
+        gives the same bits whoever joined beside it."""
+        budget = self.prefill_chunk
+        while self.prefilling:
+            seq = self.prefilling[0]
+            fed = self._prefill_chunk(seq, budget)
+            if fed is None or (self.prefilling and self.prefilling[0] is seq):
+                break  # it waits for the next step's budget, or its prompt is not all in
+            budget -= fed
+            if budget <= 0:
+                break
+
+    def _prefill_chunk(self, seq: BatchedSequence, budget: int) -> int | None:
+        """Feed ``seq``'s next chunk (all of its prompt when no stream waits): the tokens fed, or ``None`` when
+        that chunk is larger than what is left of this step's ``budget``."""
         state, decoder = seq.state, seq.decoder
+        chunk: list[int] = []
         try:
             t0 = time.perf_counter()
             if state.cache is None:
                 self._take_cache(seq)
             todo = state.tokens[len(state.cached_tokens) : -1]  # the pending (last) token is fed by the first step
-            # whole when no stream waits on this pass, else one chunk
             chunk = todo if not self.running else todo[: self.prefill_chunk]
+            if len(chunk) > budget and budget < self.prefill_chunk:
+                return None
             if chunk:
                 decoder.prefill_chunk(state, chunk)
                 self.counters.prefill_passes += 1
@@ -251,6 +271,7 @@ class BatchEngine:
         except Exception as exc:  # noqa: BLE001
             self.prefilling.popleft()
             self._fail(seq, exc)
+        return len(chunk)
 
     def _cap_drafts(self, rows: list[BatchedSequence], plans: list[StepPlan]) -> int | None:
         """When the backend pads every row to the widest (transformers), one row's draft widens the pass for all,
