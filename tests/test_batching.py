@@ -178,8 +178,9 @@ def test_eos_and_cancel_leave_the_batch(tiny_target):
     assert seqs[0] in done and seqs[0].result is None and seqs[0].cancelled
     for seq, p in zip(seqs[1:], PROMPTS[4:]):
         assert seq.result.token_ids == lone(target, p, max_new_tokens=60).token_ids
-    # every cache given back but the last finished one's, parked for the next prompt until dropped
-    assert engine.group.rows == [engine.parked.cache]
+    # every cache given back but the finished ones', kept for the next prompts until dropped (the cancelled one's too)
+    assert len(engine.kept) == 2 and engine.parked is engine.kept[-1]
+    assert {id(row) for row in engine.group.rows} == {id(k.cache) for k in engine.kept}
     engine.drop_parked()
     assert engine.group.rows == [] and engine.parked is None
 
@@ -386,6 +387,30 @@ def test_a_joining_prompt_copies_a_live_sequences_prefix_with_its_hidden_states(
     assert c.result.stats.reused_prompt_tokens == 0
     want = lone(tiny_target, prompt, max_new_tokens=12).token_ids
     assert b.result.token_ids == want and c.result.token_ids == want
+
+
+@pytest.mark.parametrize("rows_apart", [True, False])
+def test_a_conversations_next_turn_adopts_its_own_kept_cache(tiny_target, rows_apart):
+    """Finished sequences' caches are kept while their rows are free, so a conversation's next turn takes its own
+    over though another finished after it; where the group's rows share one store of positions (llama.cpp's window,
+    ``rows_apart`` False) only the last is kept. Outputs equal the lone decoder's either way."""
+    engine = BatchEngine(tiny_target, max_batch=3)
+    engine.group.rows_apart = rows_apart
+    turns = {}
+    for prompt in ([*SHARED, 20, 21], [2, 7, 8, 9, 10]):
+        d = SpeculativeDecoder(tiny_target, NgramDrafter(), k=3)
+        seq = engine.submit(d, d.request(prompt, max_new_tokens=8))
+        engine.run()
+        turns[prompt[0]] = [*prompt, *seq.result.token_ids]
+    assert len(engine.kept) == (2 if rows_apart else 1)
+    follow = [*turns[SHARED[0]], 14, 15]  # the first conversation's next turn
+    d = SpeculativeDecoder(tiny_target, NgramDrafter(), k=3)
+    seq = engine.submit(d, d.request(follow, max_new_tokens=8))
+    engine.run()
+    reused = seq.result.stats.reused_prompt_tokens
+    assert reused == (len(turns[SHARED[0]]) - 1 if rows_apart else 0)  # all it cached (the last token was pending)
+    assert seq.result.token_ids == lone(tiny_target, follow, max_new_tokens=8).token_ids
+    assert len(engine.group.rows) == len(engine.kept) <= 2
 
 
 def test_the_parked_cache_gives_its_row_to_a_prompt_that_needs_it(tiny_target):

@@ -9,12 +9,12 @@ batched sequence runs exactly the code a lone one runs; only the pass is shared.
 Sequences join and leave between steps. Joining prompts are prefilled ``prefill_chunk`` tokens a step in all while
 others are decoding (in arrival order: short prompts several a step, a long one in chunks; the first whole when
 nobody is waiting), so prompts delay running streams by at most one chunk's tokens a step. A joining prompt that
-starts like a cached sequence (a live one, or the last one to finish, whose cache is kept until its row is needed)
-takes that prefix's keys and values instead of computing them (``KVGroup.copy_prefix``; the lone decoder's prompt-
-prefix reuse, across sequences), so a shared system prompt is prefilled once. Speculation adapts to load: each
-sequence's controller sees the pass as the whole batch's (``Controller.share_passes``), so drafts are verified only
-where they raise the batch's tokens per second; with many sequences speculation shrinks or stops by itself, with one
-it runs as it would alone.
+starts like a cached sequence (a live one, or a finished one: their caches are kept while their rows are not needed,
+the last one only on llama.cpp, whose sequences share one window) takes that prefix's keys and values instead of
+computing them (``KVGroup.copy_prefix``; the lone decoder's prompt-prefix reuse, across sequences), so a shared
+system prompt is prefilled once. Speculation adapts to load: each sequence's controller sees the pass as the whole
+batch's (``Controller.share_passes``), so drafts are verified only where they raise the batch's tokens per second;
+with many sequences speculation shrinks or stops by itself, with one it runs as it would alone.
 
 Thread use: ``submit`` and ``cancel`` may be called from any thread; ``step`` (or ``run``) from one thread.
 """
@@ -112,7 +112,9 @@ class BatchEngine:
         self.max_batch = max_batch
         self.prefill_chunk = prefill_chunk
         self.reuse_prefix = reuse_prefix
-        self.parked: _Cached | None = None  # the last finished sequence's cache, kept while its row is not needed
+        # finished sequences' caches, oldest first, kept while their rows are not needed: the last one only where
+        # the group's rows share one store of positions (llama.cpp's window), as many as rows are free elsewhere
+        self.kept: list[_Cached] = []
         self.group = target.new_kv_group(max_batch)
         self.costs = shared_cost_curve(target)
         self.counters = BatchCounters()
@@ -182,7 +184,7 @@ class BatchEngine:
         self.prefilling.append(seq)
 
     def _take_cache(self, seq: BatchedSequence) -> None:
-        """Give a sequence whose prefill starts its cache: the parked one or a new row, holding the longest prompt
+        """Give a sequence whose prefill starts its cache: a kept one or a new row, holding the longest prompt
         prefix any cached sequence shares with it (never the pending last token). Taken at the start of its
         prefill rather than at admission, so prompts admitted together share what the earlier ones prefilled."""
         state, decoder = seq.state, seq.decoder
@@ -195,8 +197,8 @@ class BatchEngine:
                 n = reusable_prefix(donor.tokens, state.tokens, len(donor.features) if layers else None)
                 if n > keep:
                     best, keep = donor, n
-        if best is not None and best is self.parked:  # adopt it: nothing to copy
-            self.parked = None
+        if best is not None and any(best is k for k in self.kept):  # adopt it: nothing to copy
+            self.kept = [k for k in self.kept if k is not best]
             best.cache.truncate(keep)
             state.cache = best.cache
             if layers:
@@ -204,8 +206,8 @@ class BatchEngine:
                 state.features = best.features
         else:
             in_use = sum(s.state.cache is not None for s in (*self.running, *self.prefilling))
-            if self.parked is not None and in_use + 2 > self.group.capacity:
-                self.drop_parked()  # its row is needed
+            while self.kept and in_use + len(self.kept) + 1 > self.group.capacity:
+                self.kept.pop(0).cache.close()  # the oldest kept cache's row is needed
             state.cache = self.group.new_kv()
             if best is not None:
                 self.group.copy_prefix(best.cache, state.cache, keep)
@@ -216,19 +218,24 @@ class BatchEngine:
         self.counters.reused_prompt_tokens += keep
 
     def _donors(self):
-        """Caches a joining prompt may copy from: every sequence holding a cache, and the parked one."""
+        """Caches a joining prompt may copy from: every sequence holding a cache, and the kept ones (the latest
+        first)."""
         for seq in (*self.running, *self.prefilling):
             cached = _Cached.of(seq)
             if cached is not None:
                 yield cached
-        if self.parked is not None:
-            yield self.parked
+        yield from reversed(self.kept)
 
+    @property
+    def parked(self) -> _Cached | None:
+        """The last finished sequence's kept cache, if it is kept."""
+        return self.kept[-1] if self.kept else None
+
+    @torch.inference_mode()  # a row given back may move another (the caches' tensors are inference tensors)
     def drop_parked(self) -> None:
-        """Give back the row of the last finished sequence's cache (kept for prompt-prefix reuse)."""
-        if self.parked is not None:
-            self.parked.cache.close()
-            self.parked = None
+        """Give back the rows of the finished sequences' caches (kept for prompt-prefix reuse)."""
+        while self.kept:
+            self.kept.pop().cache.close()
 
     def _prefill(self) -> None:
         """Feed joining prompts, in arrival order, ``prefill_chunk`` tokens in all this step while others decode, so
@@ -376,9 +383,10 @@ class BatchEngine:
             seq.on_delta(tail)
         self.running.remove(seq)
         cached = _Cached.of(seq) if self.reuse_prefix and seq.decoder.reuse_prefix else None
-        if cached is not None:  # park it for the next prompt
-            self.drop_parked()
-            self.parked = cached
+        if cached is not None:  # keep it for the next prompts (a conversation's next turn, a repeated prompt)
+            if not getattr(self.group, "rows_apart", False):
+                self.drop_parked()  # the rows share one store: keep the last cache only
+            self.kept.append(cached)
             seq.state.cache = None
         self._release(seq)
         seq.result = seq.decoder.result(seq.state, seq.request, seq.start)

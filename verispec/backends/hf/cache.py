@@ -129,6 +129,8 @@ class BatchKV:
     overwritten by the next pass. Rollback sets a length; nothing is copied. Rows of live sequences sit at buffer
     rows 0..n-1: when one is released, the last moves into its place (one copy of that sequence)."""
 
+    rows_apart = True  # each sequence's keys and values in a row of its own: a kept cache takes no room from others
+
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
             raise ValueError(f"a batch needs room for at least one sequence, got {capacity}")
