@@ -309,16 +309,28 @@ def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[in
     tiles against its buffered path at 8 rows (``set_q6k_tiles``), the one-row paths' software prefetching at each
     distance of ``PREFETCH_CANDIDATES`` (``set_prefetch``; 0: off), and on AVX-512 the code for products of 3 or more
     rows (``set_wide_isa``: ``WIDE_CANDIDATES``, timed at 4 and 8 rows together). Which wins depends on the CPU
-    (docs/kernels.md); every path computes the same bits. Returns {type: {rows: (first path's ms, second's)}}: at
-    the widths of ``ONE_ROW_TIMED`` up to ``ONE_ROW_MOST[type]`` the one-row path and the other, for Q6_K's 8 the
-    tiles and the buffered path; under "prefetch" {1: (ms at each of PREFETCH_CANDIDATES)}; under "wide" {8: (ms on each of WIDE_CANDIDATES)} where timed; on CPUs with
-    AMX-INT8, under "amx" {type: {rows: (ms on the tiles, ms without)}} per K type at each of ``AMX_WIDTHS``, and a
+    (docs/kernels.md); every path computes the same bits. The prefetch distance is timed first (every type on its
+    one-row path), so the paths are compared at the distance that is kept. Returns {type: {rows: (first path's ms,
+    second's)}}: at the widths of ``ONE_ROW_TIMED`` up to ``ONE_ROW_MOST[type]`` the one-row path and the other, for
+    Q6_K's 8 the tiles and the buffered path; under "prefetch" {1: (ms at each of PREFETCH_CANDIDATES)}; under "wide"
+    {8: (ms on each of WIDE_CANDIDATES)} where timed; on CPUs with AMX-INT8, under "amx" {type: {rows: (ms on the tiles, ms without)}} per K type at each of ``AMX_WIDTHS``, and a
     type's tiles kept from the narrowest of those widths from which they win at every wider one (``set_amx_rows``);
     medians of interleaved rounds; ties go to the earlier candidate (the AVX paths, for the tiles)."""
     _require()
     set_wide_isa(isa())  # every width on one set while the other paths are timed (a model loaded before may have
     # put wide products on AVX2, where the Q6_K tiles setting below changes nothing)
     found: dict[str, dict[int, tuple[float, float]]] = {}
+    if matrices:
+        # first the one-row paths' prefetch distance, every type on them, on all the matrices at 1 row: they are
+        # then timed against the other paths at their best distance (timed at the default first, Q4_K's one-row
+        # path lost to its tiles on a Sapphire Rapids, making one-token passes ~20% slower: docs/kernels.md)
+        present = {m.type.name for m in matrices}
+        for kind, most in ONE_ROW_MOST.items():
+            if kind in present:  # (the others' limits are left as they are: another model's choice)
+                set_one_row_limit(kind, most)
+        took = _time_rounds(PREFETCH_CANDIDATES, set_prefetch, matrices, 1, rounds)
+        found["prefetch"] = {1: tuple(took[ahead] for ahead in PREFETCH_CANDIDATES)}
+        set_prefetch(min(PREFETCH_CANDIDATES, key=lambda ahead: took[ahead]))  # ties: the first
     for kind, most in ONE_ROW_MOST.items():
         mine = [m for m in matrices if m.type.name == kind]
         if not mine:
@@ -338,10 +350,6 @@ def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[in
             took = _time_rounds((True, False), set_q6k_tiles, mine, 8, rounds)
             found[kind][8] = (took[True], took[False])
             set_q6k_tiles(took[True] < took[False])
-    if matrices:  # the one-row paths requesting the weights at each distance ahead, on all the matrices at 1 row
-        took = _time_rounds(PREFETCH_CANDIDATES, set_prefetch, matrices, 1, rounds)
-        found["prefetch"] = {1: tuple(took[ahead] for ahead in PREFETCH_CANDIDATES)}
-        set_prefetch(min(PREFETCH_CANDIDATES, key=lambda ahead: took[ahead]))  # ties: the first
     if matrices and isa() == "avx512vnni":
         set_amx_rows(0)
         took = [_time_rounds(WIDE_CANDIDATES, set_wide_isa, matrices, rows, rounds) for rows in (4, 8)]
