@@ -4,6 +4,8 @@ gguf's own dequantization."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -186,6 +188,22 @@ def test_the_kernel_string_names_a_prefetch_distance_other_than_the_default():
         blockmm.set_one_row_limit("Q4_K", limit)
 
 
+@contextlib.contextmanager
+def kernel_settings_restored():
+    """What ``choose_paths`` sets (instruction sets, one-row limits, Q6_K tiles, prefetch, AMX) put back after."""
+    before, q6k_before, ahead = blockmm.one_row_limits(), blockmm.q6k_tiles(), blockmm.prefetch()
+    try:
+        yield
+    finally:
+        blockmm.set_isa(blockmm.best_isa())
+        for kind, rows in before.items():
+            blockmm.set_one_row_limit(kind, rows)
+        blockmm.set_q6k_tiles(q6k_before)
+        blockmm.set_prefetch(ahead)
+        if blockmm.amx_usable():
+            blockmm.set_amx_rows(0)
+
+
 def test_choose_paths_compares_the_one_row_path_at_the_prefetch_distance_it_keeps(monkeypatch):
     """The one-row paths are timed against the others at the distance kept (timed at the default first, Q4_K's
     one-row path lost to its tiles on a Sapphire Rapids and one-token passes ran ~20% slower); the one-row limits of
@@ -201,29 +219,19 @@ def test_choose_paths_compares_the_one_row_path_at_the_prefetch_distance_it_keep
         return {setting: 1.0 for setting in settings}
 
     monkeypatch.setattr(blockmm, "_time_rounds", fake_rounds)
-    before, q6k_before, ahead = blockmm.one_row_limits(), blockmm.q6k_tiles(), blockmm.prefetch()
-    try:
+    with kernel_settings_restored():
         blockmm.set_prefetch(slow)
         blockmm.set_one_row_limit("Q4_0", 3)
         blockmm.choose_paths(matrices, rounds=1)
         assert seen and set(seen) == {fast}
         assert blockmm.prefetch() == fast and blockmm.one_row_limits()["Q4_0"] == 3
-    finally:
-        blockmm.set_isa(blockmm.best_isa())
-        for kind, rows in before.items():
-            blockmm.set_one_row_limit(kind, rows)
-        blockmm.set_q6k_tiles(q6k_before)
-        blockmm.set_prefetch(ahead)
-        if blockmm.amx_usable():
-            blockmm.set_amx_rows(0)
 
 
 def test_choose_paths_times_both_paths_per_k_type_and_keeps_the_faster():
     matrices = [blockmm.Matrix(random_blocks(kind, 64, 1024, seed=i), kind, 1024)
                 for i, kind in enumerate(("Q4_K", "Q6_K", "Q4_0"))]
     matrices.append(blockmm.Matrix(random_blocks("Q8_0", 64, 1024, seed=9), "Q8_0", 1024))
-    before, q6k_before, ahead = blockmm.one_row_limits(), blockmm.q6k_tiles(), blockmm.prefetch()
-    try:
+    with kernel_settings_restored():
         found = blockmm.choose_paths(matrices, rounds=3)
         assert set(found) - {"wide", "amx"} == {"Q4_K", "Q6_K", "Q4_0", "Q8_0", "prefetch"}
         if blockmm.isa() == "avx512vnni" and blockmm.amx_usable():
@@ -255,14 +263,6 @@ def test_choose_paths_times_both_paths_per_k_type_and_keeps_the_faster():
         else:
             assert 8 not in found["Q6_K"] and "wide" not in found
             assert blockmm.wide_isa() == blockmm.isa()
-    finally:
-        blockmm.set_isa(blockmm.best_isa())
-        for kind, rows in before.items():
-            blockmm.set_one_row_limit(kind, rows)
-        blockmm.set_q6k_tiles(q6k_before)
-        blockmm.set_prefetch(ahead)
-        if blockmm.amx_usable():
-            blockmm.set_amx_rows(0)
     with pytest.raises(ValueError, match="prefetch distance must be 0..1048576 bytes"):
         blockmm.set_prefetch(-1)
     with pytest.raises(ValueError, match="F16 has no one-row path"):
