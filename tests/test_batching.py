@@ -413,16 +413,39 @@ def test_a_conversations_next_turn_adopts_its_own_kept_cache(tiny_target, rows_a
     assert len(engine.group.rows) == len(engine.kept) <= 2
 
 
-def test_the_parked_cache_gives_its_row_to_a_prompt_that_needs_it(tiny_target):
-    """With one row, a prompt sharing nothing with the parked cache gets the row (the parked cache is dropped)."""
-    engine = BatchEngine(tiny_target, max_batch=1)
+@pytest.mark.parametrize("prompt_cache_bytes", [0, 1 << 20])
+def test_the_parked_cache_gives_its_row_to_a_prompt_that_needs_it(tiny_target, prompt_cache_bytes):
+    """With one row, a prompt sharing nothing with the parked cache gets the row; the parked cache is copied out of
+    it first (``prompt_cache_bytes``), so a later prompt with its prefix still takes it (0: dropped, prefilled)."""
+    engine = BatchEngine(tiny_target, max_batch=1, prompt_cache_bytes=prompt_cache_bytes)
     for prompt in ([*SHARED, 20], [2, 7, 8, 9], [*SHARED, 21]):
-        d = SpeculativeDecoder(tiny_target)
+        d = SpeculativeDecoder(tiny_target, NgramDrafter(), k=3)
         seq = engine.submit(d, d.request(prompt, max_new_tokens=6))
         engine.run()
         assert seq.error is None and seq.result.token_ids == lone(tiny_target, prompt, max_new_tokens=6).token_ids
         assert len(engine.group.rows) == 1
-    assert seq.result.stats.reused_prompt_tokens == 0  # the parked cache was [2, 7, 8, 9]'s: no shared prefix
+    # the parked cache was [2, 7, 8, 9]'s; the first prompt's, copied out, shares SHARED with the third
+    assert seq.result.stats.reused_prompt_tokens == (len(SHARED) if prompt_cache_bytes else 0)
+    assert len(engine.stored) == (2 if prompt_cache_bytes else 0)
+    assert sum(x.nbytes for x in engine.stored) <= prompt_cache_bytes
+
+
+def test_copied_out_caches_keep_within_their_budget(tiny_target):
+    """The oldest copies are dropped first once the copies exceed ``prompt_cache_bytes``."""
+    engine = BatchEngine(tiny_target, max_batch=1, prompt_cache_bytes=1 << 20)
+    prompts = [[*SHARED, 20], [2, 7, 8, 9], [5, 6, 7, 8, 9, 10, 11]]
+    for prompt in prompts:
+        d = SpeculativeDecoder(tiny_target)
+        engine.submit(d, d.request(prompt, max_new_tokens=6))
+        engine.run()
+    sizes = [x.nbytes for x in engine.stored]
+    assert len(sizes) == 2 and min(sizes) > 0
+    engine.prompt_cache_bytes = max(sizes)  # the first prompt's copy (the largest): the next copy pushes it out
+    d = SpeculativeDecoder(tiny_target)
+    engine.submit(d, d.request([29, 30, 31], max_new_tokens=4))
+    engine.run()
+    assert [x.tokens[0] for x in engine.stored] == [2, 5]  # the third prompt's copied out when the fourth came
+    assert sum(x.nbytes for x in engine.stored) <= engine.prompt_cache_bytes
 
 
 def test_copy_prefix_checks_its_rows(tiny_target):

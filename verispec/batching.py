@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BATCH = 8
 DEFAULT_PREFILL_CHUNK = 128
+DEFAULT_PROMPT_CACHE_BYTES = 1 << 30  # finished prompts' keys and values kept in memory past their rows (1 GiB)
 CAP_MARGIN = 0.03  # a padded batch changes its shared draft cap only for a predicted gain of more than this
 
 
@@ -81,6 +82,18 @@ class _Cached:
         return cls(state.cached_tokens, state.cache, state.features, seq.decoder.feature_layers)
 
 
+@dataclass(eq=False)
+class _Stored:
+    """A finished sequence's cache copied out of its row when the row was needed (``KVGroup.snapshot``), so a
+    joining prompt can still take its prefix (``KVGroup.restore``): llama-server's host prompt cache, in kind.
+    Never for drafters that read hidden states (``layers`` stays empty)."""
+
+    tokens: list[int]
+    snapshot: object
+    nbytes: int
+    layers: tuple[int, ...] = ()
+
+
 @dataclass
 class BatchCounters:
     """Raw counters of the batched passes (rates are derived by whoever reads them)."""
@@ -103,9 +116,12 @@ class BatchEngine:
     decoder serves one sequence at a time; the target and its weights are shared."""
 
     def __init__(self, target: TargetModel, max_batch: int = DEFAULT_MAX_BATCH,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, reuse_prefix: bool = True) -> None:
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, reuse_prefix: bool = True,
+                 prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES) -> None:
         """``reuse_prefix``: a joining prompt copies the longest prefix it shares with a cached sequence (live, or
-        the last to finish) instead of prefilling it; a decoder built with ``reuse_prefix=False`` never does."""
+        finished) instead of prefilling it; a decoder built with ``reuse_prefix=False`` never does.
+        ``prompt_cache_bytes``: how much memory finished caches may keep once their rows are needed (copied out,
+        the oldest dropped first; 0: none), where the backend's group can copy rows out (transformers, blocks)."""
         check_whole("max batch", max_batch)
         check_whole("prefill chunk", prefill_chunk)
         self.target = target
@@ -115,6 +131,8 @@ class BatchEngine:
         # finished sequences' caches, oldest first, kept while their rows are not needed: the last one only where
         # the group's rows share one store of positions (llama.cpp's window), as many as rows are free elsewhere
         self.kept: list[_Cached] = []
+        self.prompt_cache_bytes = prompt_cache_bytes
+        self.stored: list[_Stored] = []  # kept caches copied out of their rows, oldest first
         self.group = target.new_kv_group(max_batch)
         self.costs = shared_cost_curve(target)
         self.counters = BatchCounters()
@@ -207,9 +225,12 @@ class BatchEngine:
         else:
             in_use = sum(s.state.cache is not None for s in (*self.running, *self.prefilling))
             while self.kept and in_use + len(self.kept) + 1 > self.group.capacity:
-                self.kept.pop(0).cache.close()  # the oldest kept cache's row is needed
+                self._store(self.kept.pop(0))  # the oldest kept cache's row is needed
             state.cache = self.group.new_kv()
-            if best is not None:
+            if isinstance(best, _Stored):
+                self.group.restore(best.snapshot, state.cache, keep)
+                self.stored = [x for x in self.stored if x is not best] + [best]  # the latest used: dropped last
+            elif best is not None:
                 self.group.copy_prefix(best.cache, state.cache, keep)
                 if layers:
                     state.features.extend_from(best.features, keep)
@@ -225,6 +246,19 @@ class BatchEngine:
             if cached is not None:
                 yield cached
         yield from reversed(self.kept)
+        yield from reversed(self.stored)
+
+    def _store(self, cached: _Cached) -> None:
+        """Give back a kept cache's row, first copying its keys and values out (``prompt_cache_bytes``, the oldest
+        copies dropped first) where the group can and its sequence's drafter reads no hidden states."""
+        snapshot = getattr(self.group, "snapshot", None)
+        if self.prompt_cache_bytes and snapshot is not None and not cached.layers and cached.tokens:
+            copied, nbytes = snapshot(cached.cache, len(cached.tokens))
+            if nbytes <= self.prompt_cache_bytes:
+                self.stored.append(_Stored(list(cached.tokens), copied, nbytes))
+                while sum(s.nbytes for s in self.stored) > self.prompt_cache_bytes:
+                    self.stored.pop(0)
+        cached.cache.close()
 
     @property
     def parked(self) -> _Cached | None:

@@ -174,6 +174,27 @@ class BatchKV:
             layer.move(source.index, target.index, length)
         target.length = length
 
+    def snapshot(self, row: "RowKV", length: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int]:
+        """A copy of ``row``'s first ``length`` positions out of the buffers (every layer's keys and values) and its
+        size in bytes, for ``restore`` into another row after this one is given back."""
+        if row.batch is not self or row.index is None or not 0 <= length <= len(row):
+            raise ValueError(f"cannot copy {length} positions out of this row")
+        copied = [(layer._keys[row.index, :, :length].clone(), layer._values[row.index, :, :length].clone())
+                  for layer in self.cache.layers if layer._keys is not None]
+        return copied, sum(k.numel() * k.element_size() * 2 for k, _ in copied)
+
+    def restore(self, copied: list[tuple[torch.Tensor, torch.Tensor]], target: "RowKV", length: int) -> None:
+        """Write the first ``length`` positions of a ``snapshot`` into the empty row ``target``."""
+        if target.batch is not self or target.index is None or len(target):
+            raise ValueError("the target must be an empty live row of this batch")
+        if len(copied) != len(self.cache.layers) or not 0 <= length <= copied[0][0].shape[-2]:
+            raise ValueError(f"this copy does not hold {length} positions of this batch's layers")
+        for layer, (keys, values) in zip(self.cache.layers, copied):
+            layer._ensure(keys[None], length)
+            layer._keys[target.index, :, :length].copy_(keys[:, :length])
+            layer._values[target.index, :, :length].copy_(values[:, :length])
+        target.length = length
+
     def begin_pass(self, rows: list["RowKV"], width: int) -> tuple[slice, torch.Tensor]:
         """Set up a pass of ``width`` tokens per row over ``rows``; returns the buffer rows it covers (rows of the
         range not in ``rows`` join as padding: they write past their length only) and their start columns."""
