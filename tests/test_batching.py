@@ -346,10 +346,13 @@ def test_fixed_policy_rows_are_never_cut(tiny_target):
 SHARED = [1, 3, 4, 10, 11, 12, 3, 4, 10, 11, 12, 13, 14, 15, 16]  # a "system prompt" several requests start with
 
 
-def test_a_prompt_after_a_finished_one_adopts_its_cache(tiny_target):
-    """At one client the last finished sequence's cache is parked; the next prompt takes it over (no copy) and
-    prefills only what differs. Output equals the lone decoder's."""
-    engine = BatchEngine(tiny_target, max_batch=2)
+@pytest.mark.parametrize("max_batch", [1, 2])
+def test_a_prompt_after_a_finished_one_takes_its_prefix(tiny_target, max_batch):
+    """At one client the last finished sequence's cache is kept; the next prompt, sharing a prefix with it, copies
+    that prefix into a free row and leaves the kept cache whole for a repeat of its prompt (max_batch 2), or, with no
+    row free, takes it over after copying it out of the row (max_batch 1). It prefills only what differs either way,
+    and a repeat of the first prompt then reuses all of it. Outputs equal the lone decoder's."""
+    engine = BatchEngine(tiny_target, max_batch=max_batch)
     first, second = [*SHARED, 20, 21], [*SHARED, 30, 31, 2]
     d = SpeculativeDecoder(tiny_target, NgramDrafter(), k=3)
     a = engine.submit(d, d.request(first, max_new_tokens=10))
@@ -359,11 +362,17 @@ def test_a_prompt_after_a_finished_one_adopts_its_cache(tiny_target):
     d2 = SpeculativeDecoder(tiny_target, NgramDrafter(), k=3)
     b = engine.submit(d2, d2.request(second, max_new_tokens=10))
     engine.step()
-    assert b.state.cache is parked and engine.parked is None
+    assert (b.state.cache is parked) == (max_batch == 1)
+    assert len(engine.stored) == (1 if max_batch == 1 else 0)
     engine.run()
     assert b.result.stats.reused_prompt_tokens == len(SHARED)
     assert engine.counters.prefill_tokens == (len(first) - 1) + (len(second) - 1 - len(SHARED))
     assert b.result.token_ids == lone(tiny_target, second, max_new_tokens=10).token_ids
+    d3 = SpeculativeDecoder(tiny_target, NgramDrafter(), k=3)
+    c = engine.submit(d3, d3.request(first, max_new_tokens=10))
+    engine.run()
+    assert c.result.stats.reused_prompt_tokens == len(first) - 1
+    assert c.result.token_ids == a.result.token_ids
 
 
 def test_a_joining_prompt_copies_a_live_sequences_prefix_with_its_hidden_states(tiny_target, eagle_head):

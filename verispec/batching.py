@@ -10,7 +10,8 @@ Sequences join and leave between steps. Joining prompts are prefilled ``prefill_
 others are decoding (in arrival order: short prompts several a step, a long one in chunks; the first whole when
 nobody is waiting), so prompts delay running streams by at most one chunk's tokens a step. A joining prompt that
 starts like a cached sequence (a live one, or a finished one: their caches are kept while their rows are not needed,
-the last one only on llama.cpp, whose sequences share one window) takes that prefix's keys and values instead of
+the last one only on llama.cpp, whose sequences share one window, and copied out into memory when their rows are,
+up to ``prompt_cache_bytes``) takes that prefix's keys and values instead of
 computing them (``KVGroup.copy_prefix``; the lone decoder's prompt-prefix reuse, across sequences), so a shared
 system prompt is prefilled once. Speculation adapts to load: each sequence's controller sees the pass as the whole
 batch's (``Controller.share_passes``), so drafts are verified only where they raise the batch's tokens per second;
@@ -215,7 +216,14 @@ class BatchEngine:
                 n = reusable_prefix(donor.tokens, state.tokens, len(donor.features) if layers else None)
                 if n > keep:
                     best, keep = donor, n
-        if best is not None and any(best is k for k in self.kept):  # adopt it: nothing to copy
+        in_use = sum(s.state.cache is not None for s in (*self.running, *self.prefilling))
+        free = self.group.capacity - in_use - len(self.kept)  # rows neither live nor keeping a finished cache
+        kept = best is not None and any(best is k for k in self.kept)
+        if kept and (keep == len(best.tokens) or free < 1):
+            # adopt it, nothing copied: all it holds is this prompt's prefix (a conversation's next turn), or no row
+            # is free (then what the prefix leaves out is first copied out of the row, where the group can)
+            if keep < len(best.tokens):
+                self._copy_out(best)
             self.kept = [k for k in self.kept if k is not best]
             best.cache.truncate(keep)
             state.cache = best.cache
@@ -223,14 +231,13 @@ class BatchEngine:
                 best.features.truncate(keep)
                 state.features = best.features
         else:
-            in_use = sum(s.state.cache is not None for s in (*self.running, *self.prefilling))
             while self.kept and in_use + len(self.kept) + 1 > self.group.capacity:
                 self._store(self.kept.pop(0))  # the oldest kept cache's row is needed
             state.cache = self.group.new_kv()
             if isinstance(best, _Stored):
                 self.group.restore(best.snapshot, state.cache, keep)
                 self.stored = [x for x in self.stored if x is not best] + [best]  # the latest used: dropped last
-            elif best is not None:
+            elif best is not None:  # a live or kept cache's prefix, the cache left whole for the next prompts
                 self.group.copy_prefix(best.cache, state.cache, keep)
                 if layers:
                     state.features.extend_from(best.features, keep)
@@ -249,8 +256,13 @@ class BatchEngine:
         yield from reversed(self.stored)
 
     def _store(self, cached: _Cached) -> None:
-        """Give back a kept cache's row, first copying its keys and values out (``prompt_cache_bytes``, the oldest
-        copies dropped first) where the group can and its sequence's drafter reads no hidden states."""
+        """Give back a kept cache's row, its keys and values first copied out (``_copy_out``)."""
+        self._copy_out(cached)
+        cached.cache.close()
+
+    def _copy_out(self, cached: _Cached) -> None:
+        """Copy a kept cache's keys and values out of its row into memory (``prompt_cache_bytes``, the oldest copies
+        dropped first) where the group can and its sequence's drafter reads no hidden states."""
         snapshot = getattr(self.group, "snapshot", None)
         if self.prompt_cache_bytes and snapshot is not None and not cached.layers and cached.tokens:
             copied, nbytes = snapshot(cached.cache, len(cached.tokens))
@@ -258,7 +270,6 @@ class BatchEngine:
                 self.stored.append(_Stored(list(cached.tokens), copied, nbytes))
                 while sum(s.nbytes for s in self.stored) > self.prompt_cache_bytes:
                     self.stored.pop(0)
-        cached.cache.close()
 
     @property
     def parked(self) -> _Cached | None:
