@@ -180,7 +180,7 @@ class BatchKV:
         if row.batch is not self or row.index is None or not 0 <= length <= len(row):
             raise ValueError(f"cannot copy {length} positions out of this row")
         copied = [(layer._keys[row.index, :, :length].clone(), layer._values[row.index, :, :length].clone())
-                  for layer in self.cache.layers if layer._keys is not None]
+                  for layer in self.cache.layers]  # a row holding positions: every layer has its buffers
         return copied, sum(k.numel() * k.element_size() * 2 for k, _ in copied)
 
     def restore(self, copied: list[tuple[torch.Tensor, torch.Tensor]], target: "RowKV", length: int) -> None:
