@@ -314,8 +314,9 @@ def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[in
     second's)}}: at the widths of ``ONE_ROW_TIMED`` up to ``ONE_ROW_MOST[type]`` the one-row path and the other, for
     Q6_K's 8 the tiles and the buffered path; under "prefetch" {1: (ms at each of PREFETCH_CANDIDATES)}; under "wide"
     {8: (ms on each of WIDE_CANDIDATES)} where timed; on CPUs with AMX-INT8, under "amx" {type: {rows: (ms on the
-    tiles, ms without)}} per K type at each of ``AMX_WIDTHS``, and a type's tiles kept from the narrowest of those widths from which they win at every wider one (``set_amx_rows``);
-    medians of interleaved rounds; ties go to the earlier candidate (the AVX paths, for the tiles)."""
+    tiles, ms without)}} per K type at each of ``AMX_WIDTHS``, and a type's tiles kept from the narrowest of those
+    widths from which they win at every wider one (``set_amx_rows``); medians of interleaved rounds; ties go to the
+    earlier candidate (the AVX paths, for the tiles)."""
     _require()
     set_wide_isa(isa())  # every width on one set while the other paths are timed (a model loaded before may have
     # put wide products on AVX2, where the Q6_K tiles setting below changes nothing)
