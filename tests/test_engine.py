@@ -86,6 +86,33 @@ def test_prefix_reuse_gives_the_same_output(tiny_target):
     assert again.token_ids == cold.generate(PROMPTS[1] + first.token_ids[:5], max_new_tokens=15).token_ids
 
 
+def test_the_draft_model_keeps_the_prompt_it_read_for_the_next_request(tiny_target, tiny_noisy_draft):
+    """A second request with the same prompt (an audit's next sample, a conversation's next turn) reads only what
+    the draft's cache lacks, and decodes what a fresh drafter decodes."""
+    fed = []
+    forward = tiny_noisy_draft.forward
+
+    def counting(kv, tokens, **options):
+        fed.append(len(tokens))
+        return forward(kv, tokens, **options)
+
+    drafter = ModelDrafter(tiny_noisy_draft, tiny_target)
+    decoder = SpeculativeDecoder(tiny_target, drafter, k=4, k_policy="fixed")
+    tiny_noisy_draft.forward = counting
+    try:
+        first = decoder.generate(PROMPTS[1], max_new_tokens=12, temperature=1.0, seed=3)
+        read_first, fed[:] = sum(fed), []
+        again = decoder.generate(PROMPTS[1], max_new_tokens=12, temperature=1.0, seed=3)
+        read_again = sum(fed)
+    finally:
+        del tiny_noisy_draft.forward
+    assert again.token_ids == first.token_ids
+    assert read_first - read_again >= len(PROMPTS[1]) - 2  # the prompt was not read a second time
+    assert_draft_cache_is_a_fresh_pass(drafter, tiny_noisy_draft)
+    fresh = SpeculativeDecoder(tiny_target, ModelDrafter(tiny_noisy_draft, tiny_target), k=4, k_policy="fixed")
+    assert fresh.generate(PROMPTS[1], max_new_tokens=12, temperature=1.0, seed=3).token_ids == first.token_ids
+
+
 @pytest.mark.parametrize("drafter_kind", ["none", "ngram", "model"])
 def test_same_seed_same_sample_different_seed_different(tiny_target, tiny_noisy_draft, drafter_kind):
     drafter = {"none": None, "ngram": NgramDrafter(),

@@ -27,8 +27,8 @@ log = logging.getLogger(__name__)
 class ModelDrafter(DrafterBase):
     """Samples each draft token from the draft model with the request's sampling parameters and
     returns q. Its KV cache holds every token it has seen except the newest; on the next proposal it
-    keeps the longest prefix shared with the committed context (dropping rejected drafts) and feeds
-    only the rest."""
+    keeps the longest prefix shared with the committed context (dropping rejected drafts, or what another
+    request left after the prompt they share) and feeds only the rest."""
 
     name = "model"
 
@@ -40,10 +40,14 @@ class ModelDrafter(DrafterBase):
         self.reset(SamplingParams(), None)
 
     def reset(self, sampling: SamplingParams, generator: torch.Generator | None) -> None:
+        """A new request. The draft's cache stays: the next proposal keeps the prefix it shares with the request's
+        context (``_realign``), so a repeated prompt, a conversation's next turn or an audit's next sample is not
+        read again (its keys and values depend on the tokens alone)."""
         self.sampling = sampling
         self.generator = generator
-        self._cache = None  # the draft's KV cache, made at the first proposal
-        self._cached: list[int] = []  # tokens whose keys/values are in _cache
+        if getattr(self, "_cache", None) is None:
+            self._cache = None  # the draft's KV cache, made at the first proposal
+            self._cached: list[int] = []  # tokens whose keys/values are in _cache
 
     def _distribution(self, logits: torch.Tensor) -> torch.Tensor:
         # the draft may only propose ids the target can score; pad q when the target's vocabulary is wider

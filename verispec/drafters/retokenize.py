@@ -111,8 +111,10 @@ class RetokenizingDrafter(DrafterBase):
         self.reset(SamplingParams(), None)
 
     def reset(self, sampling: SamplingParams | None = None, generator: torch.Generator | None = None) -> None:
-        self._cache = None
-        self._cached: list[int] = []  # draft ids whose keys/values are in _cache
+        # the draft's cache stays across requests: a proposal keeps the prefix its draft ids share with it
+        if getattr(self, "_cache", None) is None:
+            self._cache = None
+            self._cached: list[int] = []  # draft ids whose keys/values are in _cache
         self._frozen: list[int] | None = None  # committed target ids translated once (the prompt, settled answer)
         self._frozen_draft: list[int] = []  # the same in draft ids
 
