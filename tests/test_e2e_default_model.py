@@ -61,14 +61,14 @@ def test_cli_generate_json_matches_drafter_none():
 
 def test_audit_passes_strict_and_fails_lossy_typical_on_the_documented_setting(default_model):
     """The documented audit setting (docs/analysis.md): default raw prompt, n-gram drafter, temperature 1."""
-    def audit(acceptance):
+    def audit(acceptance, samples):
         decoder = SpeculativeDecoder(default_model, NgramDrafter(), k=8, k_policy="fixed", acceptance=acceptance)
         prompt_ids = decoder.encode(DEFAULT_AUDIT_PROMPT, raw=True)
-        return run_audit(decoder, prompt_ids, temperature=1.0, samples=150, positions=3, seed=0)
+        return run_audit(decoder, prompt_ids, temperature=1.0, samples=samples, positions=3, seed=0)
 
-    strict = audit("strict")
+    strict = audit("strict", 150)
     assert strict.passed, strict.to_dict()
-    lossy = audit("typical")
+    lossy = audit("typical", 60)  # its failure is gross: p ~1e-59 at the first two positions from 50 samples
     assert not lossy.passed, lossy.to_dict()
     assert min(t.p_value for t in lossy.positions) < 1e-6
 

@@ -42,11 +42,16 @@ def test_greedy_decoding_is_transformers_generate_and_every_drafter_is_plain(gem
             assert got.token_ids == expected.token_ids, (name, options, prompt)
 
 
-def test_llamacpp_speculation_is_its_own_plain_decoding():
+@pytest.fixture(scope="module")
+def gemma_llamacpp():
     require_llama_cpp()
     # F32 weights: llama.cpp's quantized kernels round differently at different pass widths (docs/llamacpp.md), so
     # only F32 passes are width-invariant enough for greedy identity
-    target = load_model(NAME, backend="llamacpp", weights="f32")
+    return load_model(NAME, backend="llamacpp", weights="f32")
+
+
+def test_llamacpp_speculation_is_its_own_plain_decoding(gemma_llamacpp):
+    target = gemma_llamacpp
     plain = SpeculativeDecoder(target)
     spec = SpeculativeDecoder(target, make_drafter("ngram"), k=6, k_policy="fixed")
     accepted = 0
@@ -115,6 +120,5 @@ def test_smollm2_drafts_for_it_through_text(gemma, smollm2):
     assert report.accepted > 0
 
 
-def test_smollm2_drafts_for_it_through_text_on_llamacpp(smollm2):
-    require_llama_cpp()
-    assert_drafts_through_text_are_plain_decoding(load_model(NAME, backend="llamacpp", weights="f32"), smollm2)
+def test_smollm2_drafts_for_it_through_text_on_llamacpp(gemma_llamacpp, smollm2):
+    assert_drafts_through_text_are_plain_decoding(gemma_llamacpp, smollm2)

@@ -1,6 +1,6 @@
 """Medusa heads on the real built-in model with the set shipped for it: greedy output identical to plain decoding
-(chains and trees) with drafts accepted, and the audit at temperature 0.7 (sampled chains from the heads' q, and
-trees of deterministic candidates). The llama.cpp run is in test_e2e_llamacpp.py. Marked e2e; run in CI."""
+(chains and trees) with drafts accepted, and the audit at temperature 0.7 on trees of deterministic candidates. The
+llama.cpp run is in test_e2e_llamacpp.py. Marked e2e; run in CI."""
 
 import pytest
 
@@ -29,10 +29,11 @@ def test_greedy_output_is_plain_decodings(default_model, tree):
     assert drafter.heads.config.training["best_validation"]["top1"][0] > 0.2
 
 
-@pytest.mark.parametrize("tree", [False, True])
-def test_audit_passes_at_temperature_0_7(default_model, tree):
-    decoder = SpeculativeDecoder(default_model, MedusaDrafter(default_model, tree=tree), k=8 if tree else 3,
-                                 k_policy="fixed")
+def test_audit_passes_at_temperature_0_7_on_trees(default_model):
+    # trees only: sampled chains of a drafter's own q are audited on this model with the layer-skip drafter
+    # (test_e2e_layerskip.py) and with a draft model (test_e2e_qwen_pair.py), and both of Medusa's acceptance paths
+    # against exact joint distributions on tiny models (tests/test_medusa.py)
+    decoder = SpeculativeDecoder(default_model, MedusaDrafter(default_model, tree=True), k=8, k_policy="fixed")
     prompt_ids = decoder.encode("Write a short poem about the sea.")
     report = run_audit(decoder, prompt_ids, temperature=0.7, samples=150, positions=3, seed=0)
     assert report.passed, report.to_dict()
