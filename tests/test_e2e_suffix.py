@@ -41,7 +41,7 @@ def test_bench_on_the_repetition_workload(tmp_path, capsys):
     from verispec.bench.prompts import PACKAGED
 
     workload = PACKAGED.parent.parent / "repetition" / "extract.jsonl"
-    assert main(["bench", "--prompts", str(workload), "--limit", "4", "--max-new-tokens", "48", "--methods",
+    assert main(["bench", "--prompts", str(workload), "--limit", "2", "--max-new-tokens", "48", "--methods",
                  "baseline,suffix", "--out", str(tmp_path), "--no-plots"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     overall = result["overall"]
