@@ -86,7 +86,7 @@ def test_prefix_reuse_gives_the_same_output(tiny_target):
     assert again.token_ids == cold.generate(PROMPTS[1] + first.token_ids[:5], max_new_tokens=15).token_ids
 
 
-def test_the_draft_model_keeps_the_prompt_it_read_for_the_next_request(tiny_target, tiny_noisy_draft):
+def test_the_draft_model_keeps_the_prompt_it_read_for_the_next_request(tiny_target, tiny_noisy_draft, monkeypatch):
     """A second request with the same prompt (an audit's next sample, a conversation's next turn) reads only what
     the draft's cache lacks, and decodes what a fresh drafter decodes."""
     fed = []
@@ -98,14 +98,12 @@ def test_the_draft_model_keeps_the_prompt_it_read_for_the_next_request(tiny_targ
 
     drafter = ModelDrafter(tiny_noisy_draft, tiny_target)
     decoder = SpeculativeDecoder(tiny_target, drafter, k=4, k_policy="fixed")
-    tiny_noisy_draft.forward = counting
-    try:
-        first = decoder.generate(PROMPTS[1], max_new_tokens=12, temperature=1.0, seed=3)
-        read_first, fed[:] = sum(fed), []
-        again = decoder.generate(PROMPTS[1], max_new_tokens=12, temperature=1.0, seed=3)
-        read_again = sum(fed)
-    finally:
-        del tiny_noisy_draft.forward
+    monkeypatch.setattr(tiny_noisy_draft, "forward", counting)
+    first = decoder.generate(PROMPTS[1], max_new_tokens=12, temperature=1.0, seed=3)
+    read_first, fed[:] = sum(fed), []
+    again = decoder.generate(PROMPTS[1], max_new_tokens=12, temperature=1.0, seed=3)
+    read_again = sum(fed)
+    monkeypatch.undo()
     assert again.token_ids == first.token_ids
     assert read_first - read_again >= len(PROMPTS[1]) - 2  # the prompt was not read a second time
     assert_draft_cache_is_a_fresh_pass(drafter, tiny_noisy_draft)

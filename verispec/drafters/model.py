@@ -37,6 +37,8 @@ class ModelDrafter(DrafterBase):
             check_compatible(target.tokenizer, draft.tokenizer, check_chat_template=check_chat_template)
         self.draft = draft
         self.vocab_size = target.vocab_size if target is not None else draft.vocab_size
+        self._cache = None  # the draft's KV cache, made at the first proposal and kept across requests
+        self._cached: list[int] = []  # tokens whose keys/values are in _cache
         self.reset(SamplingParams(), None)
 
     def reset(self, sampling: SamplingParams, generator: torch.Generator | None) -> None:
@@ -45,9 +47,6 @@ class ModelDrafter(DrafterBase):
         read again (its keys and values depend on the tokens alone)."""
         self.sampling = sampling
         self.generator = generator
-        if getattr(self, "_cache", None) is None:
-            self._cache = None  # the draft's KV cache, made at the first proposal
-            self._cached: list[int] = []  # tokens whose keys/values are in _cache
 
     def _distribution(self, logits: torch.Tensor) -> torch.Tensor:
         # the draft may only propose ids the target can score; pad q when the target's vocabulary is wider

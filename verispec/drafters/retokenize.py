@@ -108,13 +108,12 @@ class RetokenizingDrafter(DrafterBase):
         self.draft_specials = special_ids(draft.tokenizer) | set(draft.eos_token_ids)
         self.draft_start = draft.tokenizer.encode("", add_special_tokens=True)  # e.g. the draft's BOS
         self.draft_steps = self.proposed = 0
+        # the draft's cache, kept across requests: a proposal keeps the prefix its draft ids share with it
+        self._cache = None
+        self._cached: list[int] = []  # draft ids whose keys/values are in _cache
         self.reset(SamplingParams(), None)
 
     def reset(self, sampling: SamplingParams | None = None, generator: torch.Generator | None = None) -> None:
-        # the draft's cache stays across requests: a proposal keeps the prefix its draft ids share with it
-        if getattr(self, "_cache", None) is None:
-            self._cache = None
-            self._cached: list[int] = []  # draft ids whose keys/values are in _cache
         self._frozen: list[int] | None = None  # committed target ids translated once (the prompt, settled answer)
         self._frozen_draft: list[int] = []  # the same in draft ids
 
