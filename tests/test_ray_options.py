@@ -110,7 +110,7 @@ def test_control_keeps_the_switch_and_forgets_silent_replicas(monkeypatch):
     control = VerispecControl(speculation=True)
     assert control.get() is True and control.set(False) is False and control.get() is False
     clock = [100.0]
-    monkeypatch.setattr("verispec.ray.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("verispec.ray._clock", lambda: clock[0])
     control.register("a", "10.0.0.1:9000")
     control.register("b", "10.0.0.2:9001")
     assert control.targets() == [{"targets": ["10.0.0.1:9000"], "labels": {"replica": "a"}},

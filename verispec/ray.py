@@ -28,6 +28,8 @@ SERVER_DEPLOYMENT = "VerispecServer"
 CONTROL_DEPLOYMENT = "VerispecControl"
 # options of `verispec serve` that shape the deployment or the process, not a replica's server
 DEPLOYMENT_OPTIONS = ("host", "port", "log_level")
+# the replicas' heartbeat clock (a test replaces it; patching time.monotonic would reach every thread)
+_clock = time.monotonic
 HEADROOM = 4  # requests a replica takes beyond its queue: /health, /metrics, and answering overflow with a 429
 HEALTH_PERIOD_S = 2.0  # replicas report to the control this often (their health check)
 # what a replica's environment takes from the deploying process: settings that change where caches live and how
@@ -96,11 +98,11 @@ class VerispecControl:
         return self.speculation
 
     def register(self, replica: str, address: str) -> None:
-        self.replicas[replica] = (address, time.monotonic())
+        self.replicas[replica] = (address, _clock())
 
     def targets(self) -> list[dict]:
         """Prometheus HTTP service discovery: one target group per live replica."""
-        now = time.monotonic()
+        now = _clock()
         self.replicas = {r: (a, t) for r, (a, t) in self.replicas.items() if now - t < 3 * HEALTH_PERIOD_S + 5}
         return [{"targets": [address], "labels": {"replica": replica}}
                 for replica, (address, _) in sorted(self.replicas.items())]
