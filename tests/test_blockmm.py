@@ -188,6 +188,46 @@ def test_the_kernel_string_names_a_prefetch_distance_other_than_the_default():
         blockmm.set_one_row_limit("Q4_K", limit)
 
 
+def test_link_names_the_matrix_that_follows_in_memory_and_wraps_around():
+    """Each matrix fetches ahead for the one whose blocks start first at or after its end (the blocks backend lays a
+    model's matrices out in the order its layers run); joined siblings at one address count as the largest."""
+    row_bytes = TYPES["Q4_0"].bytes * 2
+    buffer = blockmm.weight_buffer(4 * 8192)
+    a, b, c = (buffer[at: at + 16 * row_bytes].view(16, row_bytes) for at in (0, 8192, 16384))
+    joined = buffer[8192: 8192 + 32 * row_bytes].view(32, row_bytes)  # b and the rows after it, as one product
+    ma, mb, mc, mj = (blockmm.Matrix(blocks, "Q4_0", 64) for blocks in (a, b, c, joined))
+    assert blockmm.link([ma, mb, mc, mj]) == 4
+    assert ma._next == (joined.data_ptr(), 32, row_bytes)  # the joined product, not its first member
+    assert mb._next == mj._next == (c.data_ptr(), 16, row_bytes)
+    assert mc._next == (a.data_ptr(), 16, row_bytes)  # after the last: the first (the next pass starts there)
+    assert blockmm.link([ma]) == 0 and ma._next[0] == joined.data_ptr()  # one matrix alone: left as it was
+
+
+def test_fetching_ahead_between_products_changes_no_bit():
+    """The look-ahead only asks for memory: every setting gives the products' bits, on two threads, one row or many."""
+    before = blockmm.lookahead()
+    assert before[0] > 0  # on by default
+    w1, w2 = random_blocks("Q4_K", 96, 512, seed=3), random_blocks("Q6_K", 64, 512, seed=4)
+    m1, m2 = blockmm.Matrix(w1, "Q4_K", 512), blockmm.Matrix(w2, "Q6_K", 512)
+    blockmm.link([m1, m2])
+    try:
+        outs = []
+        for own, other in ((0, 0), (1 << 20, 0), (1 << 16, 1 << 16)):
+            blockmm.set_lookahead(own, other)
+            assert blockmm.lookahead() == (own, other)
+            named = any("next matrix fetched" in words for words in blockmm.paths_in_use(["Q4_K"]))
+            assert named == bool(own)  # the kernel string that bench and costs record says whether it was on
+            with blockmm.threads_held():
+                blockmm.set_threads(2)
+                outs.append([m(activations(M, 512)) for M in (1, 5) for m in (m1, m2, m1)])
+                blockmm.set_threads(None)
+        assert all(torch.equal(x, y) for other in outs[1:] for x, y in zip(outs[0], other))
+        with pytest.raises(ValueError, match="lookahead own must be"):
+            blockmm.set_lookahead(-1)
+    finally:
+        blockmm.set_lookahead(*before)
+
+
 @contextlib.contextmanager
 def kernel_settings_restored():
     """What ``choose_paths`` sets (instruction sets, one-row limits, Q6_K tiles, prefetch, AMX) put back after."""

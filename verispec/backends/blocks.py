@@ -246,9 +246,21 @@ def _finish(loaded: LoadedModel, swapped: Swapped, name: str) -> BlocksModel:
         loaded.model.set_attn_implementation(ROW_ATTENTION)
     lean = block_layers.install(loaded.model)
     log.info("%s: %d decoder layers on the lean forward (joined products, native rotary)", name, lean)
+    blockmm.link(_matrices(loaded.model))
     return BlocksModel(model=loaded.model, tokenizer=loaded.tokenizer, name=loaded.name, dtype=torch.float32,
                        eos_token_ids=loaded.eos_token_ids, pack_requested=False, width_invariant=invariant,
                        swapped=swapped)
+
+
+def _matrices(model: nn.Module) -> list[blockmm.Matrix]:
+    """Every ``blockmm.Matrix`` a pass of ``model`` multiplies by: each ``BlockLinear``'s and the lean layers' joined
+    products."""
+    found = [m._matrix for m in model.modules() if isinstance(m, BlockLinear)]
+    for module in model.modules():
+        lean = module.__dict__.get("forward")
+        if isinstance(lean, block_layers.LeanForward):
+            found += [matrix for products in (lean.qkv, lean.gate_up) for matrix, _, _ in products.runs]
+    return found
 
 
 def _choose_paths(model: nn.Module) -> None:

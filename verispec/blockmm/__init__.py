@@ -260,6 +260,46 @@ def set_prefetch(nbytes: int) -> None:
     _native.set_prefetch(int(nbytes))
 
 
+def lookahead() -> tuple[int, int]:
+    """(own, other): the bytes of the next matrix each kernel worker fetches between two calls (its own rows; worker 1
+    also the calling thread's), while the framework runs; (0, 0): off."""
+    _require()
+    return tuple(_native.lookahead())
+
+
+def set_lookahead(own: int, other: int = 0) -> None:
+    """Between calls, each worker thread fetches the first ``own`` bytes of its rows of the matrix the last product
+    named as next (``link``), worker 1 also ``other`` bytes of the calling thread's rows. Speed only: the same bits."""
+    _require()
+    for name, value in (("own", own), ("other", other)):
+        if not 0 <= value <= 1 << 26:
+            raise ValueError(f"lookahead {name} must be 0..{1 << 26} bytes, not {value}")
+    _native.set_lookahead(int(own), int(other))
+
+
+def link(matrices: list["Matrix"]) -> int:
+    """Name each matrix's successor in memory as what its products fetch ahead for (``set_lookahead``): the matrix
+    whose blocks start first at or after its own end, the first one after the last. A model whose matrices lie in one
+    buffer in the order its layers run (the blocks backend's) thus fetches, during the framework's work after each
+    product, the product that comes next. Where several start at one address (joined siblings and their members) the
+    largest counts. Returns how many matrices were linked."""
+    regions: dict[int, Matrix] = {}
+    for m in matrices:
+        start = m.blocks.data_ptr()
+        if start not in regions or regions[start].N < m.N:
+            regions[start] = m
+    starts = sorted(regions)
+    if len(starts) < 2:
+        return 0
+    import bisect
+
+    for m in matrices:
+        end = m.blocks.data_ptr() + m.N * m._args[4]
+        nxt = regions[starts[bisect.bisect_left(starts, end) % len(starts)]]
+        m._next = (nxt.blocks.data_ptr(), nxt.N, nxt._args[4])
+    return len(matrices)
+
+
 def paths_in_use(kinds) -> list[str]:
     """The non-default paths the kernel takes now for the block types ``kinds`` (a model's), in words, for the kernel
     string that ``verispec costs`` and ``bench`` print: ["one-row path for Q6_K", "Q6_K tiles"]."""
@@ -272,6 +312,9 @@ def paths_in_use(kinds) -> list[str]:
         named.append("Q6_K tiles")
     if one_row and prefetch() != PREFETCH:
         named.append(f"prefetching {prefetch()} B ahead" if prefetch() else "no prefetching")
+    own, _ = lookahead()
+    if own:
+        named.append(f"next matrix fetched between calls ({own // 1024} KB a worker)")
     if wide_isa() != isa():
         named.append(f"{wide_isa()} past 2 rows")
     tiles = amx_rows() if isa() == "avx512vnni" else {}
@@ -456,6 +499,7 @@ class Matrix:
         _check(blocks, self.type, in_features)
         self.blocks, self.K, self.N = blocks, in_features, blocks.shape[0]
         self._args = (self.type.ggml_id, blocks.data_ptr(), self.N, self.K, blocks.shape[1])
+        self._next = (0, 0, 0)  # the matrix fetched ahead after each product (link)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         kind, w, N, K, row_bytes = self._args
@@ -465,7 +509,7 @@ class Matrix:
             x = x.float().contiguous()
         y = torch.empty(x.shape[:-1] + (N,), dtype=torch.float32)
         _native.matmul(kind, x.data_ptr(), w, y.data_ptr(), x.numel() // K, N, K, row_bytes,
-                       _threads or _held or default_threads())
+                       _threads or _held or default_threads(), *self._next)
         return y
 
 
@@ -513,5 +557,5 @@ def attend_unchecked(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 __all__ = ["TYPES", "Matrix", "attend", "attend_unchecked", "available", "best_isa", "block_type", "default_threads",
-           "isa", "isas", "matmul", "native_built", "prefetch", "rms_norm", "rope", "row_digests", "set_isa",
-           "set_prefetch", "set_threads", "set_wide_isa", "why_unavailable", "wide_isa"]
+           "isa", "isas", "link", "lookahead", "matmul", "native_built", "prefetch", "rms_norm", "rope", "row_digests", "set_isa",
+           "set_lookahead", "set_prefetch", "set_threads", "set_wide_isa", "why_unavailable", "wide_isa"]

@@ -502,6 +502,21 @@ void run_range(const Problem& p, int n0, int n1, int isa) {
 // ---------------------------------------------------------------------------------------------------------------
 // A small pool of threads that spin briefly between calls (a decoding pass makes ~200 calls in a row), then sleep.
 
+struct Ahead {  // a matrix's blocks: where they start, rows, bytes a row
+    const uint8_t* w = nullptr;
+    int64_t N = 0, row_bytes = 0;
+};
+int64_t g_lookahead_own = 0, g_lookahead_other = 0;  // bytes fetched ahead between calls (set_lookahead; 0: off)
+
+// The default: half of a core's L2 (where _MM_HINT_T1 puts the lines), 256 KB to 1 MB; 256 KB where it is not told.
+int64_t default_lookahead() {
+    long l2 = 0;
+#ifdef _SC_LEVEL2_CACHE_SIZE
+    l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#endif
+    return std::max<int64_t>(1 << 18, std::min<int64_t>(1 << 20, l2 > 0 ? l2 / 2 : 0));
+}
+
 class Pool {
   public:
     ~Pool() {
@@ -514,7 +529,11 @@ class Pool {
         for (auto& t : workers_) t.join();
     }
 
-    void run(int threads, const std::function<void(int, int)>& task) {
+    // ``ahead``: the matrix the next call will most likely read (null: keep the last one named). Between calls each
+    // worker asks for its own share of it (and worker 1 for the calling thread's share), so the framework's time
+    // between two products is spent fetching the next one (set_lookahead).
+    void run(int threads, const std::function<void(int, int)>& task, const Ahead* ahead = nullptr) {
+        if (ahead) ahead_ = *ahead;
         if (threads <= 1) { task(0, 1); return; }
         grow(threads - 1);
         task_ = &task;
@@ -548,6 +567,8 @@ class Pool {
     }
 
     void loop(int id, uint64_t seen) {
+        Ahead fetched;  // what this worker has been fetching ahead, and how far
+        int64_t own_done = 0, other_done = 0;
         for (;;) {
             uint64_t now = seen;
             for (int spin = 0; spin < 100000; spin++) {
@@ -563,10 +584,49 @@ class Pool {
             seen = now;
             if (stop_) return;
             if (id < width_) {
-                (*task_)(id, width_);
+                const Ahead next = ahead_;  // read before the call ends: the caller may name another after it
+                const int width = width_;
+                (*task_)(id, width);
                 pending_.fetch_sub(1, std::memory_order_acq_rel);
+                if (next.w != fetched.w || next.N != fetched.N) {
+                    fetched = next;
+                    own_done = other_done = 0;
+                }
+                look_ahead(fetched, id, width, seen, own_done, other_done);
+            } else {
+                look_ahead(fetched, id, width_, seen, own_done, other_done);
             }
         }
+    }
+
+    // Ask for the first g_lookahead_own bytes of this worker's rows of ``a`` (split as matmul splits one-row calls),
+    // and worker 1 for the first g_lookahead_other bytes of the calling thread's, 4 KB at a time from where the last
+    // gap stopped, until the next call starts.
+    void look_ahead(const Ahead& a, int id, int width, uint64_t seen, int64_t& own_done, int64_t& other_done) {
+        if (!a.w || width < 2) return;
+        const int64_t units = (a.N + NR - 1) / NR;
+        auto share = [&](int who, int64_t limit, int64_t& done) {
+            const int64_t n0 = std::min(a.N, units * who / width * NR), n1 = std::min(a.N, units * (who + 1) / width * NR);
+            const int64_t bytes = std::min(limit, (n1 - n0) * a.row_bytes);
+            const uint8_t* base = a.w + n0 * a.row_bytes;
+            while (done < bytes) {
+                if (gen_.load(std::memory_order_relaxed) != seen) return false;
+                const int64_t end = std::min(bytes, done + 4096);
+                for (int64_t o = done; o < end; o += 64) prefetch_l2(base + o);
+                done = end;
+            }
+            return true;
+        };
+        if (!share(id, g_lookahead_own, own_done)) return;
+        if (id == 1) share(0, g_lookahead_other, other_done);
+    }
+
+    static inline void prefetch_l2(const uint8_t* p) {
+#if VS_X86
+        _mm_prefetch((const char*)p, _MM_HINT_T1);
+#else
+        __builtin_prefetch(p, 0, 2);
+#endif
     }
 
     std::vector<std::thread> workers_;
@@ -574,6 +634,7 @@ class Pool {
     std::atomic<int> pending_{0};
     const std::function<void(int, int)>* volatile task_ = nullptr;
     volatile int width_ = 1;
+    Ahead ahead_;
     std::mutex mu_;
     std::condition_variable cv_;
     bool stop_ = false;
@@ -583,7 +644,7 @@ Pool* g_pool = nullptr;
 std::mutex g_call;  // one call at a time uses the pool (callers in several Python threads take turns)
 
 void matmul(int kind, const float* x, const uint8_t* W, float* y, int M, int N, int K, int64_t row_bytes,
-            int threads, int isa) {
+            int threads, int isa, const Ahead* ahead = nullptr) {
     Format f;
     format_of(kind, &f);
     const int G = is_k(kind) ? K / 256 : (K / 32 + 7) / 8;
@@ -634,7 +695,7 @@ void matmul(int kind, const float* x, const uint8_t* W, float* y, int M, int N, 
     };
     std::lock_guard<std::mutex> lock(g_call);
     if (!g_pool) g_pool = new Pool();
-    g_pool->run(threads, task);
+    g_pool->run(threads, task, ahead);
 }
 
 // Attention for R query rows of B sequences: q [B, H, R, D] (contiguous), k / v [B, Hkv, *, D] with the given strides
@@ -680,9 +741,11 @@ void attend(const float* q, const float* k, const float* v, float* out, int B, i
 
 PyObject* py_matmul(PyObject*, PyObject* args) {
     int kind, M, N, K, threads;
-    unsigned long long xp, wp, yp;
-    long long row_bytes;
-    if (!PyArg_ParseTuple(args, "iKKKiiiLi", &kind, &xp, &wp, &yp, &M, &N, &K, &row_bytes, &threads)) return nullptr;
+    unsigned long long xp, wp, yp, next_w = 0;
+    long long row_bytes, next_n = 0, next_row_bytes = 0;
+    if (!PyArg_ParseTuple(args, "iKKKiiiLi|KLL", &kind, &xp, &wp, &yp, &M, &N, &K, &row_bytes, &threads, &next_w,
+                          &next_n, &next_row_bytes))
+        return nullptr;
     Format f;
     if (!format_of(kind, &f)) {
         PyErr_Format(PyExc_ValueError, "block type %d is not supported by the native kernel", kind);
@@ -700,7 +763,11 @@ PyObject* py_matmul(PyObject*, PyObject* args) {
     if (M == 0 || N == 0) Py_RETURN_NONE;
     const int isa = (M >= WIDE_ROWS && g_wide_isa >= 0) ? g_wide_isa : g_isa;
     Py_BEGIN_ALLOW_THREADS
-    matmul(kind, (const float*)xp, (const uint8_t*)wp, (float*)yp, M, N, K, row_bytes, threads, isa);
+    Ahead ahead;
+    ahead.w = (const uint8_t*)next_w;
+    ahead.N = next_w ? next_n : 0;
+    ahead.row_bytes = next_row_bytes;
+    matmul(kind, (const float*)xp, (const uint8_t*)wp, (float*)yp, M, N, K, row_bytes, threads, isa, &ahead);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -952,6 +1019,22 @@ PyObject* py_set_prefetch(PyObject*, PyObject* args) {
 
 PyObject* py_prefetch(PyObject*, PyObject*) { return PyLong_FromLong(g_prefetch); }
 
+PyObject* py_set_lookahead(PyObject*, PyObject* args) {
+    long long own, other;
+    if (!PyArg_ParseTuple(args, "LL", &own, &other)) return nullptr;
+    if (own < 0 || other < 0 || own > (1LL << 26) || other > (1LL << 26)) {
+        PyErr_Format(PyExc_ValueError, "set_lookahead takes 0..%lld bytes each, not %lld and %lld", 1LL << 26, own,
+                     other);
+        return nullptr;
+    }
+    std::lock_guard<std::mutex> lock(g_call);  // the workers read them between calls
+    g_lookahead_own = own;
+    g_lookahead_other = other;
+    Py_RETURN_NONE;
+}
+
+PyObject* py_lookahead(PyObject*, PyObject*) { return Py_BuildValue("(LL)", (long long)g_lookahead_own, (long long)g_lookahead_other); }
+
 PyObject* py_one_row(PyObject*, PyObject* args) {
     int kind;
     if (!PyArg_ParseTuple(args, "i", &kind)) return nullptr;
@@ -961,7 +1044,8 @@ PyObject* py_one_row(PyObject*, PyObject* args) {
 
 PyMethodDef METHODS[] = {
     {"matmul", py_matmul, METH_VARARGS,
-     "matmul(kind, x_ptr, w_ptr, y_ptr, M, N, K, row_bytes, threads): y[M, N] = x[M, K] W[N, K]^T on W's GGUF blocks"},
+     "matmul(kind, x_ptr, w_ptr, y_ptr, M, N, K, row_bytes, threads[, next_w, next_N, next_row_bytes]): y[M, N] = "
+     "x[M, K] W[N, K]^T on W's GGUF blocks; next_*: the matrix the next call will likely read (set_lookahead)"},
     {"attend", py_attend, METH_VARARGS,
      "attend(q, k, v, out, B, H, Hkv, R, D, kb, kh, ks, vb, vh, vs, counts, idx, idx_len, scale, threads): each query "
      "row's causal attention over its own keys, alone (row-invariant)"},
@@ -982,6 +1066,10 @@ PyMethodDef METHODS[] = {
     {"q6k_tiles", py_q6k_tiles, METH_NOARGS, "whether AVX-512 Q6_K passes past the one-row limit take the tiles"},
     {"set_prefetch", py_set_prefetch, METH_VARARGS,
      "set_prefetch(bytes): the one-row paths request the weights this many bytes ahead (0: off)"},
+    {"set_lookahead", py_set_lookahead, METH_VARARGS,
+     "set_lookahead(own, other): between calls each worker fetches the first `own` bytes of its rows of the matrix the "
+     "last call named as next, worker 1 also `other` bytes of the calling thread's rows (0: off)"},
+    {"lookahead", py_lookahead, METH_NOARGS, "(own, other) bytes fetched ahead between calls"},
     {"prefetch", py_prefetch, METH_NOARGS, "the one-row paths' prefetch distance in bytes"},
     {"best_isa", py_best_isa, METH_NOARGS, "the best instruction set this CPU runs"},
     {"set_isa", py_set_isa, METH_VARARGS, "use another instruction set (scalar, avx2, avx512vnni), at most the best"},
@@ -1003,5 +1091,6 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (const char* ahead = std::getenv("VERISPEC_AMX_AHEAD")) g_amx_ahead = std::max(0, std::atoi(ahead));
     g_best = detect_isa();
     g_isa = g_best;
+    g_lookahead_own = default_lookahead();
     return PyModule_Create(&MODULE);
 }
