@@ -317,6 +317,21 @@ def test_burst_past_the_limit_gets_429_and_server_recovers(chat_dir):
         s.stop()
 
 
+def test_the_prompt_cache_size_reaches_the_batch_engine(chat_dir, capsys):
+    """``--prompt-cache-mb`` sizes the memory finished requests' keys and values are copied into (0: none)."""
+    from verispec.server.app import Server as App
+    from verispec.server.config import ServeOptions, build_server_config
+
+    for mb in (0, 3):
+        app = App(build_server_config(ServeOptions(target=str(chat_dir), drafter="ngram", prompt_cache_mb=mb)))
+        try:
+            assert app.worker.engine.prompt_cache_bytes == mb << 20
+        finally:
+            app.close()
+    assert main(["serve", "--target", str(chat_dir), "--prompt-cache-mb", "-1"]) == 2
+    assert "--prompt-cache-mb must be >= 0" in capsys.readouterr().err
+
+
 def test_serve_rejects_bad_options(chat_dir, capsys):
     assert main(["serve", "--target", str(chat_dir), "--max-concurrency", "0"]) == 2
     assert "--max-concurrency must be >= 1" in capsys.readouterr().err

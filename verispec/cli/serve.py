@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
-from ..batching import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
+from ..batching import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK, DEFAULT_PROMPT_CACHE_MB
 from ..server.limits import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_MESSAGES, DEFAULT_QUEUE_TIMEOUT,
                              DEFAULT_SHUTDOWN_GRACE)
 from .options import model_options
@@ -28,6 +28,11 @@ def add_serve_parser(sub) -> None:
     g.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK, metavar="TOKENS",
                    help="prompt tokens prefilled per pass while other requests are decoding, so a long prompt "
                         f"never stalls their streams for long (default: {DEFAULT_PREFILL_CHUNK})")
+    g.add_argument("--prompt-cache-mb", type=int, default=DEFAULT_PROMPT_CACHE_MB, metavar="MB",
+                   help="batched serving: memory for finished requests' keys and values, copied out of their rows "
+                        "when a new request needs the row, so a repeated prompt or a conversation's next turn is "
+                        "not prefilled again; the copies used least lately go first (default: "
+                        f"{DEFAULT_PROMPT_CACHE_MB}; 0: keep only what stays in free rows)")
     g.add_argument("--max-concurrency", type=int, default=1,
                    help="with --max-batch 1 only: unbatched generation slots, each in its own thread (default: 1; "
                         "on a CPU more only share the same cores)")

@@ -94,7 +94,8 @@ class Server:
             if config.max_concurrency != 1:
                 raise ValueError("max concurrency (threads of unbatched slots) applies with max batch 1 only; with "
                                  "batching, max batch is the number of requests generating at once")
-            engine = BatchEngine(target, max_batch=config.max_batch, prefill_chunk=config.prefill_chunk)
+            engine = BatchEngine(target, max_batch=config.max_batch, prefill_chunk=config.prefill_chunk,
+                                 prompt_cache_bytes=config.prompt_cache_mb << 20)
         self.pool = SlotPool(self._make_slot, config.max_batch if self.batched else config.max_concurrency,
                              config.max_queue)
         if self.batched:

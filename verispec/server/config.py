@@ -19,7 +19,7 @@ from ..backends import AUTO, DEFAULT_MODEL, TargetModel, backend_names, entry_op
 from ..backends.choice import default_backend
 from ..backends.references import default_draft
 from ..backends.registry import options_from as backend_options_from
-from ..batching import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK
+from ..batching import DEFAULT_MAX_BATCH, DEFAULT_PREFILL_CHUNK, DEFAULT_PROMPT_CACHE_MB
 from ..controller import COST, K_POLICIES
 from ..drafters import Drafter, drafter_names, drafter_specs, get_spec, options_from
 from ..drafters.registry import NONE, all_options, needs_layer_callback, parse_value
@@ -55,6 +55,7 @@ class ServeOptions:
     port: int = _option(8000, int)
     max_batch: int = _option(DEFAULT_MAX_BATCH, int)
     prefill_chunk: int = _option(DEFAULT_PREFILL_CHUNK, int)
+    prompt_cache_mb: int = _option(DEFAULT_PROMPT_CACHE_MB, int)
     max_concurrency: int = _option(1, int)
     max_queue: int = _option(16, int)
     default_max_tokens: int = _option(256, int)
@@ -161,6 +162,7 @@ class ServeOptions:
         """Refuse inconsistent options with a message that names the fix (before any model loads)."""
         for name, value, low in (("--port", self.port, 0), ("--max-concurrency", self.max_concurrency, 1),
                                  ("--max-batch", self.max_batch, 1), ("--prefill-chunk", self.prefill_chunk, 1),
+                                 ("--prompt-cache-mb", self.prompt_cache_mb, 0),
                                  ("--max-queue", self.max_queue, 0),
                                  ("--default-max-tokens", self.default_max_tokens, 1), ("--k", self.k, 1),
                                  ("--max-tokens-limit", self.max_tokens_limit or 1, 1),
@@ -222,6 +224,7 @@ class ServerConfig:
     max_batch: int = DEFAULT_MAX_BATCH  # requests decoded together, sharing each target pass (1: unbatched)
     max_concurrency: int = 1  # unbatched only (max_batch 1): slots each generating in its own thread
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK  # prompt tokens per pass while other requests decode
+    prompt_cache_mb: int = DEFAULT_PROMPT_CACHE_MB  # finished prompts' keys and values kept in memory (0: none)
     max_queue: int = 16
     default_max_tokens: int = 256
     max_tokens_limit: int | None = None  # the most tokens one request may ask for (None: the context window)
@@ -315,6 +318,7 @@ def build_server_config(options: ServeOptions) -> ServerConfig:
         target=target, drafters=drafters, deferred=frozenset(deferred), compile_job=compile_job, default_drafter=options.drafter, k=options.k, k_policy=options.k_policy,
         served_model_name=options.served_model_name, max_batch=options.max_batch,
         max_concurrency=options.max_concurrency, prefill_chunk=options.prefill_chunk, max_queue=options.max_queue,
+        prompt_cache_mb=options.prompt_cache_mb,
         default_max_tokens=options.default_max_tokens, max_tokens_limit=options.max_tokens_limit,
         admin_token=options.admin_token or os.environ.get(ADMIN_TOKEN_ENV),
         api_keys=split_keys(options.api_key) or split_keys(os.environ.get(API_KEY_ENV)),
