@@ -272,9 +272,11 @@ struct Problem {
 
 using SpanFn = void (*)(const float*, int, int8_t*, float*, int*);
 
-void quantize_rows(Problem* p, const float* x, int8_t* qx, float* dx, float* sx, int16_t* bsum, SpanFn span) {
+void quantize_rows(Problem* p, const float* x, int8_t* qx, float* dx, float* sx, int16_t* bsum, SpanFn span,
+                   int m0 = 0, int m1 = -1) {
     const int C = p->K / 32;
-    for (int m = 0; m < p->M; m++) {
+    if (m1 < 0) m1 = p->M;
+    for (int m = m0; m < m1; m++) {
         const float* v = x + (int64_t)m * p->K;
         int8_t* q = qx + m * p->q_stride;
         if (is_k(p->kind)) {
@@ -506,6 +508,7 @@ struct Ahead {  // a matrix's blocks: where they start, rows, bytes a row
     const uint8_t* w = nullptr;
     int64_t N = 0, row_bytes = 0;
 };
+constexpr int PREP_SHARED_ROWS = 16;  // passes of this many rows or more quantize their activations on the pool
 int64_t g_lookahead_own = 0, g_lookahead_other = 0;  // bytes fetched ahead between calls (set_lookahead; 0: off)
 
 // The default: half of a core's L2 (where _MM_HINT_T1 puts the lines), 256 KB to 1 MB; 256 KB where it is not told.
@@ -659,7 +662,12 @@ void matmul(int kind, const float* x, const uint8_t* W, float* y, int M, int N, 
     else if (isa == ISA_VNNI256) span = vnni256::quantize_span_simd;
     else if (isa == ISA_AVX2) span = avx2::quantize_span_simd;
 #endif
-    quantize_rows(&p, x, qx.data(), dx.data(), sx.data(), bsum.data(), span);
+    // Many rows: quantized (and laid out for the tiles) by the pool's threads, 16 rows a unit, each row the same
+    // operations as alone; few: by the calling thread, where a pool round trip would cost more than the work.
+    std::unique_lock<std::mutex> lock(g_call);
+    if (!g_pool) g_pool = new Pool();
+    const bool prep_shared = threads > 1 && M >= PREP_SHARED_ROWS;
+    if (!prep_shared) quantize_rows(&p, x, qx.data(), dx.data(), sx.data(), bsum.data(), span);
 #if VS_X86
     const bool amx = g_amx == 1 && is_k(kind) && g_amx_rows[kind & 15] > 0 && M >= g_amx_rows[kind & 15] && g_isa == ISA_VNNI;
 #else
@@ -674,7 +682,7 @@ void matmul(int kind, const float* x, const uint8_t* W, float* y, int M, int N, 
         bsT.assign((size_t)p.mblocks * G * 4 * 32, 0);
         dxT.assign((size_t)p.mblocks * G * 16, 0.0f);
 #if VS_X86
-        vnni::amx_layout(p, qT.data(), bsT.data(), dxT.data());
+        if (!prep_shared) vnni::amx_layout(p, qT.data(), bsT.data(), dxT.data());
 #endif
         p.qT = qT.data();
         p.bsT = bsT.data();
@@ -693,8 +701,18 @@ void matmul(int kind, const float* x, const uint8_t* W, float* y, int M, int N, 
 #endif
         run_range(p, n0, n1, isa);
     };
-    std::lock_guard<std::mutex> lock(g_call);
-    if (!g_pool) g_pool = new Pool();
+    if (prep_shared) {
+        const int blocks16 = (M + 15) / 16;
+        auto prep = [&](int id, int width) {
+            const int b0 = blocks16 * id / width, b1 = blocks16 * (id + 1) / width;
+            if (b0 >= b1) return;
+            quantize_rows(&p, x, qx.data(), dx.data(), sx.data(), bsum.data(), span, 16 * b0, std::min(M, 16 * b1));
+#if VS_X86
+            if (amx) vnni::amx_layout(p, qT.data(), bsT.data(), dxT.data(), b0, b1);
+#endif
+        };
+        g_pool->run(std::min(threads, blocks16), prep);
+    }
     g_pool->run(threads, task, ahead);
 }
 
