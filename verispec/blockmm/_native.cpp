@@ -509,7 +509,8 @@ struct Ahead {  // a matrix's blocks: where they start, rows, bytes a row
     int64_t N = 0, row_bytes = 0;
 };
 constexpr int PREP_SHARED_ROWS = 16;  // passes of this many rows or more quantize their activations on the pool
-int64_t g_lookahead_own = 0, g_lookahead_other = 0;  // bytes fetched ahead between calls (set_lookahead; 0: off)
+// bytes fetched ahead between calls (set_lookahead; 0: off); workers read them while a caller may set them
+std::atomic<int64_t> g_lookahead_own{0}, g_lookahead_other{0};
 
 // The default: half of a core's L2 (where _MM_HINT_T1 puts the lines), 256 KB to 1 MB; 256 KB where it is not told.
 int64_t default_lookahead() {
@@ -620,8 +621,8 @@ class Pool {
             }
             return true;
         };
-        if (!share(id, g_lookahead_own, own_done)) return;
-        if (id == 1) share(0, g_lookahead_other, other_done);
+        if (!share(id, g_lookahead_own.load(std::memory_order_relaxed), own_done)) return;
+        if (id == 1) share(0, g_lookahead_other.load(std::memory_order_relaxed), other_done);
     }
 
     static inline void prefetch_l2(const uint8_t* p) {
@@ -1046,12 +1047,12 @@ PyObject* py_set_lookahead(PyObject*, PyObject* args) {
         return nullptr;
     }
     std::lock_guard<std::mutex> lock(g_call);  // the workers read them between calls
-    g_lookahead_own = own;
-    g_lookahead_other = other;
+    g_lookahead_own.store(own, std::memory_order_relaxed);
+    g_lookahead_other.store(other, std::memory_order_relaxed);
     Py_RETURN_NONE;
 }
 
-PyObject* py_lookahead(PyObject*, PyObject*) { return Py_BuildValue("(LL)", (long long)g_lookahead_own, (long long)g_lookahead_other); }
+PyObject* py_lookahead(PyObject*, PyObject*) { return Py_BuildValue("(LL)", (long long)g_lookahead_own.load(), (long long)g_lookahead_other.load()); }
 
 PyObject* py_one_row(PyObject*, PyObject* args) {
     int kind;
@@ -1109,6 +1110,6 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (const char* ahead = std::getenv("VERISPEC_AMX_AHEAD")) g_amx_ahead = std::max(0, std::atoi(ahead));
     g_best = detect_isa();
     g_isa = g_best;
-    g_lookahead_own = default_lookahead();
+    g_lookahead_own.store(default_lookahead());
     return PyModule_Create(&MODULE);
 }
