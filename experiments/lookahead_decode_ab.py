@@ -26,7 +26,8 @@ def main() -> None:
     on = blockmm.lookahead()
     print("kernel:", target.linear_kernel)
     prompts = [q.turns[0] for q in select(load_questions(NAMED["code"]), ["code_edit"], args.limit)]
-    decoders = {"plain": SpeculativeDecoder(target), "suffix": SpeculativeDecoder(target, SuffixDrafter(scope="request"))}
+    decoders = {"plain": SpeculativeDecoder(target),
+                "suffix": SpeculativeDecoder(target, SuffixDrafter(scope="request"))}
     decoders["plain"].generate(prompts[0], max_new_tokens=8)  # warm-up
     settings = {"look-ahead on": on, "look-ahead off": (0, 0)}
     tokens = {(m, s): 0 for m in decoders for s in settings}

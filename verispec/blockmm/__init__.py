@@ -282,7 +282,8 @@ def link(matrices: list["Matrix"]) -> int:
     whose blocks start first at or after its own end, the first one after the last. A model whose matrices lie in one
     buffer in the order its layers run (the blocks backend's) thus fetches, during the framework's work after each
     product, the product that comes next. Where several start at one address (joined siblings and their members) the
-    largest counts. Returns how many matrices were linked."""
+    largest counts. Returns how many matrices were linked. A successor whose buffer was since replaced is harmless:
+    its address is only prefetched, and a prefetch never faults."""
     regions: dict[int, Matrix] = {}
     for m in matrices:
         start = m.blocks.data_ptr()
@@ -557,5 +558,6 @@ def attend_unchecked(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 __all__ = ["TYPES", "Matrix", "attend", "attend_unchecked", "available", "best_isa", "block_type", "default_threads",
-           "isa", "isas", "link", "lookahead", "matmul", "native_built", "prefetch", "rms_norm", "rope", "row_digests", "set_isa",
-           "set_lookahead", "set_prefetch", "set_threads", "set_wide_isa", "why_unavailable", "wide_isa"]
+           "isa", "isas", "link", "lookahead", "matmul", "native_built", "prefetch", "rms_norm", "rope",
+           "row_digests", "set_isa", "set_lookahead", "set_prefetch", "set_threads", "set_wide_isa", "why_unavailable",
+           "wide_isa"]

@@ -610,7 +610,8 @@ class Pool {
         if (!a.w || width < 2) return;
         const int64_t units = (a.N + NR - 1) / NR;
         auto share = [&](int who, int64_t limit, int64_t& done) {
-            const int64_t n0 = std::min(a.N, units * who / width * NR), n1 = std::min(a.N, units * (who + 1) / width * NR);
+            const int64_t n0 = std::min(a.N, units * who / width * NR);
+            const int64_t n1 = std::min(a.N, units * (who + 1) / width * NR);
             const int64_t bytes = std::min(limit, (n1 - n0) * a.row_bytes);
             const uint8_t* base = a.w + n0 * a.row_bytes;
             while (done < bytes) {
@@ -1052,7 +1053,9 @@ PyObject* py_set_lookahead(PyObject*, PyObject* args) {
     Py_RETURN_NONE;
 }
 
-PyObject* py_lookahead(PyObject*, PyObject*) { return Py_BuildValue("(LL)", (long long)g_lookahead_own.load(), (long long)g_lookahead_other.load()); }
+PyObject* py_lookahead(PyObject*, PyObject*) {
+    return Py_BuildValue("(LL)", (long long)g_lookahead_own.load(), (long long)g_lookahead_other.load());
+}
 
 PyObject* py_one_row(PyObject*, PyObject* args) {
     int kind;
