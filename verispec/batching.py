@@ -43,8 +43,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BATCH = 8
 DEFAULT_PREFILL_CHUNK = 128
+# finished prompts' keys and values kept in memory past their rows (serve --prompt-cache-mb)
 DEFAULT_PROMPT_CACHE_MB = 1024
-DEFAULT_PROMPT_CACHE_BYTES = DEFAULT_PROMPT_CACHE_MB << 20  # finished prompts' keys and values kept in memory past their rows (1 GiB)
+DEFAULT_PROMPT_CACHE_BYTES = DEFAULT_PROMPT_CACHE_MB << 20
 CAP_MARGIN = 0.03  # a padded batch changes its shared draft cap only for a predicted gain of more than this
 
 
