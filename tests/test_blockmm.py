@@ -172,6 +172,34 @@ def test_wide_passes_on_another_instruction_set_give_the_same_bits(kind):
         blockmm.set_wide_isa("nonsense")
 
 
+@pytest.mark.parametrize("kind", list(TYPES))
+def test_narrow_passes_on_another_instruction_set_give_the_same_bits(kind):
+    """Products of 1 or 2 rows on another instruction set than the rest (``set_narrow_isa``, what ``choose_paths``
+    picks on AVX-512 CPUs): the reference's bits at every width; ``set_isa`` puts every width back on one set."""
+    K = 512
+    raw = random_blocks(kind, 29, K, seed=31)
+    x = activations(9, K, seed=37)
+    want = reference.matmul(x, raw, kind)
+    best = blockmm.best_isa()
+    names = blockmm.isas()
+    try:
+        for narrow in names:
+            for wide in names:
+                blockmm.set_isa(best)
+                blockmm.set_narrow_isa(narrow)
+                blockmm.set_wide_isa(wide)
+                assert (blockmm.isa(), blockmm.narrow_isa(), blockmm.wide_isa()) == (best, narrow, wide)
+                assert (f"{narrow} at 1-2 rows" in blockmm.paths_in_use([kind])) == (narrow != best)
+                for M in (1, 2, 3, 9):
+                    assert torch.equal(blockmm.matmul(x[:M], raw, kind), want[:M]), (narrow, wide, M)
+        blockmm.set_isa(best)
+        assert blockmm.narrow_isa() == best == blockmm.wide_isa()
+    finally:
+        blockmm.set_isa(best)
+    with pytest.raises(ValueError, match="not available on this CPU"):
+        blockmm.set_narrow_isa("nonsense")
+
+
 def test_the_kernel_string_names_a_prefetch_distance_other_than_the_default():
     """``verispec costs`` and ``bench`` name the kernel's paths: a distance choose_paths moved off the default is
     named, the default is not."""
@@ -245,17 +273,22 @@ def kernel_settings_restored():
 
 
 def test_choose_paths_compares_the_one_row_path_at_the_prefetch_distance_it_keeps(monkeypatch):
-    """The one-row paths are timed against the others at the distance kept (timed at the default first, Q4_K's
-    one-row path lost to its tiles on a Sapphire Rapids and one-token passes ran ~20% slower); the one-row limits of
-    types without matrices here (another model's choice) are left as they were."""
+    """The one-row paths are timed against the others on the narrow instruction set and at the distance kept (timed at
+    the default first, Q4_K's one-row path lost to its tiles on a Sapphire Rapids and one-token passes ran ~20%
+    slower); the one-row limits of types without matrices here (another model's choice) are left as they were."""
     matrices = [blockmm.Matrix(random_blocks("Q4_K", 64, 1024, seed=1), "Q4_K", 1024)]
     slow, fast = blockmm.PREFETCH_CANDIDATES[0], blockmm.PREFETCH_CANDIDATES[1]
     seen = []
 
+    narrow = blockmm.NARROW_CANDIDATES[-1] if blockmm.isa() == "avx512vnni" else blockmm.isa()
+
     def fake_rounds(settings, apply, mats, rows, rounds):
+        if apply is blockmm.set_narrow_isa:  # the last candidate runs narrow products fastest
+            return {name: 1.0 if name == narrow else 2.0 for name in settings}
         if apply is blockmm.set_prefetch:  # the second candidate streams fastest
+            seen.append(("prefetch timed on", blockmm.narrow_isa()))
             return {ahead: 1.0 if ahead == fast else 2.0 for ahead in settings}
-        seen.append(blockmm.prefetch())
+        seen.append((blockmm.prefetch(), blockmm.narrow_isa()))
         return {setting: 1.0 for setting in settings}
 
     monkeypatch.setattr(blockmm, "_time_rounds", fake_rounds)
@@ -263,7 +296,7 @@ def test_choose_paths_compares_the_one_row_path_at_the_prefetch_distance_it_keep
         blockmm.set_prefetch(slow)
         blockmm.set_one_row_limit("Q4_0", 3)
         blockmm.choose_paths(matrices, rounds=1)
-        assert seen and set(seen) == {fast}
+        assert seen[0] == ("prefetch timed on", narrow) and set(seen[1:]) == {(fast, narrow)}
         assert blockmm.prefetch() == fast and blockmm.one_row_limits()["Q4_0"] == 3
 
 
@@ -273,7 +306,7 @@ def test_choose_paths_times_both_paths_per_k_type_and_keeps_the_faster():
     matrices.append(blockmm.Matrix(random_blocks("Q8_0", 64, 1024, seed=9), "Q8_0", 1024))
     with kernel_settings_restored():
         found = blockmm.choose_paths(matrices, rounds=3)
-        assert set(found) - {"wide", "amx"} == {"Q4_K", "Q6_K", "Q4_0", "Q8_0", "prefetch"}
+        assert set(found) - {"wide", "narrow", "amx"} == {"Q4_K", "Q6_K", "Q4_0", "Q8_0", "prefetch"}
         if blockmm.isa() == "avx512vnni" and blockmm.amx_usable():
             amx = found.pop("amx")
             assert set(amx) == {"Q4_K", "Q6_K"}  # the K types among the matrices
@@ -300,9 +333,13 @@ def test_choose_paths_times_both_paths_per_k_type_and_keeps_the_faster():
             took = found.pop("wide")[8]
             fastest = min(range(len(took)), key=lambda i: (took[i], i))
             assert blockmm.wide_isa() == blockmm.WIDE_CANDIDATES[fastest]
+            took = found.pop("narrow")[2]
+            assert len(took) == len(blockmm.NARROW_CANDIDATES) and min(took) > 0
+            fastest = min(range(len(took)), key=lambda i: (took[i], i))
+            assert blockmm.narrow_isa() == blockmm.NARROW_CANDIDATES[fastest]
         else:
-            assert 8 not in found["Q6_K"] and "wide" not in found
-            assert blockmm.wide_isa() == blockmm.isa()
+            assert 8 not in found["Q6_K"] and "wide" not in found and "narrow" not in found
+            assert blockmm.wide_isa() == blockmm.isa() == blockmm.narrow_isa()
     with pytest.raises(ValueError, match="prefetch distance must be 0..1048576 bytes"):
         blockmm.set_prefetch(-1)
     with pytest.raises(ValueError, match="F16 has no one-row path"):

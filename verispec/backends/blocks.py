@@ -273,6 +273,10 @@ def _choose_paths(model: nn.Module) -> None:
         log.info("block kernel, one row: %s a pass (%s kept)", ", ".join(
             f"prefetching {ahead} B ahead {ms:.1f} ms" if ahead else f"without prefetching {ms:.1f} ms"
             for ahead, ms in zip(blockmm.PREFETCH_CANDIDATES, took)), f"{kept} B" if kept else "off")
+    if "narrow" in found:
+        took, = found.pop("narrow").values()
+        log.info("block kernel, 1 + 2 rows: %s a pass (%s kept)", ", ".join(
+            f"{name} {ms:.1f} ms" for name, ms in zip(blockmm.NARROW_CANDIDATES, took)), blockmm.narrow_isa())
     if "wide" in found:
         took, = found.pop("wide").values()
         log.info("block kernel, 4 + 8 rows: %s a pass (%s kept)", ", ".join(

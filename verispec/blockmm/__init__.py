@@ -85,6 +85,7 @@ def set_isa(name: str) -> None:
 
 ISAS = ("scalar", "avx2", "vnni256", "avx512vnni")  # in order: a CPU that runs one runs those before it
 WIDE_CANDIDATES = ("avx512vnni", "vnni256", "avx2")  # the sets choose_paths times for products of 3 or more rows
+NARROW_CANDIDATES = ("avx512vnni", "vnni256")  # the sets choose_paths times for products of 1 or 2 rows
 
 
 def isas() -> tuple[str, ...]:
@@ -104,6 +105,20 @@ def set_wide_isa(name: str) -> None:
     ``set_isa`` puts every width back on the set it names."""
     _require()
     _native.set_wide_isa(name)
+
+
+def narrow_isa() -> str:
+    """The instruction set of products over 1 or 2 rows (``isa()``'s unless ``set_narrow_isa`` chose another)."""
+    _require()
+    return _native.narrow_isa()
+
+
+def set_narrow_isa(name: str) -> None:
+    """Products over 1 or 2 rows on ``name`` (at most this CPU's best); attention and the other row kernels stay on
+    ``isa()``. On an AMD Zen 4 the 256-bit one-row paths beat the AVX-512 ones (docs/kernels.md). Speed only: every set
+    computes the same bits. ``set_isa`` puts every width back on the set it names."""
+    _require()
+    _native.set_narrow_isa(name)
 
 
 def amx_usable() -> bool:
@@ -316,6 +331,8 @@ def paths_in_use(kinds) -> list[str]:
     own, _ = lookahead()
     if own:
         named.append(f"next matrix fetched between calls ({own // 1024} KB a worker)")
+    if narrow_isa() != isa():
+        named.append(f"{narrow_isa()} at 1-2 rows")
     if wide_isa() != isa():
         named.append(f"{wide_isa()} past 2 rows")
     tiles = amx_rows() if isa() == "avx512vnni" else {}
@@ -349,30 +366,37 @@ def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[in
     """Time the kernel's interchangeable paths on ``matrices`` (a model's own) and keep the faster of each: per type,
     the one-weight-row path against the tiles (K types, at 1 and 2 rows) or the buffered path (32-weight types, at
     ``ONE_ROW_TIMED`` up to 16 rows: each group decoded once per 8 rows; ``set_one_row_limit``, kept up to the widest
-    timed width up to which it wins at every timed width), on AVX-512 Q6_K's
-    tiles against its buffered path at 8 rows (``set_q6k_tiles``), the one-row paths' software prefetching at each
-    distance of ``PREFETCH_CANDIDATES`` (``set_prefetch``; 0: off), and on AVX-512 the code for products of 3 or more
-    rows (``set_wide_isa``: ``WIDE_CANDIDATES``, timed at 4 and 8 rows together). Which wins depends on the CPU
-    (docs/kernels.md); every path computes the same bits. The prefetch distance is timed first (every type on its
-    one-row path), so the paths are compared at the distance that is kept. Returns {type: {rows: (first path's ms,
+    timed width up to which it wins at every timed width), on AVX-512 Q6_K's tiles against its buffered path at 8 rows
+    (``set_q6k_tiles``), the one-row paths' software prefetching at each distance of ``PREFETCH_CANDIDATES``
+    (``set_prefetch``; 0: off), and on AVX-512 the code for products of 1 or 2 rows (``set_narrow_isa``:
+    ``NARROW_CANDIDATES`` at 1 and 2 rows together) and of 3 or more rows (``set_wide_isa``: ``WIDE_CANDIDATES`` at 4
+    and 8 rows together). Which wins depends on the CPU (docs/kernels.md); every path computes the same bits. The
+    narrow instruction set and then the prefetch distance are timed first (every type on its one-row path), so the
+    paths are compared on the set and at the distance that are kept. Returns {type: {rows: (first path's ms,
     second's)}}: at the widths of ``ONE_ROW_TIMED`` up to ``ONE_ROW_MOST[type]`` the one-row path and the other, for
-    Q6_K's 8 the tiles and the buffered path; under "prefetch" {1: (ms at each of PREFETCH_CANDIDATES)}; under "wide"
-    {8: (ms on each of WIDE_CANDIDATES)} where timed; on CPUs with AMX-INT8, under "amx" {type: {rows: (ms on the
-    tiles, ms without)}} per K type at each of ``AMX_WIDTHS``, and a type's tiles kept from the narrowest of those
-    widths from which they win at every wider one (``set_amx_rows``); medians of interleaved rounds; ties go to the
+    Q6_K's 8 the tiles and the buffered path; under "prefetch" {1: (ms at each of PREFETCH_CANDIDATES)}; where timed,
+    under "narrow" {2: (ms on each of NARROW_CANDIDATES)} and under "wide" {8: (ms on each of WIDE_CANDIDATES)}; on
+    CPUs with AMX-INT8, under "amx" {type: {rows: (ms on the tiles, ms without)}} per K type at each of
+    ``AMX_WIDTHS``, and a type's tiles kept from the narrowest of those widths from which they win at every wider one
+    (``set_amx_rows``); medians of interleaved rounds; ties go to the
     earlier candidate (the AVX paths, for the tiles)."""
     _require()
     set_wide_isa(isa())  # every width on one set while the other paths are timed (a model loaded before may have
     # put wide products on AVX2, where the Q6_K tiles setting below changes nothing)
+    set_narrow_isa(isa())
     found: dict[str, dict[int, tuple[float, float]]] = {}
     if matrices:
-        # first the one-row paths' prefetch distance, every type on them, on all the matrices at 1 row: they are
-        # then timed against the other paths at their best distance (timed at the default first, Q4_K's one-row
+        # first the one-row paths' instruction set and prefetch distance, every type on them, on all the matrices:
+        # they are then timed against the other paths at their best (timed at the default first, Q4_K's one-row
         # path lost to its tiles on a Sapphire Rapids, making one-token passes ~20% slower: docs/kernels.md)
         present = {m.type.name for m in matrices}
         for kind, most in ONE_ROW_MOST.items():
             if kind in present:  # (the others' limits are left as they are: another model's choice)
                 set_one_row_limit(kind, most)
+        if isa() == "avx512vnni":
+            took = [_time_rounds(NARROW_CANDIDATES, set_narrow_isa, matrices, rows, rounds) for rows in (1, 2)]
+            found["narrow"] = {2: tuple(sum(t[name] for t in took) for name in NARROW_CANDIDATES)}
+            set_narrow_isa(min(NARROW_CANDIDATES, key=lambda name: sum(t[name] for t in took)))  # ties: the first
         took = _time_rounds(PREFETCH_CANDIDATES, set_prefetch, matrices, 1, rounds)
         found["prefetch"] = {1: tuple(took[ahead] for ahead in PREFETCH_CANDIDATES)}
         set_prefetch(min(PREFETCH_CANDIDATES, key=lambda ahead: took[ahead]))  # ties: the first
@@ -559,5 +583,5 @@ def attend_unchecked(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 __all__ = ["TYPES", "Matrix", "attend", "attend_unchecked", "available", "best_isa", "block_type", "default_threads",
            "isa", "isas", "link", "lookahead", "matmul", "native_built", "prefetch", "rms_norm", "rope",
-           "row_digests", "set_isa", "set_lookahead", "set_prefetch", "set_threads", "set_wide_isa", "why_unavailable",
-           "wide_isa"]
+           "row_digests", "set_isa", "set_lookahead", "set_narrow_isa", "set_prefetch", "set_threads", "set_wide_isa",
+           "why_unavailable", "narrow_isa", "wide_isa"]

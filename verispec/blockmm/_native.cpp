@@ -47,6 +47,11 @@
 
 #if defined(__x86_64__) || defined(_M_X64)
 #define VS_X86 1
+// GCC 12's AVX-512 headers build casts from a self-initialized "undefined" vector, which -Wmaybe-uninitialized
+// reports once per inlined use (GCC bug 105593); the values are defined: the lanes read are the source's
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <immintrin.h>
 #else
 #define VS_X86 0
@@ -476,6 +481,9 @@ int g_amx_rows[16] = {0};  // per block type: products of at least this many row
 // 256-bit units) the AVX2 tiles beat the AVX-512 ones there; the paths compute the same bits, so the faster is kept.
 int g_wide_isa = -1;
 const int WIDE_ROWS = 3;
+// The instruction set of products over 1 or 2 rows (-1: g_isa's). On a Zen 4 the 256-bit one-row paths beat the
+// AVX-512 ones too (docs/kernels.md); attention and the other row kernels stay on g_isa.
+int g_narrow_isa = -1;
 
 void range_scalar(const Problem& p, int n0, int n1) {
     const int C = p.K / 32;
@@ -781,7 +789,8 @@ PyObject* py_matmul(PyObject*, PyObject* args) {
         return nullptr;
     }
     if (M == 0 || N == 0) Py_RETURN_NONE;
-    const int isa = (M >= WIDE_ROWS && g_wide_isa >= 0) ? g_wide_isa : g_isa;
+    const int chosen = M >= WIDE_ROWS ? g_wide_isa : g_narrow_isa;
+    const int isa = chosen >= 0 ? chosen : g_isa;
     Py_BEGIN_ALLOW_THREADS
     Ahead ahead;
     ahead.w = (const uint8_t*)next_w;
@@ -955,7 +964,7 @@ PyObject* py_set_isa(PyObject*, PyObject* args) {
     const int i = isa_argument(args);
     if (i < 0) return nullptr;
     g_isa = i;
-    g_wide_isa = -1;  // every width on the set chosen (tests compare one set's paths whole)
+    g_wide_isa = g_narrow_isa = -1;  // every width on the set chosen (tests compare one set's paths whole)
     Py_RETURN_NONE;
 }
 
@@ -967,6 +976,17 @@ PyObject* py_set_wide_isa(PyObject*, PyObject* args) {
     const int i = isa_argument(args);
     if (i < 0) return nullptr;
     g_wide_isa = i == g_isa ? -1 : i;
+    Py_RETURN_NONE;
+}
+
+PyObject* py_narrow_isa(PyObject*, PyObject*) {
+    return PyUnicode_FromString(ISA_NAMES[g_narrow_isa >= 0 ? g_narrow_isa : g_isa]);
+}
+
+PyObject* py_set_narrow_isa(PyObject*, PyObject* args) {
+    const int i = isa_argument(args);
+    if (i < 0) return nullptr;
+    g_narrow_isa = i == g_isa ? -1 : i;
     Py_RETURN_NONE;
 }
 
@@ -1097,6 +1117,8 @@ PyMethodDef METHODS[] = {
     {"set_isa", py_set_isa, METH_VARARGS, "use another instruction set (scalar, avx2, avx512vnni), at most the best"},
     {"wide_isa", py_wide_isa, METH_NOARGS, "the instruction set of products over 3 or more rows"},
     {"set_wide_isa", py_set_wide_isa, METH_VARARGS, "the instruction set of products over 3 or more rows"},
+    {"narrow_isa", py_narrow_isa, METH_NOARGS, "the instruction set of products over 1 or 2 rows"},
+    {"set_narrow_isa", py_set_narrow_isa, METH_VARARGS, "the instruction set of products over 1 or 2 rows"},
     {"amx_usable", py_amx_usable, METH_NOARGS, "whether this CPU and OS let the kernel use AMX-INT8 tiles"},
     {"amx_rows", py_amx_rows, METH_VARARGS, "amx_rows(kind): the fewest rows at which its products take the AMX tiles"},
     {"set_amx_rows", py_set_amx_rows, METH_VARARGS,
