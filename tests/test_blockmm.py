@@ -17,6 +17,33 @@ from verispec.blockmm.formats import TYPES
 pytestmark = pytest.mark.skipif(not blockmm.available(), reason=str(blockmm.why_unavailable()))
 
 # where each type keeps its float16 factors (the rest of a block is integers: any byte is valid)
+def test_the_one_row_paths_at_the_integers_extremes_give_the_same_bits():
+    """Q6_K's one-row paths multiply its unsigned values (q = w + 32, up to 63) and take the offset back through the
+    activations' sums per 16: at the extremes (every q 63 or 0, sub-scales -128 and 127, every activation +-127 after
+    quantization) no intermediate saturates, so every instruction set gives the reference's bits."""
+    K, rows = 512, 6
+    raw = random_blocks("Q6_K", rows, K, seed=41).numpy().reshape(rows, K // 256, 210).copy()
+    raw[0:3, :, :192] = 0xFF  # q = 63 everywhere
+    raw[3:6, :, :192] = 0x00  # q = 0 (w = -32) everywhere
+    raw[::2, :, 192:208] = np.uint8(0x80)  # sub-scales -128
+    raw[1::2, :, 192:208] = np.uint8(127)
+    raw = torch.from_numpy(raw.reshape(rows, -1))
+    x = torch.ones(2, K) * 3.0
+    x[1, ::2] = -3.0  # +-127 after quantization
+    want = reference.matmul(x, raw, "Q6_K")
+    before, best = blockmm.one_row_limits()["Q6_K"], blockmm.best_isa()
+    try:
+        for name in blockmm.isas()[1:]:
+            blockmm.set_isa(name)
+            for limit in (0, 2):
+                blockmm.set_one_row_limit("Q6_K", limit)
+                for M in (1, 2):
+                    assert torch.equal(blockmm.matmul(x[:M], raw, "Q6_K"), want[:M]), (name, limit, M)
+    finally:
+        blockmm.set_one_row_limit("Q6_K", before)
+        blockmm.set_isa(best)
+
+
 HALVES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
