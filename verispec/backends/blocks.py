@@ -298,10 +298,11 @@ def _choose_paths(model: nn.Module) -> None:
 # backends.choice): each block type's bytes times its factor (the timed score a byte against llama.cpp's, whose passes
 # of several tokens cost more), float32 bytes for matrices the kernel does not multiply. Fitted to the built-in files'
 # timed scores on a Sapphire Rapids: experiments/auto_scores.py, docs/kernels.md ("--backend auto weighs the blocks
-# backend"). The 32-weight types' factor is higher on CPUs with AMX, where OpenVINO ran the small Q4_1 / Q8_0 / Q5_0
-# files faster still (a tie then goes to it); elsewhere it tied llama.cpp on them (AMD EPYC Zen 3).
+# backend"). The 32-weight types' factor is higher on AVX-512 CPUs, where OpenVINO's float32 kernels ran the small
+# Q4_1 / Q8_0 / Q5_0 files faster still (a tie then goes to it): timed on a Sapphire Rapids (AMX) and on a Zen 4
+# (docs/kernels.md); on an AVX2 Zen 3 the kernel tied llama.cpp on them.
 K_PER_BYTE = 0.63
-PER_BYTE_32 = {"amx": 0.95, "other": 0.8}
+PER_BYTE_32 = {"avx512": 0.95, "avx2": 0.8}
 
 
 def declared_cost(mix) -> float:
@@ -309,7 +310,7 @@ def declared_cost(mix) -> float:
     before timing anything, in llama.cpp's unit."""
     from .references import float32_bytes
 
-    per_32 = PER_BYTE_32["amx" if blockmm.amx_usable() else "other"]
+    per_32 = PER_BYTE_32["avx512" if blockmm.best_isa() == "avx512vnni" else "avx2"]
     factor = {kind: K_PER_BYTE if kind in blockmm.K_TYPES else per_32 for kind in blockmm.TYPES}
     return sum(size * factor[kind] if kind in factor else float32_bytes({kind: size}) for kind, size in mix.items())
 
