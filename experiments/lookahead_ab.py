@@ -7,12 +7,9 @@ width after --context cached tokens; medians in ms (the first round dropped). Th
 """
 
 import argparse
-import statistics
-import time
-
-import torch
 
 import verispec.blockmm as blockmm
+from pass_settings import prefilled, same_logits, time_settings
 from verispec import load_model
 
 SETTINGS = {"off": (0, 0), "own 256 KB": (1 << 18, 0), "own 1 MB": (1 << 20, 0),
@@ -30,28 +27,14 @@ def main() -> None:
     model = load_model(args.target, backend="blocks", threads=2)
     default = blockmm.lookahead()
     print("kernel:", model.linear_kernel, "| lookahead at load:", default)
-    kv = model.new_kv()
-    model.forward(kv, [(7 * i) % 1000 for i in range(args.context)], last_only=True)
-    logits = []
-    for own, other in SETTINGS.values():
-        blockmm.set_lookahead(own, other)
-        logits.append(model.forward(kv, [5, 17, 99, 1000]).logits.clone())
-        kv.truncate(args.context)
-    print("the same logits in every setting:", all(torch.equal(logits[0], other) for other in logits))
-    took = {(s, w): [] for s in SETTINGS for w in widths}
-    for r in range(args.rounds + 1):
-        for setting, (own, other) in SETTINGS.items():
-            blockmm.set_lookahead(own, other)
-            for w in widths:
-                for _ in range(3):
-                    start = time.perf_counter()
-                    model.forward(kv, [(11 * i + r) % 1000 for i in range(w)])
-                    kv.truncate(args.context)
-                    if r:
-                        took[(setting, w)].append(1e3 * (time.perf_counter() - start))
+    settings = {name: (lambda own=own, other=other: blockmm.set_lookahead(own, other))
+                for name, (own, other) in SETTINGS.items()}
+    kv = prefilled(model, args.context)
+    print("the same logits in every setting:", same_logits(model, kv, args.context, settings, [5, 17, 99, 1000]))
+    took = time_settings(model, kv, args.context, settings, widths, args.rounds)
     blockmm.set_lookahead(*default)
-    for (setting, w), times in took.items():
-        print(f"  {setting:26s} w={w}: {statistics.median(times):.1f} ms")
+    for (setting, w), ms in took.items():
+        print(f"  {setting:26s} w={w}: {ms:.1f} ms")
 
 
 if __name__ == "__main__":

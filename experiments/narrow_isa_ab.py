@@ -8,12 +8,9 @@ medians in ms (the first round dropped). The logits are checked equal first.
 """
 
 import argparse
-import statistics
-import time
-
-import torch
 
 import verispec.blockmm as blockmm
+from pass_settings import prefilled, same_logits, time_settings
 from verispec import load_model
 from verispec.backends.block_modules import BlockLinear
 
@@ -52,29 +49,13 @@ def main() -> None:
             blockmm.NARROW_CANDIDATES = every
             chosen[name] = _settings()
             print(f"  {name}: {chosen[name]}")
-    sets = list(chosen)
-    kv = model.new_kv()
-    model.forward(kv, [(7 * i) % 1000 for i in range(args.context)], last_only=True)
-    logits = []
-    for name in sets:
-        _apply(chosen[name])
-        logits.append(model.forward(kv, [5, 17]).logits.clone())
-        kv.truncate(args.context)
-    print("the same logits on every set:", all(torch.equal(logits[0], other) for other in logits))
-    took = {(s, w): [] for s in sets for w in widths}
-    for r in range(args.rounds + 1):
-        for name in sets:
-            _apply(chosen[name])
-            for w in widths:
-                for _ in range(3):
-                    start = time.perf_counter()
-                    model.forward(kv, [(11 * i + r) % 1000 for i in range(w)])
-                    kv.truncate(args.context)
-                    if r:
-                        took[(name, w)].append(1e3 * (time.perf_counter() - start))
+    settings = {name: (lambda s=s: _apply(s)) for name, s in chosen.items()}
+    kv = prefilled(model, args.context)
+    print("the same logits on every set:", same_logits(model, kv, args.context, settings, [5, 17]))
+    took = time_settings(model, kv, args.context, settings, widths, args.rounds)
     _apply(chosen[kept])
-    for (name, w), times in took.items():
-        print(f"  {name:12s} w={w}: {statistics.median(times):.1f} ms")
+    for (name, w), ms in took.items():
+        print(f"  {name:12s} w={w}: {ms:.1f} ms")
 
 
 if __name__ == "__main__":
