@@ -163,6 +163,38 @@ def test_q6k_wide_passes_give_the_same_bits_on_the_tiles_and_the_buffered_path()
         blockmm.set_q6k_tiles(before)
 
 
+@pytest.mark.skipif(blockmm.available() and blockmm.best_isa() != "avx512vnni",
+                    reason="the 16-row tiles are AVX-512 VNNI code; this CPU has no AVX-512 VNNI")
+@pytest.mark.parametrize("kind", blockmm.K_TYPES)
+def test_the_16_row_tiles_give_the_reference_bits_and_keep_rows_invariant(kind):
+    """The 16-row tiles (``set_wide16``): every width from 3 to 40 rows against the reference, over 53 weight rows (three
+    tiles and a rest on the fused tiles) and three super-blocks, at the integers' extremes too (weights of all ones
+    bits, activations at the quantization's bounds), on 1 to 3 threads: the same bits as the other paths."""
+    K = 768
+    raw = random_blocks(kind, 53, K, seed=23)
+    x = activations(40, K, seed=29)
+    x[3] = torch.where(torch.arange(K) % 2 == 0, 1.0, -1.0)  # every value at +-127 after quantization
+    # the first tile's bytes all 0xFF (every integer and sub-scale at its largest) but its float16 factors
+    factors = torch.isin(torch.arange(raw.shape[1]) % TYPES[kind].bytes,
+                         torch.tensor([at + i for at in HALVES[kind] for i in (0, 1)]))
+    extreme = raw.clone()
+    extreme[:16] = torch.where(factors, raw[:16], torch.full_like(raw[:16], 0xFF))
+    before, best = blockmm.wide16_rows()[kind], blockmm.wide_isa()
+    try:
+        blockmm.set_wide_isa("avx512vnni")
+        for blocks in (raw, extreme):
+            want = reference.matmul(x, blocks, kind)
+            for limit in (3, 0):
+                blockmm.set_wide16(limit, kind)
+                for M in (3, 4, 7, 8, 9, 16, 17, 33, 40):
+                    for threads in (1, 2, 3):
+                        got = blockmm.matmul(x[:M], blocks, kind, threads=threads)
+                        assert torch.equal(got, want[:M]), (limit, M, threads, (got - want[:M]).abs().max())
+    finally:
+        blockmm.set_wide16(before, kind)
+        blockmm.set_wide_isa(best)
+
+
 def test_the_instruction_sets_this_cpu_runs_are_a_prefix_of_the_list_up_to_its_best():
     names = blockmm.isas()
     assert names == blockmm.ISAS[:len(names)] and names[-1] == blockmm.best_isa() and names[0] == "scalar"
@@ -287,12 +319,15 @@ def test_fetching_ahead_between_products_changes_no_bit():
 def kernel_settings_restored():
     """What ``choose_paths`` sets (instruction sets, one-row limits, Q6_K tiles, prefetch, AMX) put back after."""
     before, q6k_before, ahead = blockmm.one_row_limits(), blockmm.q6k_tiles(), blockmm.prefetch()
+    rows16 = blockmm.wide16_rows()
     try:
         yield
     finally:
         blockmm.set_isa(blockmm.best_isa())
         for kind, rows in before.items():
             blockmm.set_one_row_limit(kind, rows)
+        for kind, rows in rows16.items():
+            blockmm.set_wide16(rows, kind)
         blockmm.set_q6k_tiles(q6k_before)
         blockmm.set_prefetch(ahead)
         if blockmm.amx_usable():
@@ -333,7 +368,16 @@ def test_choose_paths_times_both_paths_per_k_type_and_keeps_the_faster():
     matrices.append(blockmm.Matrix(random_blocks("Q8_0", 64, 1024, seed=9), "Q8_0", 1024))
     with kernel_settings_restored():
         found = blockmm.choose_paths(matrices, rounds=3)
-        assert set(found) - {"wide", "narrow", "amx"} == {"Q4_K", "Q6_K", "Q4_0", "Q8_0", "prefetch"}
+        assert set(found) - {"wide", "narrow", "amx", "wide16"} == {"Q4_K", "Q6_K", "Q4_0", "Q8_0", "prefetch"}
+        if blockmm.isa() == "avx512vnni" and blockmm.wide_isa() == "avx512vnni":
+            rows16 = found.pop("wide16")
+            assert set(rows16) == {"Q4_K", "Q6_K"}  # the K types among the matrices
+            for kind, took in rows16.items():
+                assert tuple(took) == blockmm.WIDE16_WIDTHS and min(min(pair) for pair in took.values()) > 0
+                wins = [rows for rows in took if all(took[w][0] < took[w][1] for w in took if w >= rows)]
+                assert blockmm.wide16_rows()[kind] == (wins[0] if wins else 0)
+        else:
+            assert "wide16" not in found and set(blockmm.wide16_rows().values()) == {0}
         if blockmm.isa() == "avx512vnni" and blockmm.amx_usable():
             amx = found.pop("amx")
             assert set(amx) == {"Q4_K", "Q6_K"}  # the K types among the matrices
@@ -375,6 +419,10 @@ def test_choose_paths_times_both_paths_per_k_type_and_keeps_the_faster():
         blockmm.set_one_row_limit("Q4_0", 17)
     with pytest.raises(ValueError, match="0..2 rows"):
         blockmm.set_one_row_limit("Q4_K", 3)
+    with pytest.raises(ValueError, match="Q4_0 has no 16-row tiles"):
+        blockmm.set_wide16(3, "Q4_0")
+    with pytest.raises(ValueError, match="0 \\(never\\) or at least 3 rows"):
+        blockmm.set_wide16(2, "Q4_K")
 
 
 @pytest.mark.parametrize("kind", list(TYPES))

@@ -281,6 +281,11 @@ def _choose_paths(model: nn.Module) -> None:
         took, = found.pop("wide").values()
         log.info("block kernel, 4 + 8 rows: %s a pass (%s kept)", ", ".join(
             f"{name} {ms:.1f} ms" for name, ms in zip(blockmm.WIDE_CANDIDATES, took)), blockmm.wide_isa())
+    for kind, timed in found.pop("wide16", {}).items():
+        kept = blockmm.wide16_rows()[kind]
+        log.info("block kernel, %s on 16-row tiles: %s (%s)", kind, "; ".join(
+            f"{rows} rows {on:.1f} ms against {off:.1f}" for rows, (on, off) in timed.items()),
+            f"kept from {kept} rows" if kept else "not kept")
     for kind, timed in found.pop("amx", {}).items():
         kept = blockmm.amx_rows()[kind]
         log.info("block kernel, %s on AMX tiles: %s (%s)", kind, "; ".join(

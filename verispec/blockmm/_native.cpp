@@ -48,9 +48,11 @@
 #if defined(__x86_64__) || defined(_M_X64)
 #define VS_X86 1
 // GCC 12's AVX-512 headers build casts from a self-initialized "undefined" vector, which -Wmaybe-uninitialized
-// reports once per inlined use (GCC bug 105593); the values are defined: the lanes read are the source's
+// (and -Wuninitialized, for the conversions' pass-through operand) reports once per inlined use (GCC bug 105593);
+// the values are defined: the lanes read are the source's
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 #include <immintrin.h>
 #else
@@ -382,6 +384,10 @@ inline int one_row_max(int kind) { return g_one_row[kind & 15]; }
 int g_q6k_tiles = 0;
 // super-blocks ahead that the AMX path requests each of its 16 rows' weights (amx_body.inc); VERISPEC_AMX_AHEAD
 int g_amx_ahead = 1;
+// AVX-512 VNNI: passes of a K type of at least g_wide16[kind] rows take the 16-row tiles (wide16 in simd_body.inc;
+// 0: never); set_wide16, chosen per CPU and type by blockmm.choose_paths
+int g_wide16[16] = {0};
+inline bool wide16_on(int kind, int M) { return is_k(kind) && g_wide16[kind & 15] > 0 && M >= g_wide16[kind & 15]; }
 
 typedef float vs_f8 __attribute__((vector_size(32)));  // eight float lanes (attend_body.inc)
 typedef int32_t vs_i8 __attribute__((vector_size(32)));
@@ -698,8 +704,9 @@ void matmul(int kind, const float* x, const uint8_t* W, float* y, int M, int N, 
         p.bsT = bsT.data();
         p.dxT = dxT.data();
     }
-    // split W's rows into runs of NR (16 for the AMX tiles), as evenly as possible
-    const int unit = amx ? 16 : NR;
+    // split W's rows into runs of NR (16 for the AMX tiles and the 16-row tiles), as evenly as possible
+    const bool rows16 = amx || (isa == ISA_VNNI && wide16_on(kind, M) && !fused_off());
+    const int unit = rows16 ? 16 : NR;
     const int units = (N + unit - 1) / unit;
     threads = std::max(1, std::min(threads, units));
     auto task = [&](int id, int width) {
@@ -1046,6 +1053,25 @@ PyObject* py_set_q6k_tiles(PyObject*, PyObject* args) {
 
 PyObject* py_q6k_tiles(PyObject*, PyObject*) { return PyBool_FromLong(g_q6k_tiles); }
 
+PyObject* py_set_wide16(PyObject*, PyObject* args) {
+    int kind, rows;
+    if (!PyArg_ParseTuple(args, "ii", &kind, &rows)) return nullptr;
+    Format f;
+    if (!format_of(kind, &f) || !is_k(kind) || rows < 0 || (rows > 0 && rows < WIDE_ROWS)) {
+        PyErr_Format(PyExc_ValueError, "set_wide16 takes a K type and 0 (never) or at least %d rows, not %d and %d",
+                     WIDE_ROWS, kind, rows);
+        return nullptr;
+    }
+    g_wide16[kind] = rows;
+    Py_RETURN_NONE;
+}
+
+PyObject* py_wide16(PyObject*, PyObject* args) {
+    int kind;
+    if (!PyArg_ParseTuple(args, "i", &kind)) return nullptr;
+    return PyLong_FromLong(g_wide16[kind & 15]);
+}
+
 PyObject* py_set_prefetch(PyObject*, PyObject* args) {
     int bytes;
     if (!PyArg_ParseTuple(args, "i", &bytes)) return nullptr;
@@ -1106,6 +1132,10 @@ PyMethodDef METHODS[] = {
     {"set_q6k_tiles", py_set_q6k_tiles, METH_VARARGS,
      "set_q6k_tiles(on): AVX-512 Q6_K passes past the one-row limit on the tiles (else the buffered path)"},
     {"q6k_tiles", py_q6k_tiles, METH_NOARGS, "whether AVX-512 Q6_K passes past the one-row limit take the tiles"},
+    {"set_wide16", py_set_wide16, METH_VARARGS,
+     "set_wide16(kind, rows): AVX-512 VNNI passes of this K type of at least rows rows on the 16-row tiles (0: never)"},
+    {"wide16", py_wide16, METH_VARARGS,
+     "wide16(kind): the rows from which AVX-512 VNNI passes of this K type take the 16-row tiles (0: never)"},
     {"set_prefetch", py_set_prefetch, METH_VARARGS,
      "set_prefetch(bytes): the one-row paths request the weights this many bytes ahead (0: off)"},
     {"set_lookahead", py_set_lookahead, METH_VARARGS,
