@@ -261,8 +261,9 @@ def wide16_rows() -> dict[str, int]:
 
 
 def set_wide16(rows: int, kind: str | None = None) -> None:
-    """Passes of ``kind`` (every K type if None) of at least ``rows`` rows on the 16-row tiles (AVX-512 VNNI; 0:
-    never; else at least 3). Speed only (the same bits)."""
+    """Passes of ``kind`` (every K type if None) of at least ``rows`` rows on the 16-row tiles (AVX-512 VNNI, whatever
+    set ``set_narrow_isa`` / ``set_wide_isa`` gave their width; 0: never, else at least 2). Speed only (the same
+    bits)."""
     _require()
     for name in K_TYPES if kind is None else (kind,):
         if name not in K_TYPES:
@@ -351,7 +352,7 @@ def paths_in_use(kinds) -> list[str]:
         named.append(f"{narrow_isa()} at 1-2 rows")
     if wide_isa() != isa():
         named.append(f"{wide_isa()} past 2 rows")
-    rows16 = wide16_rows() if wide_isa() == "avx512vnni" else {}
+    rows16 = wide16_rows() if isa() == "avx512vnni" else {}
     on = [f"{kind} from {rows16[kind]} rows" for kind in sorted(kinds) if rows16.get(kind)]
     if on:
         named.append(f"16-row tiles for {', '.join(on)}")
@@ -380,7 +381,7 @@ def _time_rounds(settings: dict, apply, matrices: list["Matrix"], rows: int, rou
 
 
 AMX_WIDTHS = (4, 8, 16, 32)  # the widths choose_paths times the AMX tiles at
-WIDE16_WIDTHS = (3, 4, 6, 8)  # the widths choose_paths times the 16-row tiles at (wider passes take them too)
+WIDE16_WIDTHS = (2, 3, 4, 6, 8)  # the widths choose_paths times the 16-row tiles at (wider passes take them too)
 
 
 def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[int, tuple[float, float]]]:
@@ -399,9 +400,9 @@ def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[in
     under "narrow" {2: (ms on each of NARROW_CANDIDATES)} and under "wide" {8: (ms on each of WIDE_CANDIDATES)}; on
     CPUs with AMX-INT8, under "amx" {type: {rows: (ms on the tiles, ms without)}} per K type at each of
     ``AMX_WIDTHS``, and a type's tiles kept from the narrowest of those widths from which they win at every wider one
-    (``set_amx_rows``); where the wide set is AVX-512 VNNI, each K type's 16-row tiles against the fused tiles at
-    each of ``WIDE16_WIDTHS`` (under "wide16" {type: {rows: (ms on the 16-row tiles, ms without)}}), kept from the
-    narrowest of those widths from which they win at every wider one (``set_wide16``); medians of interleaved rounds; ties go to the
+    (``set_amx_rows``); on AVX-512 VNNI, each K type's 16-row tiles against the paths chosen for each width of
+    ``WIDE16_WIDTHS`` (under "wide16" {type: {rows: (ms on the 16-row tiles, ms without)}}), kept from the narrowest of
+    those widths from which they win at every wider one (``set_wide16``); medians of interleaved rounds; ties go to the
     earlier candidate (the AVX paths, for the tiles)."""
     _require()
     set_wide_isa(isa())  # every width on one set while the other paths are timed (a model loaded before may have
@@ -444,25 +445,21 @@ def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[in
             set_q6k_tiles(took[True] < took[False])
     if matrices and isa() == "avx512vnni":
         set_amx_rows(0)
-        set_wide16(WIDE16_WIDTHS[0])  # AVX-512 timed at its best: the 16-row tiles on from the narrowest width
         took = [_time_rounds(WIDE_CANDIDATES, set_wide_isa, matrices, rows, rounds) for rows in (4, 8)]
         found["wide"] = {8: tuple(sum(t[name] for t in took) for name in WIDE_CANDIDATES)}
         set_wide_isa(min(WIDE_CANDIDATES, key=lambda name: sum(t[name] for t in took)))  # ties: the first
-        set_wide16(0)
-        if wide_isa() == "avx512vnni":
-            for kind in K_TYPES:  # each K type's 16-row tiles against the fused tiles
-                mine = [m for m in matrices if m.type.name == kind]
-                mine = mine[::4] if len(mine) >= 32 else mine
-                if not mine:
-                    continue
-                timed = {}
-                for rows in WIDE16_WIDTHS:
-                    took = _time_rounds((rows, 0), lambda limit: set_wide16(limit, kind), mine, rows, rounds)
-                    timed[rows] = (took[rows], took[0])
-                found.setdefault("wide16", {})[kind] = timed
-                wins = [rows for rows in WIDE16_WIDTHS
-                        if all(timed[w][0] < timed[w][1] for w in WIDE16_WIDTHS if w >= rows)]
-                set_wide16(wins[0] if wins else 0, kind)
+        for kind in K_TYPES:  # each K type's 16-row tiles against the paths chosen above for each width
+            mine = [m for m in matrices if m.type.name == kind]
+            mine = mine[::4] if len(mine) >= 32 else mine
+            if not mine:
+                continue
+            timed = {}
+            for rows in WIDE16_WIDTHS:
+                took = _time_rounds((rows, 0), lambda limit: set_wide16(limit, kind), mine, rows, rounds)
+                timed[rows] = (took[rows], took[0])
+            found.setdefault("wide16", {})[kind] = timed
+            wins = [rows for rows in WIDE16_WIDTHS if all(timed[w][0] < timed[w][1] for w in WIDE16_WIDTHS if w >= rows)]
+            set_wide16(wins[0] if wins else 0, kind)
     if isa() == "avx512vnni" and amx_usable():
         set_amx_rows(0)  # every type off while another's tiles are timed
         for kind in K_TYPES:  # each K type's tiles against the wide set just chosen
