@@ -187,7 +187,7 @@ def test_the_16_row_tiles_give_the_reference_bits_and_keep_rows_invariant(kind):
             want = reference.matmul(x, blocks, kind)
             for limit in (2, 0):
                 blockmm.set_wide16(limit, kind)
-                for M in (2, 3, 4, 7, 8, 9, 13, 16, 22, 33, 40):  # up to 8: unbuffered; past it, steps of 8 and a rest
+                for M in (2, 3, 4, 7, 8, 9, 13, 16, 22, 33, 40):  # past 8: tiles of up to 8 rows in turn
                     for threads in (1, 2, 3):
                         got = blockmm.matmul(x[:M], blocks, kind, threads=threads)
                         assert torch.equal(got, want[:M]), (limit, M, threads, (got - want[:M]).abs().max())
