@@ -187,10 +187,15 @@ def test_the_16_row_tiles_give_the_reference_bits_and_keep_rows_invariant(kind):
             want = reference.matmul(x, blocks, kind)
             for limit in (2, 0):
                 blockmm.set_wide16(limit, kind)
+                named = f"16-row tiles for {kind} from 2 rows" in blockmm.paths_in_use([kind])
+                assert named == (limit == 2)
                 for M in (2, 3, 4, 7, 8, 9, 13, 16, 22, 33, 40):  # past 8: tiles of up to 8 rows in turn
                     for threads in (1, 2, 3):
                         got = blockmm.matmul(x[:M], blocks, kind, threads=threads)
                         assert torch.equal(got, want[:M]), (limit, M, threads, (got - want[:M]).abs().max())
+        blockmm.set_wide16(2, kind)
+        blockmm.set_isa(blockmm.best_isa())  # every width on one set: the tiles off too
+        assert blockmm.wide16_rows()[kind] == 0
     finally:
         blockmm.set_wide16(before, kind)
         blockmm.set_wide_isa(wide)

@@ -77,8 +77,8 @@ def best_isa() -> str:
 
 
 def set_isa(name: str) -> None:
-    """Use another instruction set (``ISAS``, at most this CPU's best): for tests and measurements. The results are
-    the same bits on every one."""
+    """Use another instruction set (``ISAS``, at most this CPU's best) for products of every width, the 16-row tiles
+    off (``set_wide16`` puts them back): for tests and measurements. The results are the same bits on every one."""
     _require()
     _native.set_isa(name)
 

@@ -974,7 +974,8 @@ PyObject* py_set_isa(PyObject*, PyObject* args) {
     const int i = isa_argument(args);
     if (i < 0) return nullptr;
     g_isa = i;
-    g_wide_isa = g_narrow_isa = -1;  // every width on the set chosen (tests compare one set's paths whole)
+    g_wide_isa = g_narrow_isa = -1;  // every width on the set chosen (tests compare one set's paths whole),
+    for (int& rows : g_wide16) rows = 0;  // the 16-row tiles too (AVX-512 code whatever a width's set)
     Py_RETURN_NONE;
 }
 
