@@ -387,7 +387,7 @@ int g_amx_ahead = 1;
 // AVX-512 VNNI: passes of a K type of at least g_wide16[kind] rows take the 16-row tiles (wide16 in simd_body.inc;
 // 0: never), on the AVX-512 code whatever instruction set their width has otherwise; set_wide16, chosen per CPU and
 // type by blockmm.choose_paths
-constexpr int WIDE16_MIN = 2;  // one row: the one-row paths stream faster (Zen 4: 26.9 against 34.2 ms a pass)
+constexpr int WIDE16_MIN = 2;  // one row: the one-row paths stream faster (docs/kernels.md)
 int g_wide16[16] = {0};
 inline bool wide16_on(int kind, int M) { return is_k(kind) && g_wide16[kind & 15] > 0 && M >= g_wide16[kind & 15]; }
 
