@@ -202,6 +202,56 @@ def test_the_16_row_tiles_give_the_reference_bits_and_keep_rows_invariant(kind):
         blockmm.set_narrow_isa(narrow)
 
 
+@pytest.mark.skipif(blockmm.available() and blockmm.best_isa() != "avx512vnni",
+                    reason="the 16-row layout is read by AVX-512 VNNI code; this CPU has no AVX-512 VNNI")
+@pytest.mark.parametrize("kind", blockmm.K_TYPES)
+def test_the_16_row_layout_gives_the_reference_bits_at_every_width_and_packs_back(kind):
+    """``pack16``: 48 weight rows (three tiles) over three super-blocks laid out 16 rows at a time and multiplied at
+    1 to 40 rows on 1 to 3 threads (``Matrix(..., packed=True)``, every width on the 16-row tiles whatever the other
+    settings), the integers at their extremes too: the reference's bits; unpacking gives the file's bytes back."""
+    K = 768
+    raw = random_blocks(kind, 48, K, seed=31)
+    x = activations(40, K, seed=37)
+    x[5] = torch.where(torch.arange(K) % 3 == 0, 1.0, -1.0)  # every value at +-127 after quantization
+    factors = torch.isin(torch.arange(raw.shape[1]) % TYPES[kind].bytes,
+                         torch.tensor([at + i for at in HALVES[kind] for i in (0, 1)]))
+    extreme = raw.clone()
+    extreme[16:32] = torch.where(factors, raw[16:32], torch.full_like(raw[16:32], 0xFF))
+    with kernel_settings_restored():
+        blockmm.set_wide16(0)  # the file's layout elsewhere: the packed matrix takes its tiles anyway
+        for blocks in (raw, extreme):
+            want = reference.matmul(x, blocks, kind)
+            packed = blocks.clone()
+            blockmm.pack16(packed, kind)
+            assert not torch.equal(packed, blocks)
+            matrix = blockmm.Matrix(packed, kind, K, packed=True)
+            try:
+                for threads in (1, 2, 3):
+                    blockmm.set_threads(threads)
+                    for M in (1, 2, 3, 4, 5, 8, 9, 16, 25, 40):
+                        got = matrix(x[:M])
+                        assert torch.equal(got, want[:M]), (M, threads, (got - want[:M]).abs().max())
+            finally:
+                blockmm.set_threads(None)
+            blockmm.pack16(packed, kind, unpack=True)
+            assert torch.equal(packed, blocks)
+
+
+def test_the_16_row_layout_refuses_what_it_cannot_hold():
+    with pytest.raises(ValueError, match="multiple of 16 rows"):
+        blockmm.Matrix(random_blocks("Q4_K", 40, 256), "Q4_K", 256, packed=True)
+    with pytest.raises(ValueError, match="cannot be read in the 16-row layout"):
+        blockmm.Matrix(random_blocks("Q8_0", 32, 256), "Q8_0", 256, packed=True)
+    with pytest.raises(ValueError, match="only K types"):
+        blockmm.set_pack16_kinds(["Q4_0"])
+    if blockmm.best_isa() != "avx512vnni":
+        with pytest.raises((ValueError, RuntimeError), match="AVX-512 VNNI"):
+            blockmm.pack16(random_blocks("Q4_K", 32, 256), "Q4_K")
+    else:
+        with pytest.raises(ValueError, match="multiple of 16 rows"):
+            blockmm.pack16(random_blocks("Q4_K", 40, 256), "Q4_K")
+
+
 def test_the_instruction_sets_this_cpu_runs_are_a_prefix_of_the_list_up_to_its_best():
     names = blockmm.isas()
     assert names == blockmm.ISAS[:len(names)] and names[-1] == blockmm.best_isa() and names[0] == "scalar"
@@ -324,13 +374,15 @@ def test_fetching_ahead_between_products_changes_no_bit():
 
 @contextlib.contextmanager
 def kernel_settings_restored():
-    """What ``choose_paths`` sets (instruction sets, one-row limits, Q6_K tiles, prefetch, AMX) put back after."""
+    """What ``choose_paths`` sets (instruction sets, one-row limits, Q6_K tiles, prefetch, AMX, the 16-row tiles and
+    layout) put back after."""
     before, q6k_before, ahead = blockmm.one_row_limits(), blockmm.q6k_tiles(), blockmm.prefetch()
-    rows16 = blockmm.wide16_rows()
+    rows16, packed = blockmm.wide16_rows(), blockmm.pack16_kinds()
     try:
         yield
     finally:
         blockmm.set_isa(blockmm.best_isa())
+        blockmm.set_pack16_kinds(packed)
         for kind, rows in before.items():
             blockmm.set_one_row_limit(kind, rows)
         for kind, rows in rows16.items():
@@ -375,8 +427,17 @@ def test_choose_paths_times_both_paths_per_k_type_and_keeps_the_faster():
     matrices.append(blockmm.Matrix(random_blocks("Q8_0", 64, 1024, seed=9), "Q8_0", 1024))
     with kernel_settings_restored():
         found = blockmm.choose_paths(matrices, rounds=3)
-        assert set(found) - {"wide", "narrow", "amx", "wide16"} == {"Q4_K", "Q6_K", "Q4_0", "Q8_0", "prefetch"}
+        paths = {"Q4_K", "Q6_K", "Q4_0", "Q8_0", "prefetch"}
+        assert set(found) - {"wide", "narrow", "amx", "wide16", "pack16"} == paths
         if blockmm.isa() == "avx512vnni":
+            timed = found.pop("pack16")
+            assert set(timed) == {"Q4_K", "Q6_K"} - {kind for kind, rows in blockmm.amx_rows().items() if rows}
+            for kind, took in timed.items():
+                assert tuple(took) == blockmm.PACK16_WIDTHS and min(min(pair) for pair in took.values()) > 0
+                one, wide = took[1], took[blockmm.PACK16_WIDTHS[-1]]
+                kept = wide[0] < wide[1] and one[0] <= one[1] * blockmm.PACK16_ONE_ROW_SLACK
+                assert (kind in blockmm.pack16_kinds()) == kept
+                assert (f"{kind} laid out 16 rows at a time" in " ".join(blockmm.paths_in_use([kind]))) == kept
             rows16 = found.pop("wide16")
             assert set(rows16) == {"Q4_K", "Q6_K"}  # the K types among the matrices
             for kind, took in rows16.items():
@@ -385,6 +446,7 @@ def test_choose_paths_times_both_paths_per_k_type_and_keeps_the_faster():
                 assert blockmm.wide16_rows()[kind] == (wins[0] if wins else 0)
         else:
             assert "wide16" not in found and set(blockmm.wide16_rows().values()) == {0}
+            assert "pack16" not in found and blockmm.pack16_kinds() == ()
         if blockmm.isa() == "avx512vnni" and blockmm.amx_usable():
             amx = found.pop("amx")
             assert set(amx) == {"Q4_K", "Q6_K"}  # the K types among the matrices

@@ -78,9 +78,11 @@ def best_isa() -> str:
 
 def set_isa(name: str) -> None:
     """Use another instruction set (``ISAS``, at most this CPU's best) for products of every width, the 16-row tiles
-    off (``set_wide16`` puts them back): for tests and measurements. The results are the same bits on every one."""
+    off (``set_wide16`` puts them back) and no 16-row layout for models loaded after (matrices already in it keep the
+    AVX-512 VNNI tiles): for tests and measurements. The results are the same bits on every one."""
     _require()
     _native.set_isa(name)
+    _pack16_kinds.clear()
 
 
 ISAS = ("scalar", "avx2", "vnni256", "avx512vnni")  # in order: a CPU that runs one runs those before it
@@ -271,6 +273,25 @@ def set_wide16(rows: int, kind: str | None = None) -> None:
         _native.set_wide16(block_type(name).ggml_id, int(rows))
 
 
+def pack16(blocks: torch.Tensor, kind: str | BlockType, unpack: bool = False, threads: int | None = None) -> None:
+    """Lay a K type's matrix (uint8 [N, bytes a row], N a multiple of 16) out 16 rows at a time, in place, or back
+    (``unpack``): each run of 16 rows keeps its bytes, super-block by super-block with row r's dword k at dword
+    16 k + r, so the 16-row tiles load four weights of all 16 rows as one vector (the file's layout needs transposes
+    for that). Only ``Matrix(..., packed=True)`` reads it (on the tiles at every width, AVX-512 VNNI CPUs only); the
+    products keep their bits."""
+    _require()
+    t = block_type(kind) if isinstance(kind, str) else kind
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous():
+        raise ValueError("blocks must be a contiguous uint8 tensor [rows, bytes a row]")
+    _native.pack16(t.ggml_id, blocks.data_ptr(), blocks.shape[0], blocks.shape[1], bool(unpack),
+                   threads or default_threads())
+
+
+def can_pack16(kind: str, rows: int) -> bool:
+    """Whether ``pack16`` takes a matrix of ``rows`` rows of ``kind`` on this CPU."""
+    return available() and best_isa() == "avx512vnni" and kind in K_TYPES and rows % 16 == 0
+
+
 PREFETCH = 4096  # bytes ahead the one-row paths request weights when prefetching is on (the native default)
 # the distances choose_paths times, in order of preference on a tie (0: off); 4 KB was the AMD EPYC Zen 3's best, 2 KB
 # the Intel Sapphire Rapids' (figures: docs/kernels.md)
@@ -360,24 +381,90 @@ def paths_in_use(kinds) -> list[str]:
     on = [f"{kind} from {tiles[kind]} rows" for kind in sorted(kinds) if tiles.get(kind)]
     if on:
         named.append(f"AMX tiles for {', '.join(on)}")
+    packed = [kind for kind in sorted(kinds) if kind in _pack16_kinds]
+    if packed:
+        named.append(f"{', '.join(packed)} laid out 16 rows at a time (16-row tiles at every width)")
     return named
 
 
 def _time_rounds(settings: dict, apply, matrices: list["Matrix"], rows: int, rounds: int) -> dict:
     """Median ms of one product per matrix at ``rows`` rows under each setting (``apply(setting)``), interleaved."""
+    return _time_sets({setting: matrices for setting in settings}, rows, rounds, apply)
+
+
+def _time_sets(sets: dict, rows: int, rounds: int, apply=lambda setting: None) -> dict:
+    """Median ms of one product per matrix of each list of ``sets`` ({setting: matrices}) at ``rows`` rows, after
+    ``apply(setting)``, interleaved."""
     import statistics
     import time
 
-    xs = {m.K: torch.randn(rows, m.K) for m in matrices}
-    took: dict = {setting: [] for setting in settings}
+    xs = {m.K: torch.randn(rows, m.K) for matrices in sets.values() for m in matrices}
+    took: dict = {setting: [] for setting in sets}
     for _ in range(rounds):
-        for setting in settings:
+        for setting, matrices in sets.items():
             apply(setting)
             start = time.perf_counter()
             for m in matrices:
                 m(xs[m.K])
             took[setting].append((time.perf_counter() - start) * 1e3)
     return {setting: statistics.median(times) for setting, times in took.items()}
+
+
+PACK16_WIDTHS = (1, 4)  # the widths choose_paths times the 16-row layout at
+# kept if at most 15% slower at one row: memory-bound there, and timed alone the copies read slower than in passes
+# (Q6_K on a Zen 4: 13% slower timed so, the same speed in whole one-token passes; docs/kernels.md)
+PACK16_ONE_ROW_SLACK = 1.15
+_pack16_kinds: set[str] = set()
+
+
+def pack16_kinds() -> tuple[str, ...]:
+    """The K types whose matrices a model loaded now lays out 16 rows at a time (``choose_paths``' choice, or
+    ``set_pack16_kinds``'); the blocks backend packs them (``BlockLinear.pack``)."""
+    return tuple(sorted(_pack16_kinds))
+
+
+def set_pack16_kinds(kinds) -> None:
+    """Lay out the matrices of these K types 16 rows at a time in models loaded from now on (AVX-512 VNNI only). Speed
+    only: the same bits."""
+    kinds = set(kinds)
+    if kinds - set(K_TYPES):
+        raise ValueError(f"only K types take the 16-row layout ({', '.join(K_TYPES)}), "
+                         f"not {', '.join(sorted(kinds - set(K_TYPES)))}")
+    if kinds and not (available() and best_isa() == "avx512vnni"):
+        raise ValueError("the 16-row layout is read by AVX-512 VNNI code; this CPU's best set is "
+                         f"{best_isa() if available() else 'unknown (no native kernel)'}")
+    _pack16_kinds.clear()
+    _pack16_kinds.update(kinds)
+
+
+def _choose_pack16(matrices: list["Matrix"], rounds: int) -> dict[str, dict[int, tuple[float, float]]]:
+    """Per K type, its matrices (every fourth of 32 or more) laid out 16 rows at a time (copies) against the paths
+    chosen for the file's layout at ``PACK16_WIDTHS``; kept (``set_pack16_kinds``) where faster at 4 rows and within
+    ``PACK16_ONE_ROW_SLACK`` at one. Returns {type: {rows: (ms in the 16-row layout, ms without)}}."""
+    timed, kept = {}, set()
+    tiles = amx_rows() if amx_usable() else {}
+    for kind in K_TYPES:
+        mine = [m for m in matrices if m.type.name == kind and not m.packed and can_pack16(kind, m.N)]
+        mine = mine[::4] if len(mine) >= 32 else mine
+        if not mine or tiles.get(kind):  # (the AMX tiles read the file's layout)
+            continue
+        copies, at = [], 0  # on huge pages where the originals are (the blocks backend's weight_buffer): small
+        buffer = weight_buffer(sum(m.blocks.numel() for m in mine))  # pages made the copies ~20% slower at one row
+        for m in mine:
+            blocks = buffer[at: at + m.blocks.numel()].view(m.blocks.shape)
+            at += m.blocks.numel()
+            blocks.copy_(m.blocks)
+            pack16(blocks, m.type)
+            copies.append(Matrix(blocks, m.type, m.K, packed=True))
+        timed[kind] = {}
+        for rows in PACK16_WIDTHS:
+            took = _time_sets({True: copies, False: mine}, rows, rounds)
+            timed[kind][rows] = (took[True], took[False])
+        one, wide = timed[kind][PACK16_WIDTHS[0]], timed[kind][PACK16_WIDTHS[-1]]
+        if wide[0] < wide[1] and one[0] <= one[1] * PACK16_ONE_ROW_SLACK:
+            kept.add(kind)
+    set_pack16_kinds(kept)
+    return timed
 
 
 AMX_WIDTHS = (4, 8, 16, 32)  # the widths choose_paths times the AMX tiles at
@@ -402,8 +489,10 @@ def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[in
     ``AMX_WIDTHS``, and a type's tiles kept from the narrowest of those widths from which they win at every wider one
     (``set_amx_rows``); on AVX-512 VNNI, each K type's 16-row tiles against the paths chosen for each width of
     ``WIDE16_WIDTHS`` (under "wide16" {type: {rows: (ms on the 16-row tiles, ms without)}}), kept from the narrowest of
-    those widths from which they win at every wider one (``set_wide16``); medians of interleaved rounds; ties go to the
-    earlier candidate (the AVX paths, for the tiles)."""
+    those widths from which they win at every wider one (``set_wide16``); then, on AVX-512 VNNI, each K type's matrices
+    laid out 16 rows at a time (``pack16``) against all of that (``_choose_pack16``; under "pack16" {type: {rows: (ms in
+    that layout, ms without)}}, ``pack16_kinds``); medians of interleaved rounds; ties go to the earlier candidate (the
+    AVX paths, for the tiles)."""
     _require()
     set_wide_isa(isa())  # every width on one set while the other paths are timed (a model loaded before may have
     # put wide products on AVX2, where the Q6_K tiles setting below changes nothing)
@@ -474,6 +563,12 @@ def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[in
             found.setdefault("amx", {})[kind] = timed
             wins = [rows for rows in AMX_WIDTHS if all(timed[w][0] < timed[w][1] for w in AMX_WIDTHS if w >= rows)]
             set_amx_rows(wins[0] if wins else 0, kind)
+    if isa() == "avx512vnni":
+        timed = _choose_pack16(matrices, rounds)
+        if timed:
+            found["pack16"] = timed
+    else:
+        set_pack16_kinds(())
     return found
 
 
@@ -554,11 +649,15 @@ class Matrix:
     """One matrix checked once for many products (a decoding pass makes ~200: ``matmul``'s checks cost more than a
     small one's arithmetic): ``Matrix(blocks, kind, K)(x)`` is ``matmul(x, blocks, kind)``."""
 
-    def __init__(self, blocks: torch.Tensor, kind: str | BlockType, in_features: int):
+    def __init__(self, blocks: torch.Tensor, kind: str | BlockType, in_features: int, packed: bool = False):
         _require()
         self.type = block_type(kind) if isinstance(kind, str) else kind
         _check(blocks, self.type, in_features)
-        self.blocks, self.K, self.N = blocks, in_features, blocks.shape[0]
+        if packed and not can_pack16(self.type.name, blocks.shape[0]):
+            raise ValueError(f"a {self.type.name} matrix of {blocks.shape[0]} rows cannot be read in the 16-row layout "
+                             f"here (K types, a multiple of 16 rows, AVX-512 VNNI: this CPU's best set is "
+                             f"{best_isa()})")
+        self.blocks, self.K, self.N, self.packed = blocks, in_features, blocks.shape[0], bool(packed)
         self._args = (self.type.ggml_id, blocks.data_ptr(), self.N, self.K, blocks.shape[1])
         self._next = (0, 0, 0)  # the matrix fetched ahead after each product (link)
 
@@ -570,7 +669,7 @@ class Matrix:
             x = x.float().contiguous()
         y = torch.empty(x.shape[:-1] + (N,), dtype=torch.float32)
         _native.matmul(kind, x.data_ptr(), w, y.data_ptr(), x.numel() // K, N, K, row_bytes,
-                       _threads or _held or default_threads(), *self._next)
+                       _threads or _held or default_threads(), *self._next, self.packed)
         return y
 
 
@@ -618,6 +717,6 @@ def attend_unchecked(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 
 __all__ = ["TYPES", "Matrix", "attend", "attend_unchecked", "available", "best_isa", "block_type", "default_threads",
-           "isa", "isas", "link", "lookahead", "matmul", "native_built", "prefetch", "rms_norm", "rope",
-           "row_digests", "set_isa", "set_lookahead", "set_narrow_isa", "set_prefetch", "set_threads", "set_wide_isa",
-           "why_unavailable", "narrow_isa", "wide_isa"]
+           "isa", "isas", "link", "lookahead", "matmul", "native_built", "pack16", "pack16_kinds", "prefetch", "rms_norm",
+           "rope", "row_digests", "set_isa", "set_lookahead", "set_narrow_isa", "set_pack16_kinds", "set_prefetch",
+           "set_threads", "set_wide_isa", "why_unavailable", "narrow_isa", "wide_isa"]

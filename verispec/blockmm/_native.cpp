@@ -275,6 +275,7 @@ struct Problem {
     const int8_t* qT = nullptr;
     const int16_t* bsT = nullptr;
     const float* dxT = nullptr;
+    bool packed = false;  // W's rows laid out 16 at a time by pack16 (the 16-row tiles read it, nothing else)
 };
 
 using SpanFn = void (*)(const float*, int, int8_t*, float*, int*);
@@ -665,7 +666,7 @@ Pool* g_pool = nullptr;
 std::mutex g_call;  // one call at a time uses the pool (callers in several Python threads take turns)
 
 void matmul(int kind, const float* x, const uint8_t* W, float* y, int M, int N, int K, int64_t row_bytes,
-            int threads, int isa, const Ahead* ahead = nullptr) {
+            int threads, int isa, const Ahead* ahead = nullptr, bool packed = false) {
     Format f;
     format_of(kind, &f);
     const int G = is_k(kind) ? K / 256 : (K / 32 + 7) / 8;
@@ -674,6 +675,7 @@ void matmul(int kind, const float* x, const uint8_t* W, float* y, int M, int N, 
     std::vector<float> dx((size_t)M * 8 * G, 0.0f), sx((size_t)M * 8 * G, 0.0f);
     std::vector<int16_t> bsum((size_t)M * 8 * G, 0);
     Problem p{kind, f, M, N, K, row_bytes, W, G, stride, qx.data(), dx.data(), sx.data(), bsum.data(), y};
+    p.packed = packed;
     SpanFn span = quantize_span;
 #if VS_X86
     if (isa == ISA_VNNI) span = vnni::quantize_span_simd;
@@ -687,7 +689,8 @@ void matmul(int kind, const float* x, const uint8_t* W, float* y, int M, int N, 
     const bool prep_shared = threads > 1 && M >= PREP_SHARED_ROWS;
     if (!prep_shared) quantize_rows(&p, x, qx.data(), dx.data(), sx.data(), bsum.data(), span);
 #if VS_X86
-    const bool amx = g_amx == 1 && is_k(kind) && g_amx_rows[kind & 15] > 0 && M >= g_amx_rows[kind & 15] && g_isa == ISA_VNNI;
+    const bool amx = !packed && g_amx == 1 && is_k(kind) && g_amx_rows[kind & 15] > 0 && M >= g_amx_rows[kind & 15] &&
+                     g_isa == ISA_VNNI;
 #else
     const bool amx = false;
 #endif
@@ -707,7 +710,7 @@ void matmul(int kind, const float* x, const uint8_t* W, float* y, int M, int N, 
         p.dxT = dxT.data();
     }
     // split W's rows into runs of NR (16 for the AMX tiles and the 16-row tiles), as evenly as possible
-    const bool rows16 = amx || (isa == ISA_VNNI && wide16_on(kind, M) && !fused_off());
+    const bool rows16 = amx || packed || (isa == ISA_VNNI && wide16_on(kind, M) && !fused_off());
     const int unit = rows16 ? 16 : NR;
     const int units = (N + unit - 1) / unit;
     threads = std::max(1, std::min(threads, units));
@@ -733,6 +736,41 @@ void matmul(int kind, const float* x, const uint8_t* W, float* y, int M, int N, 
         g_pool->run(std::min(threads, blocks16), prep);
     }
     g_pool->run(threads, task, ahead);
+}
+
+// The 16-row layout of a K type (pack16, read by the 16-row tiles at every width): each run of 16 rows keeps its bytes
+// (16 rows' worth, in place), laid out super-block by super-block: super-block g of the 16 rows is one run of 16 x
+// (bytes a super-block) where row r's dword k sits at dword 16k + r, so the tiles load four weights of all 16 rows,
+// or one scale dword of each, as one vector (the unpacked layout needs 16-row transposes and gathers for that).
+// Q6_K's 210 bytes end in a half (d): the 16 rows' halves follow the 52 dwords. N must be a multiple of 16.
+void pack16_tile(const uint8_t* src, uint8_t* dst, int64_t row_bytes, int sb_bytes, bool unpack) {
+    const int64_t G = row_bytes / sb_bytes;
+    for (int64_t g = 0; g < G; g++)
+        for (int r = 0; r < 16; r++)
+            for (int o = 0; o < sb_bytes; o += 4) {
+                const int width = std::min(4, sb_bytes - o);  // 4, or Q6_K's final half
+                const int64_t flat = r * row_bytes + g * sb_bytes + o, tiled = g * 16 * sb_bytes + 16 * o + width * r;
+                if (unpack) std::memcpy(dst + flat, src + tiled, width);
+                else std::memcpy(dst + tiled, src + flat, width);
+            }
+}
+
+void pack16(int kind, uint8_t* W, int64_t N, int64_t row_bytes, bool unpack, int threads) {
+    Format f;
+    format_of(kind, &f);
+    const int64_t tiles = N / 16, tile_bytes = 16 * row_bytes;
+    threads = (int)std::max<int64_t>(1, std::min<int64_t>(threads, tiles));
+    auto task = [&](int id, int width) {
+        std::vector<uint8_t> copy((size_t)tile_bytes);
+        for (int64_t t = tiles * id / width; t < tiles * (id + 1) / width; t++) {
+            uint8_t* tile = W + t * tile_bytes;
+            std::memcpy(copy.data(), tile, (size_t)tile_bytes);
+            pack16_tile(copy.data(), tile, row_bytes, f.bytes, unpack);
+        }
+    };
+    std::lock_guard<std::mutex> lock(g_call);
+    if (!g_pool) g_pool = new Pool();
+    g_pool->run(threads, task);
 }
 
 // Attention for R query rows of B sequences: q [B, H, R, D] (contiguous), k / v [B, Hkv, *, D] with the given strides
@@ -776,12 +814,45 @@ void attend(const float* q, const float* k, const float* v, float* out, int B, i
 // ---------------------------------------------------------------------------------------------------------------
 // Python module
 
+// whether rows of this type and count can be laid out (and multiplied) 16 at a time on this CPU; else a Python error
+bool pack16_ok(int kind, long long N) {
+    if (!is_k(kind) || N % 16 != 0) {
+        PyErr_Format(PyExc_ValueError, "the 16-row layout takes a K type's matrix of a multiple of 16 rows, "
+                     "not type %d with %lld rows", kind, N);
+        return false;
+    }
+    if (g_best != ISA_VNNI) {
+        PyErr_Format(PyExc_RuntimeError, "the 16-row layout is read by AVX-512 VNNI code; this CPU's best set is %s",
+                     ISA_NAMES[g_best]);
+        return false;
+    }
+    return true;
+}
+
+PyObject* py_pack16(PyObject*, PyObject* args) {
+    int kind, unpack, threads;
+    unsigned long long wp;
+    long long N, row_bytes;
+    if (!PyArg_ParseTuple(args, "iKLLpi", &kind, &wp, &N, &row_bytes, &unpack, &threads)) return nullptr;
+    Format f;
+    if (!format_of(kind, &f) || !pack16_ok(kind, N)) return nullptr;
+    if (row_bytes <= 0 || row_bytes % f.bytes != 0) {
+        PyErr_Format(PyExc_ValueError, "a row of this type holds whole super-blocks of %d bytes, not %lld bytes",
+                     f.bytes, row_bytes);
+        return nullptr;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    pack16(kind, (uint8_t*)wp, N, row_bytes, unpack, threads);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 PyObject* py_matmul(PyObject*, PyObject* args) {
-    int kind, M, N, K, threads;
+    int kind, M, N, K, threads, packed = 0;
     unsigned long long xp, wp, yp, next_w = 0;
     long long row_bytes, next_n = 0, next_row_bytes = 0;
-    if (!PyArg_ParseTuple(args, "iKKKiiiLi|KLL", &kind, &xp, &wp, &yp, &M, &N, &K, &row_bytes, &threads, &next_w,
-                          &next_n, &next_row_bytes))
+    if (!PyArg_ParseTuple(args, "iKKKiiiLi|KLLp", &kind, &xp, &wp, &yp, &M, &N, &K, &row_bytes, &threads, &next_w,
+                          &next_n, &next_row_bytes, &packed))
         return nullptr;
     Format f;
     if (!format_of(kind, &f)) {
@@ -797,16 +868,17 @@ PyObject* py_matmul(PyObject*, PyObject* args) {
                      (long long)(K / f.block) * f.bytes);
         return nullptr;
     }
+    if (packed && !pack16_ok(kind, N)) return nullptr;
     if (M == 0 || N == 0) Py_RETURN_NONE;
     const int chosen = M >= WIDE_ROWS ? g_wide_isa : g_narrow_isa;
     // the 16-row tiles (AVX-512 VNNI code) where they are on for this type and width, whatever set the width has
-    const int isa = g_isa == ISA_VNNI && wide16_on(kind, M) ? ISA_VNNI : chosen >= 0 ? chosen : g_isa;
+    const int isa = packed || (g_isa == ISA_VNNI && wide16_on(kind, M)) ? ISA_VNNI : chosen >= 0 ? chosen : g_isa;
     Py_BEGIN_ALLOW_THREADS
     Ahead ahead;
     ahead.w = (const uint8_t*)next_w;
     ahead.N = next_w ? next_n : 0;
     ahead.row_bytes = next_row_bytes;
-    matmul(kind, (const float*)xp, (const uint8_t*)wp, (float*)yp, M, N, K, row_bytes, threads, isa, &ahead);
+    matmul(kind, (const float*)xp, (const uint8_t*)wp, (float*)yp, M, N, K, row_bytes, threads, isa, &ahead, packed);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -1118,6 +1190,8 @@ PyMethodDef METHODS[] = {
     {"matmul", py_matmul, METH_VARARGS,
      "matmul(kind, x_ptr, w_ptr, y_ptr, M, N, K, row_bytes, threads[, next_w, next_N, next_row_bytes]): y[M, N] = "
      "x[M, K] W[N, K]^T on W's GGUF blocks; next_*: the matrix the next call will likely read (set_lookahead)"},
+    {"pack16", py_pack16, METH_VARARGS,
+     "pack16(kind, w, N, row_bytes, unpack, threads): lay a K type's rows out 16 at a time (or back), in place"},
     {"attend", py_attend, METH_VARARGS,
      "attend(q, k, v, out, B, H, Hkv, R, D, kb, kh, ks, vb, vh, vs, counts, idx, idx_len, scale, threads): each query "
      "row's causal attention over its own keys, alone (row-invariant)"},
