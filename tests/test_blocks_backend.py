@@ -210,3 +210,57 @@ def test_costs_command_prints_each_engines_curve(tiny_dir, capsys, tmp_path):
     assert main(["costs", "--target", str(tiny_dir), "--plot", str(tmp_path / "no" / "c.png")]) == 2
     assert "no folder" in capsys.readouterr().err
     assert main(["costs", "--target", str(tiny_dir), "--backends", "nope"]) == 2
+
+
+def k_model(seed: int = 8):
+    """A one-layer Llama whose matrices are random K-type blocks (gguf quantizes no K type; their columns a multiple
+    of 256), the float model holding their values, and the blocks as a file's rows would be found."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from test_blockmm import random_blocks
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=64, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    rows = GGUFRows(path=None)
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    for i, (name, linear) in enumerate(linears):
+        kind = blockmm.K_TYPES[i % 3]
+        raw = random_blocks(kind, *linear.weight.shape, seed=seed + i).numpy()
+        values = dequantize(raw, GGMLQuantizationType[kind]).reshape(linear.weight.shape)
+        with torch.no_grad():
+            linear.weight.copy_(torch.from_numpy(values))
+        rows.add(name, kind, np.ascontiguousarray(raw), values)
+    return loaded(model), rows
+
+
+@pytest.mark.skipif(blockmm.available() and blockmm.best_isa() != "avx512vnni",
+                    reason="the 16-row layout is read by AVX-512 VNNI code; this CPU has no AVX-512 VNNI")
+@torch.inference_mode()
+def test_matrices_laid_out_16_rows_at_a_time_keep_every_bit(monkeypatch):
+    """The load lays out the K types ``choose_paths`` keeps 16 rows at a time (here forced: none, then all): the
+    joined products read that layout too, a wide pass and one-token steps give the bits of the file's layout, and
+    ``weight`` (read by EAGLE / Medusa heads) the file's values."""
+    got = []
+    for kinds in ((), blockmm.K_TYPES):
+        monkeypatch.setattr(blockmm, "_choose_pack16", lambda matrices, rounds, kinds=kinds:
+                            blockmm.set_pack16_kinds(kinds) or {})
+        float_model, rows = k_model()
+        model = on_blocks(float_model, rows)
+        linears = [m for m in model.model.modules() if isinstance(m, BlockLinear)]
+        assert {m.kind.name for m in linears} == set(blockmm.K_TYPES)
+        assert all(m.packed == bool(kinds) and ("16-row layout" in repr(m)) == bool(kinds) for m in linears)
+        lean = model.model.model.layers[0].__dict__["forward"]
+        joined = [matrix for products in (lean.qkv, lean.gate_up) for matrix, _, _ in products.runs]
+        assert all(matrix.packed == bool(kinds) for matrix in joined)
+        kv = model.new_kv()
+        wide = model.forward(kv, [1, 5, 9, 3, 7, 11]).logits
+        kv.truncate(2)
+        steps = torch.stack([model.forward(kv, [t]).logits[-1] for t in (9, 3, 7, 11)])
+        assert torch.equal(wide[2:], steps)  # rows invariant to the pass's width in either layout
+        got.append((wide, [m.weight for m in linears]))
+    assert torch.isfinite(got[0][0]).all() and torch.equal(got[0][0], got[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(got[0][1], got[1][1]))

@@ -68,7 +68,7 @@ class Products:
 
 def _follows(a, b) -> bool:
     return (a.kind == b.kind and a.in_features == b.in_features and a.blocks.shape[1] == b.blocks.shape[1]
-            and a.blocks.data_ptr() + a.blocks.numel() == b.blocks.data_ptr())
+            and a.packed == b.packed and a.blocks.data_ptr() + a.blocks.numel() == b.blocks.data_ptr())
 
 
 def _joined(run: list) -> tuple[blockmm.Matrix, torch.Tensor | None, list[int]]:
@@ -81,7 +81,8 @@ def _joined(run: list) -> tuple[blockmm.Matrix, torch.Tensor | None, list[int]]:
     else:
         bias = torch.cat([b.detach() if b is not None else torch.zeros(m.out_features)
                           for b, m in zip(biases, run)]).contiguous()
-    return blockmm.Matrix(blocks, first.kind, first.in_features), bias, [m.out_features for m in run]
+    matrix = blockmm.Matrix(blocks, first.kind, first.in_features, packed=first.packed)
+    return matrix, bias, [m.out_features for m in run]
 
 
 class LeanForward:

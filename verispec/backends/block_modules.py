@@ -19,24 +19,38 @@ class BlockLinear(nn.Module):
         self.in_features, self.out_features = in_features, blocks.shape[0]
         self.register_buffer("blocks", blocks.contiguous(), persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+        self.packed = False  # the file's row layout, or the 16-row one (``pack``)
         self._matrix = blockmm.Matrix(self.blocks, self.kind, in_features)
+
+    def pack(self) -> None:
+        """Lay the blocks out 16 rows at a time, in place (``blockmm.pack16``: the 16-row tiles read it at every width
+        without transposing; AVX-512 VNNI CPUs, K types, a multiple of 16 rows). The products keep their bits."""
+        if not self.packed:
+            blockmm.pack16(self.blocks, self.kind)
+            self.packed = True
+            self._matrix = blockmm.Matrix(self.blocks, self.kind, self.in_features, packed=True)
 
     @property
     def weight(self) -> torch.Tensor:
         """The matrix's float32 values, dequantized on each access (by gguf, as transformers' loader does): for
         readers of an output layer such as EAGLE and Medusa heads; the forward pass never builds it."""
-        return _dequantized(self.blocks, self.kind, self.in_features)
+        blocks = self.blocks
+        if self.packed:
+            blocks = blocks.clone()
+            blockmm.pack16(blocks, self.kind, unpack=True)
+        return _dequantized(blocks, self.kind, self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._matrix.blocks is not self.blocks:  # the buffer was replaced (``_apply``, a load): check it again
-            self._matrix = blockmm.Matrix(self.blocks, self.kind, self.in_features)
+            self._matrix = blockmm.Matrix(self.blocks, self.kind, self.in_features, packed=self.packed)
         y = self._matrix(x)
         if self.bias is not None:
             y.add_(self.bias)
         return y if x.dtype == torch.float32 else y.to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind.name} blocks"
+        layout = ", 16-row layout" if self.packed else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kind.name} blocks{layout}"
 
 
 def _dequantized(blocks: torch.Tensor, kind, columns: int) -> torch.Tensor:

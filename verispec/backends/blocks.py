@@ -238,6 +238,9 @@ def _finish(loaded: LoadedModel, swapped: Swapped, name: str) -> BlocksModel:
     # rows independent of the pass width: the native row attention beside the row-invariant kernel; models with
     # sliding-window layers or soft-capped attention keep SDPA (the row scheme covers neither)
     _choose_paths(loaded.model)
+    packed = _pack16(loaded.model)
+    if packed:
+        log.info("%s: %d matrices laid out 16 rows at a time", name, packed)
     norms = swap_norms(loaded.model)
     log.info("%s: %d RMSNorm layers on the native row kernel", name, norms)
     config = loaded.model.config
@@ -263,6 +266,18 @@ def _matrices(model: nn.Module) -> list[blockmm.Matrix]:
     return found
 
 
+def _pack16(model: nn.Module) -> int:
+    """Lay out in place, 16 rows at a time, each ``BlockLinear`` of a type ``blockmm.pack16_kinds`` names (the load's
+    choice); before the lean layers join siblings' rows (a joined product reads one layout). Returns how many."""
+    kinds = blockmm.pack16_kinds()
+    done = 0
+    for m in model.modules():
+        if isinstance(m, BlockLinear) and m.kind.name in kinds and blockmm.can_pack16(m.kind.name, m.out_features):
+            m.pack()
+            done += 1
+    return done
+
+
 def _choose_paths(model: nn.Module) -> None:
     """Pick the kernel's faster paths per block type on this model's own matrices (``blockmm.choose_paths``: about a
     second for the 1.5B; the same bits either way), and log what was timed."""
@@ -286,6 +301,10 @@ def _choose_paths(model: nn.Module) -> None:
         log.info("block kernel, %s on 16-row tiles: %s (%s)", kind, "; ".join(
             f"{rows} rows {on:.1f} ms against {off:.1f}" for rows, (on, off) in timed.items()),
             f"kept from {kept} rows" if kept else "not kept")
+    for kind, timed in found.pop("pack16", {}).items():
+        log.info("block kernel, %s laid out 16 rows at a time: %s (%s)", kind, "; ".join(
+            f"{rows} row{'s' if rows > 1 else ''} {on:.1f} ms against {off:.1f}" for rows, (on, off) in timed.items()),
+            "kept" if kind in blockmm.pack16_kinds() else "not kept")
     for kind, timed in found.pop("amx", {}).items():
         kept = blockmm.amx_rows()[kind]
         log.info("block kernel, %s on AMX tiles: %s (%s)", kind, "; ".join(
