@@ -1,8 +1,9 @@
-"""The 16-row tiles against the paths otherwise chosen, single products: random blocks of the 1.5B's shapes (small
-enough to stay in the L3 cache), each width with the tiles on and off in turn each round, the best of --rounds
-rounds of 10 calls, ms and GMAC/s (docs/kernels.md, "2026-12-06: the 16-row tiles"). AVX-512 VNNI CPUs only.
+"""The 16-row tiles, on the file's layout and on the 16-row one (``blockmm.pack16``), against the paths otherwise
+chosen, single products: random blocks of the 1.5B's shapes (small enough to stay in the L3 cache), each width in the
+three ways in turn each round, the best of --rounds rounds of 10 calls, ms and GMAC/s (docs/kernels.md, "2026-12-06:
+the 16-row tiles" and "the 16-row layout"). AVX-512 VNNI CPUs only.
 
-    python experiments/wide16_rates.py [--widths 2,3,4,5,6,8,16,64,128] [--off-isa vnni256] [--rounds 5]
+    python experiments/wide16_rates.py [--widths 1,2,3,4,5,6,8,16,64,128] [--off-isa vnni256] [--rounds 5]
 """
 
 import argparse
@@ -22,7 +23,7 @@ SHAPES = (("Q4_K", 8960, 1536), ("Q6_K", 1536, 8960))
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--widths", default="2,3,4,5,6,8,16,64,128")
+    ap.add_argument("--widths", default="1,2,3,4,5,6,8,16,64,128")
     ap.add_argument("--off-isa", default="vnni256", help="the set of the products without the tiles")
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
@@ -32,21 +33,26 @@ def main() -> None:
     blockmm.set_narrow_isa(args.off_isa)
     for kind, N, K in SHAPES:
         W = random_blocks(kind, N, K, seed=1)
+        laid = W.clone()
+        blockmm.pack16(laid, kind)
+        packed = blockmm.Matrix(laid, kind, K, packed=True)
         print(f"{kind} {N} x {K}")
         for M in (int(w) for w in args.widths.split(",")):
             x, best = torch.randn(M, K), {}
             for _ in range(args.rounds):
-                for on in (True, False):
-                    blockmm.set_wide16(2 if on else 0, kind)
-                    blockmm.matmul(x, W, kind)
+                for mode in ("packed", "tiles", "off"):
+                    blockmm.set_wide16(2 if mode == "tiles" else 0, kind)
+                    product = packed if mode == "packed" else lambda x: blockmm.matmul(x, W, kind)
+                    product(x)
                     start = time.perf_counter()
                     for _ in range(10):
-                        blockmm.matmul(x, W, kind)
+                        product(x)
                     ms = (time.perf_counter() - start) * 100
-                    best[on] = min(best.get(on, ms), ms)
-            rate = {on: M * N * K / ms / 1e6 for on, ms in best.items()}
-            print(f"  {M:4d} rows: 16-row tiles {best[True]:.3f} ms ({rate[True]:.0f} GMAC/s), "
-                  f"{args.off_isa} paths {best[False]:.3f} ms ({rate[False]:.0f} GMAC/s)")
+                    best[mode] = min(best.get(mode, ms), ms)
+            rate = {mode: M * N * K / ms / 1e6 for mode, ms in best.items()}
+            print(f"  {M:4d} rows: 16-row layout {best['packed']:.3f} ms ({rate['packed']:.0f} GMAC/s), "
+                  f"16-row tiles {best['tiles']:.3f} ms ({rate['tiles']:.0f} GMAC/s), "
+                  f"{args.off_isa} paths {best['off']:.3f} ms ({rate['off']:.0f} GMAC/s)")
         blockmm.set_wide16(0, kind)
 
 
