@@ -412,7 +412,8 @@ def _time_sets(sets: dict, rows: int, rounds: int, apply=lambda setting: None) -
 
 PACK16_WIDTHS = (1, 4)  # the widths choose_paths times the 16-row layout at
 # kept if at most 35% slower at one row timed so: there, products timed back to back read the layout slower than
-# whole passes do (on a Zen 4 Q4_K / Q6_K 10-27% slower so, 0.98x / 1.01x in one-token passes; docs/kernels.md)
+# whole passes do (on a Zen 4 Q4_K up to 19%, Q6_K 16-27% slower so, 0.98x / 1.01x in one-token passes;
+# docs/kernels.md)
 PACK16_ONE_ROW_SLACK = 1.35
 _pack16_kinds: set[str] = set()
 
