@@ -58,6 +58,16 @@ def random_blocks(kind: str, rows: int, columns: int, seed: int = 0) -> torch.Te
     return torch.from_numpy(raw.reshape(rows, -1).copy())
 
 
+def at_extremes(raw: torch.Tensor, kind: str, rows: slice) -> torch.Tensor:
+    """A copy of ``raw`` whose ``rows`` hold bytes of all ones (every integer and sub-scale at its largest) but for
+    their float16 factors."""
+    factors = torch.isin(torch.arange(raw.shape[1]) % TYPES[kind].bytes,
+                         torch.tensor([at + i for at in HALVES[kind] for i in (0, 1)]))
+    extreme = raw.clone()
+    extreme[rows] = torch.where(factors, raw[rows], torch.full_like(raw[rows], 0xFF))
+    return extreme
+
+
 def activations(M: int, K: int, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(M, K, generator=g) * torch.rand(M, 1, generator=g) * 3
@@ -174,11 +184,7 @@ def test_the_16_row_tiles_give_the_reference_bits_and_keep_rows_invariant(kind):
     raw = random_blocks(kind, 53, K, seed=23)
     x = activations(40, K, seed=29)
     x[3] = torch.where(torch.arange(K) % 2 == 0, 1.0, -1.0)  # every value at +-127 after quantization
-    # the first tile's bytes all 0xFF (every integer and sub-scale at its largest) but its float16 factors
-    factors = torch.isin(torch.arange(raw.shape[1]) % TYPES[kind].bytes,
-                         torch.tensor([at + i for at in HALVES[kind] for i in (0, 1)]))
-    extreme = raw.clone()
-    extreme[:16] = torch.where(factors, raw[:16], torch.full_like(raw[:16], 0xFF))
+    extreme = at_extremes(raw, kind, slice(0, 16))  # the first tile
     before, wide, narrow = blockmm.wide16_rows()[kind], blockmm.wide_isa(), blockmm.narrow_isa()
     try:
         blockmm.set_wide_isa("vnni256")  # the tiles are AVX-512 code whatever set the widths have otherwise
@@ -213,10 +219,7 @@ def test_the_16_row_layout_gives_the_reference_bits_at_every_width_and_packs_bac
     raw = random_blocks(kind, 48, K, seed=31)
     x = activations(40, K, seed=37)
     x[5] = torch.where(torch.arange(K) % 3 == 0, 1.0, -1.0)  # every value at +-127 after quantization
-    factors = torch.isin(torch.arange(raw.shape[1]) % TYPES[kind].bytes,
-                         torch.tensor([at + i for at in HALVES[kind] for i in (0, 1)]))
-    extreme = raw.clone()
-    extreme[16:32] = torch.where(factors, raw[16:32], torch.full_like(raw[16:32], 0xFF))
+    extreme = at_extremes(raw, kind, slice(16, 32))  # the second tile
     with kernel_settings_restored():
         blockmm.set_wide16(0)  # the file's layout elsewhere: the packed matrix takes its tiles anyway
         for blocks in (raw, extreme):
