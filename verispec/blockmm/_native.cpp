@@ -1188,8 +1188,9 @@ PyObject* py_one_row(PyObject*, PyObject* args) {
 
 PyMethodDef METHODS[] = {
     {"matmul", py_matmul, METH_VARARGS,
-     "matmul(kind, x_ptr, w_ptr, y_ptr, M, N, K, row_bytes, threads[, next_w, next_N, next_row_bytes]): y[M, N] = "
-     "x[M, K] W[N, K]^T on W's GGUF blocks; next_*: the matrix the next call will likely read (set_lookahead)"},
+     "matmul(kind, x_ptr, w_ptr, y_ptr, M, N, K, row_bytes, threads[, next_w, next_N, next_row_bytes, packed]): "
+     "y[M, N] = x[M, K] W[N, K]^T on W's GGUF blocks; next_*: the matrix the next call will likely read "
+     "(set_lookahead); packed: W laid out by pack16"},
     {"pack16", py_pack16, METH_VARARGS,
      "pack16(kind, w, N, row_bytes, unpack, threads): lay a K type's rows out 16 at a time (or back), in place"},
     {"attend", py_attend, METH_VARARGS,
