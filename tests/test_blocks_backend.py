@@ -95,6 +95,51 @@ def test_decoder_layers_take_the_lean_forward_with_the_same_bits(pair):
 
 
 @torch.inference_mode()
+def test_the_native_layer_front_gives_the_lean_forwards_bits_on_every_kind_of_pass(pair):
+    """Each layer's attention half runs as one native call (``block_step.NativeFront``): a sequence's chain passes,
+    a token tree's nodes and a batch's ragged rows give the bits of the lean forward's Python steps, and leave the
+    same keys and values in the cache (the passes after read them)."""
+    _, model = pair
+    leans = [layer.__dict__["forward"] for layer in model.model.model.layers]
+    fronts = [lean.front for lean in leans]
+    assert all(front is not None for front in fronts)
+
+    def passes():
+        kv = model.new_kv()
+        out = [model.forward(kv, [1, 5, 9, 3, 7]).logits, model.forward(kv, [12]).logits,
+               model.forward(kv, [4, 30, 2, 8], parents=[-1, 0, 0, 2]).logits]
+        kv.truncate(6)
+        out.append(model.forward(kv, [4, 30]).logits)
+        group = model.new_kv_group(3)
+        kvs = [group.new_kv() for _ in range(3)]
+        out += model.forward_batch([(kvs[0], [1, 5, 9, 3]), (kvs[1], [2, 6]), (kvs[2], [7])])
+        out += model.forward_batch([(kvs[0], [3, 4]), (kvs[2], [9, 8, 7]), (kvs[1], [1])])
+        return [o.logits if hasattr(o, "logits") else o for o in out]
+
+    served = sum(front.passes for front in fronts)
+    native = passes()
+    assert sum(front.passes for front in fronts) == served + 6 * len(fronts)  # every pass above took the native call
+    for lean in leans:
+        lean.front = None
+    try:
+        python = passes()
+    finally:
+        for lean, front in zip(leans, fronts):
+            lean.front = front
+    assert len(native) == len(python) == 10
+    for i, (a, b) in enumerate(zip(native, python)):
+        assert torch.equal(a, b), i
+
+
+def test_the_native_layer_front_refuses_bad_shapes_with_a_clear_error():
+    from verispec.blockmm import _native
+
+    with pytest.raises(ValueError, match="bad layer shape"):
+        _native.layer_front(0, 1, 1, 64, 4, 3, 16, 1e-6, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                            1.0, 1, 0, 0)
+
+
+@torch.inference_mode()
 def test_siblings_in_one_block_type_run_as_one_product_over_joined_rows():
     float_model = loaded(make_model(seed=5, layers=2))
     rows = quantized(float_model.model, kinds=("Q8_0",))

@@ -9,7 +9,9 @@ Python, module calls and ~35 small torch operations a layer. ``LeanForward`` rep
   the same arithmetic on the same row whether alone or joined, so the values are the same bits;
 - the rotary embedding as one native call (``blockmm.rope``: transformers' ``q * cos + rotate_half(q) * sin``, the
   same IEEE operations in the same order);
-- the cache update and the attention function exactly as transformers calls them.
+- the cache update and the attention function exactly as transformers calls them;
+- and, where the row attention serves the pass, everything from the input norm to the gate / up products as one
+  native call (``block_step.NativeFront``), leaving SiLU, the product by ``up``, ``down_proj`` and the last residual.
 
 It is installed only where it gives transformers' own layer's output bit for bit on a probe (``install``): another
 family's layer, or a transformers release whose layer computes something else, keeps its own forward.
@@ -25,6 +27,7 @@ from torch.nn import functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .. import blockmm
+from . import block_step
 from ..errors import InvalidRequest
 from .block_modules import BlockLinear, RowRMSNorm
 
@@ -94,12 +97,19 @@ class LeanForward:
         self.qkv = Products([attn.q_proj, attn.k_proj, attn.v_proj])
         self.gate_up = Products([mlp.gate_proj, mlp.up_proj])
         self.head_dim = attn.head_dim
+        self.front = None  # the attention half in one native call (block_step.NativeFront), where install put it
 
     def __call__(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  position_ids: torch.Tensor | None = None, cache=None, use_cache: bool | None = False,
                  position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None, **kwargs) -> torch.Tensor:
         layer = self.layer
         attn, mlp = layer.self_attn, layer.mlp
+        if self.front is not None:
+            front = self.front(hidden_states, attention_mask, cache, position_embeddings,
+                               dict(kwargs, position_ids=position_ids, use_cache=use_cache))
+            if front is not None:
+                x2, gate, up = front
+                return x2 + mlp.down_proj(F.silu(gate) * up)
         shape = hidden_states.shape[:-1]
         h = layer.input_layernorm(hidden_states)
         q, k, v = self.qkv(h)
@@ -153,15 +163,30 @@ def install(model: nn.Module) -> int:
         lean = LeanForward(layer)
         width = model.config.hidden_size
         past, new = torch.randn(1, 3, width, generator=probe), torch.randn(1, 2, width, generator=probe)
-        outs = []
-        for forward in (type(layer).forward.__get__(layer), lean):
+
+        def run(forward):
             cache = new_cache()
             for x, start in ((past, 0), (new, 3)):
                 positions = torch.arange(start, start + x.shape[1])[None]
                 y = forward(x, attention_mask=None, position_ids=positions, cache=cache, use_cache=True,
                             position_embeddings=rotary(x, positions))
-            outs.append(y[0] if isinstance(y, tuple) else y)
-        if torch.equal(outs[0], outs[1]):
-            layer.forward = lean
-            installed += 1
+            return y[0] if isinstance(y, tuple) else y
+
+        own = run(type(layer).forward.__get__(layer))
+        if not torch.equal(own, run(lean)):
+            continue
+        if block_step.usable(layer, lean):  # the attention half natively, where it gives the same bits too
+            lean.front = block_step.NativeFront(lean)
+            if not (torch.equal(own, run(lean)) and lean.front.passes == 2):
+                lean.front = None
+            else:
+                lean.front.forget()  # its products are read again at the first pass, after the load links them
+        layer.forward = lean
+        installed += 1
     return installed
+
+
+def native_fronts(model: nn.Module) -> int:
+    """How many of ``model``'s decoder layers run their attention half as one native call (``install``)."""
+    return sum(1 for m in model.modules()
+               if isinstance(m.__dict__.get("forward"), LeanForward) and m.__dict__["forward"].front is not None)

@@ -171,6 +171,11 @@ def threads_held():
         _held = before
 
 
+def threads_now() -> int:
+    """The threads a product started now runs on (what ``Matrix`` passes the kernel)."""
+    return _threads or _held or default_threads()
+
+
 def default_threads() -> int:
     """Threads: as set by ``set_threads``, else VERISPEC_BLOCKMM_THREADS, else the cores this process may use."""
     if _threads is not None:
@@ -720,4 +725,4 @@ def attend_unchecked(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 __all__ = ["TYPES", "Matrix", "attend", "attend_unchecked", "available", "best_isa", "block_type", "default_threads",
            "isa", "isas", "link", "lookahead", "matmul", "native_built", "pack16", "pack16_kinds", "prefetch", "rms_norm",
            "rope", "row_digests", "set_isa", "set_lookahead", "set_narrow_isa", "set_pack16_kinds", "set_prefetch",
-           "set_threads", "set_wide_isa", "why_unavailable", "narrow_isa", "wide_isa"]
+           "set_threads", "set_wide_isa", "threads_now", "why_unavailable", "narrow_isa", "wide_isa"]

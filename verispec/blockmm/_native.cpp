@@ -847,6 +847,13 @@ PyObject* py_pack16(PyObject*, PyObject* args) {
     Py_RETURN_NONE;
 }
 
+// the instruction set of a product of M rows: the 16-row tiles (AVX-512 VNNI code) where they are on for this type
+// and width, whatever set the width has; else the set chosen for the width, or the one in use
+int product_isa(int kind, int M, bool packed) {
+    const int chosen = M >= WIDE_ROWS ? g_wide_isa : g_narrow_isa;
+    return packed || (g_isa == ISA_VNNI && wide16_on(kind, M)) ? ISA_VNNI : chosen >= 0 ? chosen : g_isa;
+}
+
 PyObject* py_matmul(PyObject*, PyObject* args) {
     int kind, M, N, K, threads, packed = 0;
     unsigned long long xp, wp, yp, next_w = 0;
@@ -870,9 +877,7 @@ PyObject* py_matmul(PyObject*, PyObject* args) {
     }
     if (packed && !pack16_ok(kind, N)) return nullptr;
     if (M == 0 || N == 0) Py_RETURN_NONE;
-    const int chosen = M >= WIDE_ROWS ? g_wide_isa : g_narrow_isa;
-    // the 16-row tiles (AVX-512 VNNI code) where they are on for this type and width, whatever set the width has
-    const int isa = packed || (g_isa == ISA_VNNI && wide16_on(kind, M)) ? ISA_VNNI : chosen >= 0 ? chosen : g_isa;
+    const int isa = product_isa(kind, M, packed);
     Py_BEGIN_ALLOW_THREADS
     Ahead ahead;
     ahead.w = (const uint8_t*)next_w;
@@ -1024,6 +1029,169 @@ PyObject* py_attend(PyObject*, PyObject* args) {
     Py_BEGIN_ALLOW_THREADS
     attend((const float*)qp, (const float*)kp, (const float*)vp, (float*)op, B, H, Hkv, R, D, kb, kh, ks, vb, vh, vs,
            (const int32_t*)cp, ip ? (const int32_t*)ip : nullptr, idx_len, scale, threads, isa);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// A decoder layer's attention half in one call (verispec/backends/block_step.py): the input norm, the q / k / v
+// products and their biases, the rotary embedding of q and k, the new keys and values written into the cache's
+// buffers, the row attention, the output product and the residual, the second norm and the gate / up products. The
+// same routines in the same order as the Python layer calls them one at a time (block_layers.LeanForward), so the
+// same bits, without ~30 interpreter round trips a layer between them.
+
+struct Product {  // one product of a layer: a matrix (siblings joined, maybe) and its bias
+    int kind = 0, N = 0, K = 0;
+    const uint8_t* w = nullptr;
+    int64_t row_bytes = 0;
+    bool packed = false;
+    Ahead next;
+    const float* bias = nullptr;
+};
+
+constexpr int PRODUCT_FIELDS = 10;  // kind, w, N, K, row_bytes, packed, next_w, next_N, next_row_bytes, bias
+
+Product product_at(const int64_t* d) {
+    Product p;
+    p.kind = (int)d[0];
+    p.w = (const uint8_t*)d[1];
+    p.N = (int)d[2];
+    p.K = (int)d[3];
+    p.row_bytes = d[4];
+    p.packed = d[5] != 0;
+    p.next.w = (const uint8_t*)d[6];
+    p.next.N = d[6] ? d[7] : 0;
+    p.next.row_bytes = d[8];
+    p.bias = (const float*)d[9];
+    return p;
+}
+
+// y [M, sum of N] = the products' outputs side by side in order, each plus its bias (one rounding, as torch's add_)
+void products(const Product* ps, int n, const float* x, float* y, int M, int threads) {
+    int total = 0;
+    for (int i = 0; i < n; i++) total += ps[i].N;
+    std::vector<float> part;
+    for (int i = 0, col = 0; i < n; col += ps[i].N, i++) {
+        const Product& p = ps[i];
+        float* out = y;
+        if (n > 1) {
+            part.resize((size_t)M * p.N);
+            out = part.data();
+        }
+        matmul(p.kind, x, p.w, out, M, p.N, p.K, p.row_bytes, threads, product_isa(p.kind, M, p.packed), &p.next,
+               p.packed);
+        if (p.bias)
+            for (int64_t m = 0; m < M; m++)
+                for (int j = 0; j < p.N; j++) out[m * p.N + j] = out[m * p.N + j] + p.bias[j];
+        if (n > 1)
+            for (int64_t m = 0; m < M; m++) std::memcpy(y + m * total + col, out + m * p.N, sizeof(float) * p.N);
+    }
+}
+
+struct Front {
+    const float* x;  // [B, R, Hd]
+    int B, R, Hd, H, Hkv, D;
+    float eps;
+    const float *norm1, *norm2;
+    const int64_t* desc;  // PRODUCT_FIELDS a product: n_qkv of q / k / v (in that order of columns), o, n_gu of gate / up
+    int n_qkv, n_gu;
+    const float *cos, *sin;  // [B or 1, R, D]
+    int64_t cb;              // cos / sin's stride between sequences (0: shared)
+    float *kbuf, *vbuf;      // the cache's buffers from the pass's first row: [B, Hkv, columns, D] with these strides
+    int64_t kb, kh, ks, vb, vh, vs;
+    const int32_t* starts;   // [B]: the first column each row writes
+    const int32_t* counts;   // [B, R]: keys each query row sees (blockmm.attend)
+    const int32_t* idx;      // [B, R, idx_len] or null
+    int idx_len;
+    float scale;
+    int threads;
+    float* x2;  // [B, R, Hd]: x plus the attention's output
+    float* gu;  // [B, R, sum of gate / up's N]
+};
+
+void layer_front(const Front& a) {
+    const int T = a.B * a.R, D = a.D;
+    std::vector<Product> ps;
+    for (int i = 0; i < a.n_qkv + 1 + a.n_gu; i++) ps.push_back(product_at(a.desc + PRODUCT_FIELDS * i));
+    int Nqkv = 0;
+    for (int i = 0; i < a.n_qkv; i++) Nqkv += ps[i].N;
+    std::vector<float> h((size_t)T * a.Hd), y((size_t)T * Nqkv);
+    rms_norm(a.x, a.norm1, h.data(), T, a.Hd, a.eps);
+    products(ps.data(), a.n_qkv, h.data(), y.data(), T, a.threads);
+    // q and k rotated from their columns of y ([B, R, heads, D] there) into [B, heads, R, D]
+    std::vector<float> q((size_t)T * a.H * D), k((size_t)T * a.Hkv * D), att((size_t)T * a.H * D);
+    rope(y.data(), (int64_t)a.R * Nqkv, D, Nqkv, a.cos, a.sin, a.cb, D, q.data(), a.B, a.H, a.R, D);
+    rope(y.data() + (int64_t)a.H * D, (int64_t)a.R * Nqkv, D, Nqkv, a.cos, a.sin, a.cb, D, k.data(), a.B, a.Hkv, a.R,
+         D);
+    for (int b = 0; b < a.B; b++)
+        for (int g = 0; g < a.Hkv; g++)
+            for (int r = 0; r < a.R; r++) {
+                const int64_t col = (int64_t)a.starts[b] + r;
+                std::memcpy(a.kbuf + b * a.kb + g * a.kh + col * a.ks, k.data() + (((int64_t)b * a.Hkv + g) * a.R + r) * D,
+                            sizeof(float) * D);
+                std::memcpy(a.vbuf + b * a.vb + g * a.vh + col * a.vs,
+                            y.data() + ((int64_t)b * a.R + r) * Nqkv + (int64_t)(a.H + a.Hkv + g) * D, sizeof(float) * D);
+            }
+    attend(q.data(), a.kbuf, a.vbuf, att.data(), a.B, a.H, a.Hkv, a.R, D, a.kb, a.kh, a.ks, a.vb, a.vh, a.vs, a.counts,
+           a.idx, a.idx_len, a.scale, a.threads, g_isa);
+    std::vector<float> o((size_t)T * a.Hd);
+    products(&ps[a.n_qkv], 1, att.data(), o.data(), T, a.threads);
+    for (int64_t i = 0; i < (int64_t)T * a.Hd; i++) a.x2[i] = a.x[i] + o[i];
+    rms_norm(a.x2, a.norm2, h.data(), T, a.Hd, a.eps);
+    products(ps.data() + a.n_qkv + 1, a.n_gu, h.data(), a.gu, T, a.threads);
+}
+
+PyObject* py_layer_front(PyObject*, PyObject* args) {
+    Front a{};
+    unsigned long long x, n1, n2, desc, cs, sn, kbuf, vbuf, starts, counts, idx, x2, gu;
+    long long cb, kb, kh, ks, vb, vh, vs;
+    if (!PyArg_ParseTuple(args, "KiiiiiifKKKiiKKLKKLLLLLLKKKifiKK", &x, &a.B, &a.R, &a.Hd, &a.H, &a.Hkv, &a.D, &a.eps,
+                          &n1, &n2, &desc, &a.n_qkv, &a.n_gu, &cs, &sn, &cb, &kbuf, &vbuf, &kb, &kh, &ks, &vb, &vh, &vs,
+                          &starts, &counts, &idx, &a.idx_len, &a.scale, &a.threads, &x2, &gu))
+        return nullptr;
+    if (a.B <= 0 || a.R <= 0 || a.Hd <= 0 || a.H <= 0 || a.Hkv <= 0 || a.H % a.Hkv != 0 || a.D <= 0 || a.D % 8 != 0 ||
+        a.n_qkv < 1 || a.n_qkv > 3 || a.n_gu < 1 || a.n_gu > 2) {
+        PyErr_Format(PyExc_ValueError, "bad layer shape: B=%d R=%d hidden=%d H=%d Hkv=%d D=%d (D a multiple of 8, H of "
+                     "Hkv), %d q/k/v and %d gate/up products", a.B, a.R, a.Hd, a.H, a.Hkv, a.D, a.n_qkv, a.n_gu);
+        return nullptr;
+    }
+    const int64_t* d = (const int64_t*)desc;
+    int Nqkv = 0;
+    for (int i = 0; i < a.n_qkv + 1 + a.n_gu; i++) {
+        const Product p = product_at(d + PRODUCT_FIELDS * i);
+        Format f;
+        const int in = i == a.n_qkv ? a.H * a.D : a.Hd;
+        if (!format_of(p.kind, &f) || p.K != in || p.N <= 0 || p.row_bytes != (int64_t)(p.K / f.block) * f.bytes ||
+            p.K % f.block != 0 || (i == a.n_qkv && p.N != a.Hd)) {
+            PyErr_Format(PyExc_ValueError, "product %d of the layer does not fit it (type %d, %d x %d)", i, p.kind, p.N,
+                         p.K);
+            return nullptr;
+        }
+        if (p.packed && !pack16_ok(p.kind, p.N)) return nullptr;
+        if (i < a.n_qkv) Nqkv += p.N;
+    }
+    if (Nqkv != (a.H + 2 * a.Hkv) * a.D) {
+        PyErr_Format(PyExc_ValueError, "the q/k/v products give %d columns, not (%d + 2 x %d) x %d", Nqkv, a.H, a.Hkv,
+                     a.D);
+        return nullptr;
+    }
+    a.x = (const float*)x;
+    a.norm1 = (const float*)n1;
+    a.norm2 = (const float*)n2;
+    a.desc = d;
+    a.cos = (const float*)cs;
+    a.sin = (const float*)sn;
+    a.cb = cb;
+    a.kbuf = (float*)kbuf;
+    a.vbuf = (float*)vbuf;
+    a.kb = kb, a.kh = kh, a.ks = ks, a.vb = vb, a.vh = vh, a.vs = vs;
+    a.starts = (const int32_t*)starts;
+    a.counts = (const int32_t*)counts;
+    a.idx = idx ? (const int32_t*)idx : nullptr;
+    a.x2 = (float*)x2;
+    a.gu = (float*)gu;
+    Py_BEGIN_ALLOW_THREADS
+    layer_front(a);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -1196,6 +1364,10 @@ PyMethodDef METHODS[] = {
     {"attend", py_attend, METH_VARARGS,
      "attend(q, k, v, out, B, H, Hkv, R, D, kb, kh, ks, vb, vh, vs, counts, idx, idx_len, scale, threads): each query "
      "row's causal attention over its own keys, alone (row-invariant)"},
+    {"layer_front", py_layer_front, METH_VARARGS,
+     "layer_front(x, B, R, hidden, H, Hkv, D, eps, norm1, norm2, desc, n_qkv, n_gu, cos, sin, cb, kbuf, vbuf, kb, kh, "
+     "ks, vb, vh, vs, starts, counts, idx, idx_len, scale, threads, x2, gu): a decoder layer's attention half and its "
+     "gate / up products in one call (verispec/backends/block_step.py)"},
     {"rms_norm", py_rms_norm, METH_VARARGS,
      "rms_norm(x_ptr, w_ptr, y_ptr, M, H, eps): y = w * (x / sqrt(mean(x^2) + eps)) per row of H floats (row-invariant)"},
     {"rope", py_rope, METH_VARARGS,

@@ -32,29 +32,48 @@ class GrowingLayer(DynamicLayer):
         return (buf is not None and buf.shape[:-2] == key_states.shape[:-2] and buf.shape[-1] == key_states.shape[-1]
                 and buf.dtype == key_states.dtype and buf.device == key_states.device)
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+    def _room(self, like: torch.Tensor, need: int, values_like: torch.Tensor | None = None) -> int:
+        """Make the buffers hold this layer's positions with room for ``need`` (``like``: new keys' shape but for
+        their count, dtype and device; ``values_like`` the values', if they differ); returns the positions held."""
+        values_like = like if values_like is None else values_like
         if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+            self.lazy_initialization(like, values_like)
         length = self.get_seq_length()
-        need = length + key_states.shape[-2]
         # the buffer still holds this layer's positions (an empty view after a crop to 0 may not share its pointer)
-        ours = self._fits_buffer(key_states) and (length == 0 or self._is_view_of_buffer())
+        ours = self._fits_buffer(like) and (length == 0 or self._is_view_of_buffer())
         if not ours or need > self._key_buffer.shape[-2]:
             # first use, full, or the layer's tensors were replaced (e.g. reordered): move into a new buffer,
             # doubling only when ours is full
             old = self._key_buffer.shape[-2] if ours else 0
             capacity = max(need, 2 * old, MIN_CAPACITY)
-            shape = (*key_states.shape[:-2], capacity, key_states.shape[-1])
-            keys = key_states.new_empty(shape)
-            values = value_states.new_empty((*value_states.shape[:-2], capacity, value_states.shape[-1]))
+            keys = like.new_empty((*like.shape[:-2], capacity, like.shape[-1]))
+            values = values_like.new_empty((*values_like.shape[:-2], capacity, values_like.shape[-1]))
             if length:
                 keys[..., :length, :].copy_(self.keys)
                 values[..., :length, :].copy_(self.values)
             self._key_buffer, self._value_buffer = keys, values
+        return length
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        length = self.get_seq_length() if self.is_initialized else 0
+        need = length + key_states.shape[-2]
+        self._room(key_states, need, value_states)
         self._key_buffer[..., length:need, :].copy_(key_states)
         self._value_buffer[..., length:need, :].copy_(value_states)
-        self.keys = self._key_buffer[..., :need, :]
-        self.values = self._value_buffer[..., :need, :]
+        return self.filled(need)
+
+    def slots(self, like: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, list[int], int]:
+        """Where a pass of ``width`` new positions writes, for a caller that writes them itself (the blocks
+        backend's native layer step, ``verispec.backends.block_step``): the key and value buffers (every row of
+        ``like``'s batch), each row's first column, and the columns the pass's attention reads. ``filled`` after."""
+        length = self.get_seq_length() if self.is_initialized else 0
+        self._room(like, length + width)
+        return self._key_buffer, self._value_buffer, [length] * like.shape[0], length + width
+
+    def filled(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's keys and values are now the buffers' first ``end`` columns."""
+        self.keys = self._key_buffer[..., :end, :]
+        self.values = self._value_buffer[..., :end, :]
         return self.keys, self.values
 
     def reset(self) -> None:
@@ -283,6 +302,19 @@ class RaggedLayer(DynamicLayer):
         else:
             self._keys.index_put_(index, key_states)
             self._values.index_put_(index, value_states)
+        return self.filled(end)
+
+    def slots(self, like: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor, list[int], int]:
+        """As ``GrowingLayer.slots``: the buffers' rows of the pass, each row's first column, the columns read."""
+        if not self.is_initialized:
+            self.lazy_initialization(like, like)
+        batch = self.batch
+        self._ensure(like, batch.pass_end)
+        span = batch.pass_rows
+        return self._keys[span], self._values[span], batch.pass_starts.tolist(), batch.pass_end
+
+    def filled(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        span = self.batch.pass_rows
         self.keys = self._keys[span, :, :end]
         self.values = self._values[span, :, :end]
         return self.keys, self.values

@@ -1,0 +1,133 @@
+"""A decoder layer's attention half in one native call: the blocks backend's lean layers without the interpreter.
+
+``LeanForward`` runs a layer as ~40 Python-level operations; between the kernel's products of a pass of 8 tokens they
+cost ~11 ms of the 1.5B's ~72 (docs/kernels.md: the products and the attention are native, what is left is the
+interpreter and torch's small operations). ``NativeFront`` hands the first part of the layer to one C++ routine
+(``_native.layer_front``): the input norm, the q / k / v products and their biases, the rotary embedding, the new keys
+and values written into the cache's buffers, the row attention, the output product and the residual, the second norm
+and the gate / up products. Each step is the routine the lean forward calls through Python, with the same inputs in
+the same order, so the bits are the same; only SiLU, the product by ``up``, ``down_proj`` and the last residual stay
+in torch (SiLU's rounding is torch's own). A probe at install (``block_layers.install``) checks the layer's output
+against transformers' own, bit for bit, before the layer takes it.
+
+It serves the passes the row attention serves (a sequence's causal pass, a batch's rows, a token tree's nodes) on
+the caches that can say where a pass writes (``GrowingLayer``, ``RaggedLayer``: ``slots``); any other pass returns
+``None`` and the lean forward runs it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import blockmm
+from ..blockmm import _native
+from .hf.row_attention import ROW_ATTENTION, _causal_counts, _layout
+
+FIELDS = 10  # a product's fields in the descriptor (_native.cpp, PRODUCT_FIELDS)
+
+
+def _fields(matrix: blockmm.Matrix, bias: torch.Tensor | None) -> list[int]:
+    kind, w, N, K, row_bytes = matrix._args
+    next_w, next_n, next_row_bytes = matrix._next
+    return [kind, w, N, K, row_bytes, int(matrix.packed), next_w, next_n, next_row_bytes,
+            0 if bias is None else bias.data_ptr()]
+
+
+class NativeFront:
+    """The attention half of one decoder layer and its gate / up products (``LeanForward``'s ``lean``), natively.
+    ``__call__`` returns ``(x2, gate, up)``, x2 the residual stream after the attention, or ``None`` for a pass it
+    does not serve."""
+
+    def __init__(self, lean) -> None:
+        layer = lean.layer
+        attn = layer.self_attn
+        self.lean, self.attn = lean, attn
+        self.config = attn.config
+        self.head_dim = lean.head_dim
+        self.heads = attn.config.num_attention_heads
+        self.kv_heads = attn.config.num_key_value_heads
+        self.hidden = attn.config.hidden_size
+        norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+        self.eps = norm1.eps  # the two norms' (usable)
+        self.norms = (norm1.weight, norm2.weight)
+        self.gate_up_sizes = [n for _, _, sizes in lean.gate_up.runs for n in sizes]
+        self._desc: torch.Tensor | None = None
+        self._empty: dict[int, torch.Tensor] = {}
+        self.passes = 0  # passes served (install's probe checks that it served one)
+
+    def descriptor(self) -> torch.Tensor:
+        """The layer's products for the native call, read once (after the load has linked each matrix to the next)."""
+        if self._desc is None:
+            o = self.attn.o_proj
+            rows = [_fields(m, b) for m, b, _ in self.lean.qkv.runs] + [_fields(o._matrix, o.bias)] + \
+                [_fields(m, b) for m, b, _ in self.lean.gate_up.runs]
+            self._desc = torch.tensor(rows, dtype=torch.int64).reshape(-1)
+        return self._desc
+
+    def forget(self) -> None:
+        """Read the layer's products again at the next pass (after ``blockmm.link`` names each one's successor)."""
+        self._desc = None
+        self.passes = 0
+
+    def __call__(self, x: torch.Tensor, attention_mask, cache, position_embeddings, kwargs: dict):
+        if (cache is None or x.dtype != torch.float32 or x.dim() != 3 or not x.is_contiguous()
+                or self.config._attn_implementation != ROW_ATTENTION or getattr(cache, "offloading", False)):
+            return None
+        B, R, _ = x.shape
+        rows = kwargs.get("verispec_keys")
+        if rows is None and (attention_mask is not None or B != 1):
+            return None  # row_attention hands such passes to SDPA
+        idx = self.attn.layer_idx
+        if cache.layer_class_to_replicate is not None:
+            while len(cache.layers) <= idx:
+                cache.layers.append(cache.layer_class_to_replicate())
+        if idx >= len(cache.layers) or not hasattr(cache.layers[idx], "slots"):
+            return None
+        layer_cache = cache.layers[idx]
+        like = self._empty.get(B)
+        if like is None:
+            like = self._empty[B] = torch.empty(B, self.kv_heads, 0, self.head_dim)
+        keys, values, starts, end = layer_cache.slots(like, R)
+        counts, index = _layout(rows, B, R) if rows is not None else (_causal_counts(end, R), None)
+        cos, sin = position_embeddings
+        if cos.dtype != torch.float32 or not cos.is_contiguous() or not sin.is_contiguous():
+            cos, sin = cos.float().contiguous(), sin.float().contiguous()
+        starts = torch.tensor(starts, dtype=torch.int32)
+        desc = self.descriptor()
+        x2 = torch.empty_like(x)
+        gu = torch.empty(B, R, sum(self.gate_up_sizes), dtype=torch.float32)
+        D = self.head_dim
+        _native.layer_front(
+            x.data_ptr(), B, R, self.hidden, self.heads, self.kv_heads, D, self.eps, self.norms[0].data_ptr(),
+            self.norms[1].data_ptr(), desc.data_ptr(), len(self.lean.qkv.runs), len(self.lean.gate_up.runs),
+            cos.data_ptr(), sin.data_ptr(), 0 if cos.shape[0] == 1 else R * D, keys.data_ptr(), values.data_ptr(),
+            keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
+            starts.data_ptr(), counts.data_ptr(), 0 if index is None else index.data_ptr(),
+            0 if index is None else index.shape[2], float(self.attn.scaling), blockmm.threads_now(),
+            x2.data_ptr(), gu.data_ptr())
+        layer_cache.filled(end)
+        self.passes += 1
+        gate, up = gu.split(self.gate_up_sizes, -1)
+        return x2, gate, up
+
+
+def usable(layer: nn.Module, lean) -> bool:
+    """Whether ``layer``'s lean forward can hand its attention half to the native call: the row attention on, its
+    shapes (head_dim a multiple of 8, query heads a multiple of key / value heads), q / k / v products whose columns
+    are q's, k's and v's in that order, one or two gate / up products, contiguous float32 norms and biases."""
+    attn = layer.self_attn
+    config = attn.config
+    D = lean.head_dim
+    heads, kv_heads = getattr(config, "num_attention_heads", 0), getattr(config, "num_key_value_heads", 0)
+    if (config._attn_implementation != ROW_ATTENTION or not heads or not kv_heads or D % 8 or heads % kv_heads
+            or not isinstance(getattr(attn, "scaling", None), float)):
+        return False
+    sizes = [n for _, _, s in lean.qkv.runs for n in s]
+    if sizes != [heads * D, kv_heads * D, kv_heads * D] or not 1 <= len(lean.gate_up.runs) <= 2:
+        return False
+    norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+    biases = [b for _, b, _ in lean.qkv.runs + lean.gate_up.runs] + [attn.o_proj.bias]
+    return (layer.input_layernorm.eps == layer.post_attention_layernorm.eps
+            and all(t.dtype == torch.float32 and t.is_contiguous() for t in norms)
+            and all(b is None or (b.dtype == torch.float32 and b.is_contiguous()) for b in biases))
