@@ -309,3 +309,26 @@ def test_matrices_laid_out_16_rows_at_a_time_keep_every_bit(monkeypatch):
         got.append((wide, [m.weight for m in linears]))
     assert torch.isfinite(got[0][0]).all() and torch.equal(got[0][0], got[1][0])
     assert all(torch.equal(a, b) for a, b in zip(got[0][1], got[1][1]))
+
+
+@pytest.mark.skipif(blockmm.available() and blockmm.best_isa() != "avx512vnni",
+                    reason="the 16-row layout is read by AVX-512 VNNI code")
+@torch.inference_mode()
+def test_a_layout_changed_in_place_after_the_load_reaches_the_native_layer_front(monkeypatch):
+    """Matrices laid out back to the file's layout in place after the load (as experiments/pack16_ab.py does): the
+    native layer front reads each product's layout again, so its passes keep their bits."""
+    from verispec.backends.blocks import _matrices
+
+    monkeypatch.setattr(blockmm, "_choose_pack16", lambda matrices, rounds: blockmm.set_pack16_kinds(blockmm.K_TYPES)
+                        or {})
+    float_model, rows = k_model()
+    model = on_blocks(float_model, rows)
+    assert all(layer.__dict__["forward"].front is not None for layer in model.model.model.layers)
+    before = model.forward(model.new_kv(), [1, 5, 9, 3]).logits
+    for m in model.model.modules():
+        if isinstance(m, BlockLinear) and m.packed:
+            blockmm.pack16(m.blocks, m.kind, unpack=True)
+            m.packed = False
+    for matrix in _matrices(model.model):
+        matrix.packed = False
+    assert torch.equal(model.forward(model.new_kv(), [1, 5, 9, 3]).logits, before)

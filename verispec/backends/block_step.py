@@ -52,18 +52,21 @@ class NativeFront:
         self.eps = norm1.eps  # the two norms' (usable)
         self.norms = (norm1.weight, norm2.weight)
         self.gate_up_sizes = [n for _, _, sizes in lean.gate_up.runs for n in sizes]
-        self._desc: torch.Tensor | None = None
+        self._desc: tuple[tuple[bool, ...], torch.Tensor] | None = None
         self._empty: dict[int, torch.Tensor] = {}
         self.passes = 0  # passes served (install's probe checks that it served one)
 
     def descriptor(self) -> torch.Tensor:
-        """The layer's products for the native call, read once (after the load has linked each matrix to the next)."""
-        if self._desc is None:
-            o = self.attn.o_proj
-            rows = [_fields(m, b) for m, b, _ in self.lean.qkv.runs] + [_fields(o._matrix, o.bias)] + \
-                [_fields(m, b) for m, b, _ in self.lean.gate_up.runs]
-            self._desc = torch.tensor(rows, dtype=torch.int64).reshape(-1)
-        return self._desc
+        """The layer's products for the native call: read at the first pass (after the load has linked each matrix
+        to the next) and again whenever a matrix's layout changed since (``Matrix.packed``, toggled in place)."""
+        o = self.attn.o_proj
+        matrices = [m for m, _, _ in self.lean.qkv.runs] + [o._matrix] + [m for m, _, _ in self.lean.gate_up.runs]
+        key = tuple(m.packed for m in matrices)
+        if self._desc is None or self._desc[0] != key:
+            biases = [b for _, b, _ in self.lean.qkv.runs] + [o.bias] + [b for _, b, _ in self.lean.gate_up.runs]
+            rows = [_fields(m, b) for m, b in zip(matrices, biases)]
+            self._desc = (key, torch.tensor(rows, dtype=torch.int64).reshape(-1))
+        return self._desc[1]
 
     def forget(self) -> None:
         """Read the layer's products again at the next pass (after ``blockmm.link`` names each one's successor)."""
