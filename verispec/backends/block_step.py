@@ -82,10 +82,11 @@ class NativeFront:
         if rows is None and (attention_mask is not None or B != 1):
             return None  # row_attention hands such passes to SDPA
         idx = self.attn.layer_idx
-        if cache.layer_class_to_replicate is not None:
+        replicate = getattr(cache, "layer_class_to_replicate", None)  # as transformers' Cache.update makes layers
+        if replicate is not None:
             while len(cache.layers) <= idx:
-                cache.layers.append(cache.layer_class_to_replicate())
-        if idx >= len(cache.layers) or not hasattr(cache.layers[idx], "slots"):
+                cache.layers.append(replicate())
+        if idx >= len(getattr(cache, "layers", ())) or not hasattr(cache.layers[idx], "slots"):
             return None
         layer_cache = cache.layers[idx]
         like = self._empty.get(B)
