@@ -24,10 +24,8 @@ from .. import blockmm
 from ..blockmm import _native
 from .hf.row_attention import ROW_ATTENTION, _causal_counts, _layout
 
-FIELDS = 10  # a product's fields in the descriptor (_native.cpp, PRODUCT_FIELDS)
-
-
 def _fields(matrix: blockmm.Matrix, bias: torch.Tensor | None) -> list[int]:
+    """One product as the native call reads it (``_native.cpp``: ``PRODUCT_FIELDS``, in this order)."""
     kind, w, N, K, row_bytes = matrix._args
     next_w, next_n, next_row_bytes = matrix._next
     return [kind, w, N, K, row_bytes, int(matrix.packed), next_w, next_n, next_row_bytes,
@@ -49,9 +47,12 @@ class NativeFront:
         self.kv_heads = attn.config.num_key_value_heads
         self.hidden = attn.config.hidden_size
         norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
-        self.eps = norm1.eps  # the two norms' (usable)
+        self.eps = norm1.eps  # both norms' (``usable`` checks)
         self.norms = (norm1.weight, norm2.weight)
         self.gate_up_sizes = [n for _, _, sizes in lean.gate_up.runs for n in sizes]
+        o = attn.o_proj
+        self._products = ([(m, b) for m, b, _ in lean.qkv.runs] + [(o._matrix, o.bias)]
+                          + [(m, b) for m, b, _ in lean.gate_up.runs])  # in the native call's order
         self._desc: tuple[tuple[bool, ...], torch.Tensor] | None = None
         self._empty: dict[int, torch.Tensor] = {}
         self.passes = 0  # passes served (install's probe checks that it served one)
@@ -59,12 +60,9 @@ class NativeFront:
     def descriptor(self) -> torch.Tensor:
         """The layer's products for the native call: read at the first pass (after the load has linked each matrix
         to the next) and again whenever a matrix's layout changed since (``Matrix.packed``, toggled in place)."""
-        o = self.attn.o_proj
-        matrices = [m for m, _, _ in self.lean.qkv.runs] + [o._matrix] + [m for m, _, _ in self.lean.gate_up.runs]
-        key = tuple(m.packed for m in matrices)
+        key = tuple(m.packed for m, _ in self._products)
         if self._desc is None or self._desc[0] != key:
-            biases = [b for _, b, _ in self.lean.qkv.runs] + [o.bias] + [b for _, b, _ in self.lean.gate_up.runs]
-            rows = [_fields(m, b) for m, b in zip(matrices, biases)]
+            rows = [_fields(m, b) for m, b in self._products]
             self._desc = (key, torch.tensor(rows, dtype=torch.int64).reshape(-1))
         return self._desc[1]
 

@@ -32,13 +32,14 @@ class GrowingLayer(DynamicLayer):
         return (buf is not None and buf.shape[:-2] == key_states.shape[:-2] and buf.shape[-1] == key_states.shape[-1]
                 and buf.dtype == key_states.dtype and buf.device == key_states.device)
 
-    def _room(self, like: torch.Tensor, need: int, values_like: torch.Tensor | None = None) -> int:
-        """Make the buffers hold this layer's positions with room for ``need`` (``like``: new keys' shape but for
-        their count, dtype and device; ``values_like`` the values', if they differ); returns the positions held."""
+    def _room(self, like: torch.Tensor, width: int, values_like: torch.Tensor | None = None) -> int:
+        """Make the buffers hold this layer's positions with room for ``width`` more (``like``: new keys' shape but
+        for their count, dtype and device; ``values_like`` the values', if they differ); returns the positions held."""
         values_like = like if values_like is None else values_like
         if not self.is_initialized:
             self.lazy_initialization(like, values_like)
         length = self.get_seq_length()
+        need = length + width
         # the buffer still holds this layer's positions (an empty view after a crop to 0 may not share its pointer)
         ours = self._fits_buffer(like) and (length == 0 or self._is_view_of_buffer())
         if not ours or need > self._key_buffer.shape[-2]:
@@ -55,9 +56,8 @@ class GrowingLayer(DynamicLayer):
         return length
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        length = self.get_seq_length() if self.is_initialized else 0
+        length = self._room(key_states, key_states.shape[-2], value_states)
         need = length + key_states.shape[-2]
-        self._room(key_states, need, value_states)
         self._key_buffer[..., length:need, :].copy_(key_states)
         self._value_buffer[..., length:need, :].copy_(value_states)
         return self.filled(need)
@@ -66,8 +66,7 @@ class GrowingLayer(DynamicLayer):
         """Where a pass of ``width`` new positions writes, for a caller that writes them itself (the blocks
         backend's native layer step, ``verispec.backends.block_step``): the key and value buffers (every row of
         ``like``'s batch), each row's first column, and the columns the pass's attention reads. ``filled`` after."""
-        length = self.get_seq_length() if self.is_initialized else 0
-        self._room(like, length + width)
+        length = self._room(like, width)
         return self._key_buffer, self._value_buffer, [length] * like.shape[0], length + width
 
     def filled(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
