@@ -2,7 +2,7 @@
 a proposal. Sequences are the training prompts tokenized by the default model's tokenizer, each followed by a
 synthetic answer that repeats parts of earlier ones (so the index holds both fresh and repeated n-grams).
 
-    python experiments/suffix_soak.py [--requests 1000] [--max-tokens 200000]
+    python experiments/suffix_soak.py [--requests 1000] [--max-tokens 200000] [--min-n 1|2]
 
 Prints the store's tokens and index entries and the Python heap it holds (tracemalloc) every 100 requests, and the
 median and 99th-percentile microseconds of a proposal at the end.
@@ -26,6 +26,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--max-tokens", type=int, default=200_000)
     ap.add_argument("--prompts", default=str(PROMPTS))
+    ap.add_argument("--min-n", type=int, default=1, choices=(1, 2), help="the drafter's shortest match (default: 1)")
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
@@ -36,7 +37,7 @@ def main() -> None:
     rng = random.Random(0)
     tracemalloc.start()
     store = SuffixStore(max_tokens=args.max_tokens)
-    drafter = SuffixDrafter(store=store)
+    drafter = SuffixDrafter(store=store, min_n=args.min_n)
     answers: list[list[int]] = []
     costs = []
     for i in range(args.requests):

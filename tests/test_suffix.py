@@ -25,6 +25,25 @@ def test_longest_match_wins_and_its_continuations_are_counted():
     assert store.matches([3], 32, 2) == (0, [])
 
 
+def test_the_last_token_alone_drafts_only_where_no_two_tokens_match():
+    store = SuffixStore(n=2)
+    sid = store.open()
+    store.extend(sid, [1, 2, 3, 4, 9, 3, 5, 1, 2])
+    # (7, 3) never occurred: the last token alone matches (m = 1), both of its continuations, most recent first
+    assert store.matches([7, 3], 32, 2, min_n=1) == (1, [[5, 1], [4, 9]])
+    assert store.matches([7, 3], 32, 2) == (0, [])  # min_n defaults to the store's n
+    # where two tokens match, the single-token matches are not mixed in
+    assert store.matches([9, 3], 32, 2, min_n=1) == (2, [[5, 1]])
+    assert store.matches([0, 8], 32, 2, min_n=1) == (0, [])  # a token never seen
+    # the context's own end is no match: a token that occurred only there drafts nothing
+    assert store.matches([1, 2], 32, 2, exclude_end=(sid, 9), min_n=1) == (2, [[3, 4]])
+    drafter = SuffixDrafter(store=SuffixStore())
+    assert drafter.propose([1, 2, 3, 4, 7, 3], k=2).tokens == [4, 7]  # only "3" repeats: drafted at min_n = 1
+    assert SuffixDrafter(store=SuffixStore(), min_n=2).propose([1, 2, 3, 4, 7, 3], k=2).tokens == []
+    with pytest.raises(InvalidRequest, match="min_n"):
+        SuffixDrafter(min_n=3)
+
+
 def test_trie_chain_follows_the_majority_and_tree_takes_the_largest_shares():
     trie = _Trie([[4, 5, 6], [4, 5, 7], [4, 8], [9]])
     assert trie.best_chain(5, min_share=0.2) == ([4, 5, 6], [0.75, 0.5, 0.25])

@@ -3,9 +3,10 @@ written, the current request's prompt and answer and (scope ``process``) earlier
 
 The idea is SuffixDecoding's (Oliaro et al., 2024; vLLM's ``suffix`` method): no model, drafts from a store of earlier
 text, candidates scored by how often they followed the match, the draft as long as the evidence for it. The store here
-is an index of every ``min_n``-gram's occurrences (the most recent ``per_key`` of each) over bounded sequences; a
-lookup takes the occurrences of the context's last ``min_n`` tokens, measures how far back each one matches the
-context (up to ``max_match`` tokens), keeps those of the longest match and counts their continuations in a trie. A
+is an index of every ``n``-gram's and every token's occurrences (the most recent ``per_key`` of each) over bounded
+sequences; a lookup takes the occurrences of the context's last ``n`` tokens (or, where those never occurred and
+``min_n`` is 1, of its last token alone), measures how far back each one matches the context (up to ``max_match``
+tokens), keeps those of the longest match and counts their continuations in a trie. A
 chain follows the most frequent child while its share of the matches stays at or above ``min_share``; a tree takes
 the ``k`` nodes of highest share (best first). Drafts are deterministic, so acceptance treats q as one-hot: lossless
 at any temperature whatever the store holds.
@@ -34,13 +35,19 @@ SCOPES = ("process", "request")
 
 
 class SuffixStore:
-    """Token sequences and where each ``n``-gram occurs in them, bounded by ``max_tokens``; thread-safe."""
+    """Token sequences and where each ``n``-gram and each single token occurs in them, bounded by ``max_tokens``;
+    thread-safe."""
 
-    def __init__(self, n: int = 2, max_tokens: int = 200_000, per_key: int = 64) -> None:
+    def __init__(self, n: int = 2, max_tokens: int = 200_000, per_key: int = 64, per_token: int = 16) -> None:
+        check_whole("suffix store n", n, 1, 64)
         self.n, self.max_tokens, self.per_key = n, max_tokens, per_key
+        # a single token's matches: fewer kept (they are the fallback; the most recent carry the drafts)
+        self.caps = {n: per_key, 1: per_token if n > 1 else per_key}
+        self.sizes = (n,) if n == 1 else (n, 1)
         self.sequences: OrderedDict[int, list[int]] = OrderedDict()  # oldest first
         self.active: set[int] = set()  # sequences a drafter is still writing (never evicted)
-        self.index: dict[tuple[int, ...], list[tuple[int, int]]] = {}  # n-gram -> (sequence, continuation start)
+        # n-gram or 1-gram -> (sequence, continuation start); the two lengths share one dict (tuples never collide)
+        self.index: dict[tuple[int, ...], list[tuple[int, int]]] = {}
         self.tokens = 0  # held in live sequences
         self.stale = 0  # index entries that may point at evicted sequences
         self.lock = threading.RLock()
@@ -67,18 +74,18 @@ class SuffixStore:
             start = len(seq)
             seq.extend(tokens)
             self.tokens += len(tokens)
-            n, index, cap = self.n, self.index, self.per_key
-            # the n-gram ending at position e is indexed once position e + 1 exists
-            for end in range(max(start - 1, n - 1), len(seq) - 1):
-                key = tuple(seq[end + 1 - n : end + 1])
-                seen = index.get(key)
-                if seen is None:
-                    index[key] = [(sid, end + 1)]
-                else:
-                    seen.append((sid, end + 1))
-                    if len(seen) > cap:
-                        del seen[0]
+            # the grams ending at position e are indexed once position e + 1 exists
+            for end in range(max(start - 1, 0), len(seq) - 1):
+                self._add(sid, seq, end)
             self._evict()
+
+    def _add(self, sid: int, seq: list[int], end: int) -> None:
+        for size in self.sizes:
+            if end + 1 >= size:
+                seen = self.index.setdefault(tuple(seq[end + 1 - size : end + 1]), [])
+                seen.append((sid, end + 1))
+                if len(seen) > self.caps[size]:
+                    del seen[0]
 
     def _evict(self) -> None:
         while self.tokens > self.max_tokens:
@@ -93,20 +100,25 @@ class SuffixStore:
 
     def _rebuild(self) -> None:
         self.index, self.stale = {}, 0
-        n, cap = self.n, self.per_key
         for sid, seq in self.sequences.items():
-            for end in range(n - 1, len(seq) - 1):
-                seen = self.index.setdefault(tuple(seq[end + 1 - n : end + 1]), [])
-                seen.append((sid, end + 1))
-                if len(seen) > cap:
-                    del seen[0]
+            for end in range(len(seq) - 1):
+                self._add(sid, seq, end)
 
-    def matches(self, context: Sequence[int], max_match: int, depth: int, exclude_end: tuple[int, int] | None = None
-                ) -> tuple[int, list[list[int]]]:
+    def matches(self, context: Sequence[int], max_match: int, depth: int, exclude_end: tuple[int, int] | None = None,
+                min_n: int | None = None) -> tuple[int, list[list[int]]]:
         """(m, continuations): the longest match length m >= n of the context's suffix and the continuations (up to
-        ``depth`` tokens each) of every occurrence matching that far, most recent first; (0, []) for none.
+        ``depth`` tokens each) of every occurrence matching that far, most recent first; where no occurrence matches n
+        tokens and ``min_n`` (default n) is 1, the same for the last token alone (m = 1); (0, []) for none.
         ``exclude_end`` = (sequence, length): the context itself, whose own end is no match."""
-        n = self.n
+        for size in self.sizes:
+            if size >= (self.n if min_n is None else min_n):
+                found = self._matches(context, size, max_match, depth, exclude_end)
+                if found[0]:
+                    return found
+        return 0, []
+
+    def _matches(self, context: Sequence[int], n: int, max_match: int, depth: int,
+                 exclude_end: tuple[int, int] | None) -> tuple[int, list[list[int]]]:
         if len(context) < n:
             return 0, []
         with self.lock:
@@ -146,13 +158,16 @@ class SuffixDrafter(DrafterBase):
     name = "suffix"
 
     def __init__(self, tree: bool = False, max_match: int = 32, min_share: float = 0.2, scope: str = "process",
-                 store: SuffixStore | None = None) -> None:
+                 store: SuffixStore | None = None, min_n: int = 1) -> None:
         check_whole("suffix max_match", max_match, 2, 1024)
+        if min_n not in (1, 2):
+            raise InvalidRequest(f"suffix min_n must be 1 (a match of the last token alone drafts) or 2, got {min_n!r}")
         if not 0.0 <= min_share <= 1.0:
             raise InvalidRequest(f"suffix min_share must be within [0, 1], got {min_share!r}")
         if scope not in SCOPES:
             raise InvalidRequest(f"suffix scope must be one of {', '.join(SCOPES)}, got {scope!r}")
         self.tree, self.max_match, self.min_share, self.scope = bool(tree), max_match, min_share, scope
+        self.min_n = min_n
         self.store = store or (shared_store() if scope == "process" else SuffixStore())
         self.tree_depth = 64 if self.tree else None
         self._group: dict | None = None  # the samples of one request: they draft from one store
@@ -181,7 +196,7 @@ class SuffixDrafter(DrafterBase):
             self.store = self._new_store()
 
     def _new_store(self) -> SuffixStore:
-        return SuffixStore(self.store.n, self.store.max_tokens, self.store.per_key)
+        return SuffixStore(self.store.n, self.store.max_tokens, self.store.per_key, self.store.caps[1])
 
     def _finish(self) -> None:
         if self._sid is not None:
@@ -204,7 +219,8 @@ class SuffixDrafter(DrafterBase):
 
     def propose(self, context: Sequence[int], k: int) -> Draft:
         self._sync(context)
-        m, conts = self.store.matches(context, self.max_match, k, exclude_end=(self._sid, len(context)))
+        m, conts = self.store.matches(context, self.max_match, k, exclude_end=(self._sid, len(context)),
+                                      min_n=self.min_n)
         conts = [c for c in conts if c]
         if not conts:
             return EMPTY_DRAFT
@@ -277,6 +293,8 @@ register(DrafterSpec(
     options=(Option("tree", bool, False, "with --drafter suffix, propose a tree of the most frequent continuations "
                     "(needs a backend with trees: transformers or openvino) instead of a chain"),
              Option("max_match", int, 32, "longest suffix match the suffix drafter measures (default: 32)"),
+             Option("min_n", int, 1, "shortest suffix match that drafts: 1 (the last token alone, where no two "
+                    "tokens match; default) or 2", choices=(1, 2)),
              Option("min_share", float, 0.2, "a suffix chain stops where fewer than this share of the matches "
                     "agree (default: 0.2)"),
              Option("scope", str, "process", "what the suffix drafter drafts from: process (earlier requests' text "
