@@ -40,6 +40,10 @@ def test_the_last_token_alone_drafts_only_where_no_two_tokens_match():
     drafter = SuffixDrafter(store=SuffixStore())
     assert drafter.propose([1, 2, 3, 4, 7, 3], k=2).tokens == [4, 7]  # only "3" repeats: drafted at min_n = 1
     assert SuffixDrafter(store=SuffixStore(), min_n=2).propose([1, 2, 3, 4, 7, 3], k=2).tokens == []
+    # trees keep two-token matches unless told (their one-token drafts were never measured)
+    assert SuffixDrafter(tree=True, store=SuffixStore()).propose([1, 2, 3, 4, 7, 3], k=2).tokens == []
+    assert SuffixDrafter(tree=True, store=SuffixStore(), min_n=1).propose([1, 2, 3, 4, 7, 3], k=2).tokens == [4, 7]
+    assert make_drafter("suffix", min_n=2).min_n == 2 and make_drafter("suffix").min_n == 1
     with pytest.raises(InvalidRequest, match="min_n"):
         SuffixDrafter(min_n=3)
 

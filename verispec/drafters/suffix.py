@@ -158,8 +158,10 @@ class SuffixDrafter(DrafterBase):
     name = "suffix"
 
     def __init__(self, tree: bool = False, max_match: int = 32, min_share: float = 0.2, scope: str = "process",
-                 store: SuffixStore | None = None, min_n: int = 1) -> None:
+                 store: SuffixStore | None = None, min_n: int | None = None) -> None:
         check_whole("suffix max_match", max_match, 2, 1024)
+        if min_n is None:  # chains draft from a one-token match (measured: docs/suffix.md); trees as before, unmeasured
+            min_n = 2 if tree else 1
         if min_n not in (1, 2):
             raise InvalidRequest(f"suffix min_n must be 1 (a match of the last token alone drafts) or 2, got {min_n!r}")
         if not 0.0 <= min_share <= 1.0:
@@ -293,8 +295,8 @@ register(DrafterSpec(
     options=(Option("tree", bool, False, "with --drafter suffix, propose a tree of the most frequent continuations "
                     "(needs a backend with trees: transformers or openvino) instead of a chain"),
              Option("max_match", int, 32, "longest suffix match the suffix drafter measures (default: 32)"),
-             Option("min_n", int, 1, "shortest suffix match that drafts: 1 (the last token alone, where no two "
-                    "tokens match; default) or 2", choices=(1, 2)),
+             Option("min_n", int, None, "shortest suffix match that drafts: 1 (the last token alone, where no two "
+                    "tokens match) or 2 (default: 1 for chains, 2 for trees)", choices=(1, 2)),
              Option("min_share", float, 0.2, "a suffix chain stops where fewer than this share of the matches "
                     "agree (default: 0.2)"),
              Option("scope", str, "process", "what the suffix drafter drafts from: process (earlier requests' text "
