@@ -26,8 +26,8 @@ from verispec.backends.timing import read_bandwidth
 
 
 def pass_products(model) -> list[blockmm.Matrix]:
-    """The matrices one one-token pass multiplies by, in order (the layers' native fronts off while recording: they
-    call the same matrices from C++)."""
+    """The matrices a pass multiplies by, in order (the layers' native fronts off while recording: they call the same
+    matrices from C++)."""
     leans = [layer.__dict__.get("forward") for layer in decoder_layers(model.model)]
     fronts = [getattr(lean, "front", None) for lean in leans]
     called, call = [], blockmm.Matrix.__call__
@@ -73,7 +73,7 @@ def main() -> None:
     ours = pass_products(model)
     theirs = [fbgemm_linear(m.N, m.K) for m in ours]
     file_bytes = sum(m.blocks.numel() for m in ours)
-    int8_bytes = sum(m.N * m.K for m in ours)
+    macs = int8_bytes = sum(m.N * m.K for m in ours)  # one int8 byte a weight
     kv = model.new_kv()
     model.forward(kv, [(7 * i) % 1000 for i in range(args.context)], last_only=True)
 
@@ -82,7 +82,7 @@ def main() -> None:
         kv.truncate(args.context)
 
     xs = {w: [torch.randn(w, m.K) for m in ours] for w in widths}
-    runs = {"blocks backend, whole pass": lambda w: whole(w),
+    runs = {"blocks backend, whole pass": whole,
             "blocks products": lambda w: [m(x) for m, x in zip(ours, xs[w])],
             "FBGEMM int8 products": lambda w: [m(x) for m, x in zip(theirs, xs[w])]}
     times = {(name, w): [] for name in runs for w in widths}
@@ -108,7 +108,6 @@ def main() -> None:
             ms = statistics.median(times[name, w]) * 1e3
             cells.append(f"{ms:.1f}" if w == widths[0] else f"{ms:.1f} ({ms / base:.2f})")
         print(f"| {name} | " + " | ".join(cells) + " |")
-    macs = sum(m.N * m.K for m in ours)
     print("GMAC/s of the products: " + ", ".join(
         f"w={w}: blocks {macs * w / statistics.median(times['blocks products', w]) / 1e9:.0f}, FBGEMM "
         f"{macs * w / statistics.median(times['FBGEMM int8 products', w]) / 1e9:.0f}" for w in widths))

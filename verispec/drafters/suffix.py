@@ -3,8 +3,8 @@ written, the current request's prompt and answer and (scope ``process``) earlier
 
 The idea is SuffixDecoding's (Oliaro et al., 2024; vLLM's ``suffix`` method): no model, drafts from a store of earlier
 text, candidates scored by how often they followed the match, the draft as long as the evidence for it. The store here
-is an index of every ``n``-gram's and every token's occurrences (the most recent ``per_key`` of each) over bounded
-sequences; a lookup takes the occurrences of the context's last ``n`` tokens (or, where those never occurred and
+is an index of every ``n``-gram's occurrences (the most recent ``per_key`` of each) and every token's (the most recent
+``per_token``) over bounded sequences; a lookup takes the occurrences of the context's last ``n`` tokens (or, where those never occurred and
 ``min_n`` is 1, of its last token alone), measures how far back each one matches the context (up to ``max_match``
 tokens), keeps those of the longest match and counts their continuations in a trie. A
 chain follows the most frequent child while its share of the matches stays at or above ``min_share``; a tree takes
@@ -42,7 +42,7 @@ class SuffixStore:
         check_whole("suffix store n", n, 1, 64)
         self.n, self.max_tokens, self.per_key = n, max_tokens, per_key
         # a single token's matches: fewer kept (they are the fallback; the most recent carry the drafts)
-        self.caps = {n: per_key, 1: per_token if n > 1 else per_key}
+        self.per_token = per_token if n > 1 else per_key
         self.sizes = (n,) if n == 1 else (n, 1)
         self.sequences: OrderedDict[int, list[int]] = OrderedDict()  # oldest first
         self.active: set[int] = set()  # sequences a drafter is still writing (never evicted)
@@ -84,7 +84,7 @@ class SuffixStore:
             if end + 1 >= size:
                 seen = self.index.setdefault(tuple(seq[end + 1 - size : end + 1]), [])
                 seen.append((sid, end + 1))
-                if len(seen) > self.caps[size]:
+                if len(seen) > (self.per_key if size == self.n else self.per_token):
                     del seen[0]
 
     def _evict(self) -> None:
@@ -110,8 +110,9 @@ class SuffixStore:
         ``depth`` tokens each) of every occurrence matching that far, most recent first; where no occurrence matches n
         tokens and ``min_n`` (default n) is 1, the same for the last token alone (m = 1); (0, []) for none.
         ``exclude_end`` = (sequence, length): the context itself, whose own end is no match."""
+        shortest = self.n if min_n is None else min_n
         for size in self.sizes:
-            if size >= (self.n if min_n is None else min_n):
+            if size >= shortest:
                 found = self._matches(context, size, max_match, depth, exclude_end)
                 if found[0]:
                     return found
@@ -198,7 +199,7 @@ class SuffixDrafter(DrafterBase):
             self.store = self._new_store()
 
     def _new_store(self) -> SuffixStore:
-        return SuffixStore(self.store.n, self.store.max_tokens, self.store.per_key, self.store.caps[1])
+        return SuffixStore(self.store.n, self.store.max_tokens, self.store.per_key, self.store.per_token)
 
     def _finish(self) -> None:
         if self._sid is not None:
