@@ -210,12 +210,13 @@ def test_the_16_row_tiles_give_the_reference_bits_and_keep_rows_invariant(kind):
 
 @pytest.mark.skipif(blockmm.available() and blockmm.best_isa() != "avx512vnni",
                     reason="the 16-row layout is read by AVX-512 VNNI code; this CPU has no AVX-512 VNNI")
-@pytest.mark.parametrize("kind", blockmm.K_TYPES)
+@pytest.mark.parametrize("kind", list(TYPES))
 def test_the_16_row_layout_gives_the_reference_bits_at_every_width_and_packs_back(kind):
-    """``pack16``: 48 weight rows (three tiles) over three super-blocks laid out 16 rows at a time and multiplied at
-    1 to 40 rows on 1 to 3 threads (``Matrix(..., packed=True)``, every width on the 16-row tiles whatever the other
-    settings), the integers at their extremes too: the reference's bits; unpacking gives the file's bytes back."""
-    K = 768
+    """``pack16``: 48 weight rows (three tiles) laid out 16 rows at a time and multiplied at 1 to 40 rows on 1 to 3
+    threads (``Matrix(..., packed=True)``, every width on the 16-row tiles whatever the other settings), the integers at
+    their extremes too: the reference's bits; unpacking gives the file's bytes back. Three K-type super-blocks a row;
+    27 blocks of a 32-weight type (three groups of eight float lanes, the last of three)."""
+    K = 768 if kind in blockmm.K_TYPES else 27 * 32
     raw = random_blocks(kind, 48, K, seed=31)
     x = activations(40, K, seed=37)
     x[5] = torch.where(torch.arange(K) % 3 == 0, 1.0, -1.0)  # every value at +-127 after quantization
@@ -243,10 +244,10 @@ def test_the_16_row_layout_gives_the_reference_bits_at_every_width_and_packs_bac
 def test_the_16_row_layout_refuses_what_it_cannot_hold():
     with pytest.raises(ValueError, match="multiple of 16 rows"):
         blockmm.Matrix(random_blocks("Q4_K", 40, 256), "Q4_K", 256, packed=True)
-    with pytest.raises(ValueError, match="cannot be read in the 16-row layout"):
-        blockmm.Matrix(random_blocks("Q8_0", 32, 256), "Q8_0", 256, packed=True)
-    with pytest.raises(ValueError, match="only K types"):
-        blockmm.set_pack16_kinds(["Q4_0"])
+    with pytest.raises(ValueError, match="cannot be read in the 16-row layout|multiple of 16 rows"):
+        blockmm.Matrix(random_blocks("Q8_0", 24, 256), "Q8_0", 256, packed=True)
+    with pytest.raises(ValueError, match="takes the block types Q4_0"):
+        blockmm.set_pack16_kinds(["Q3_K"])
     if blockmm.best_isa() != "avx512vnni":
         with pytest.raises((ValueError, RuntimeError), match="AVX-512 VNNI"):
             blockmm.pack16(random_blocks("Q4_K", 32, 256), "Q4_K")
@@ -434,7 +435,8 @@ def test_choose_paths_times_both_paths_per_k_type_and_keeps_the_faster():
         assert set(found) - {"wide", "narrow", "amx", "wide16", "pack16"} == paths
         if blockmm.isa() == "avx512vnni":
             timed = found.pop("pack16")
-            assert set(timed) == {"Q4_K", "Q6_K"} - {kind for kind, rows in blockmm.amx_rows().items() if rows}
+            amx = {kind for kind, rows in blockmm.amx_rows().items() if rows}  # (the AMX tiles read the file's layout)
+            assert set(timed) == {"Q4_K", "Q6_K", "Q4_0", "Q8_0"} - amx  # every type among the matrices
             for kind, took in timed.items():
                 assert tuple(took) == blockmm.PACK16_WIDTHS and min(min(pair) for pair in took.values()) > 0
                 one, wide = took[1], took[blockmm.PACK16_WIDTHS[-1]]

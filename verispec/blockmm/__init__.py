@@ -279,11 +279,12 @@ def set_wide16(rows: int, kind: str | None = None) -> None:
 
 
 def pack16(blocks: torch.Tensor, kind: str | BlockType, unpack: bool = False, threads: int | None = None) -> None:
-    """Lay a K type's matrix (uint8 [N, bytes a row], N a multiple of 16) out 16 rows at a time, in place, or back
-    (``unpack``): each run of 16 rows keeps its bytes, super-block by super-block with row r's dword k at dword
-    16 k + r, so the 16-row tiles load four weights of all 16 rows as one vector (the file's layout needs transposes
-    for that). Only ``Matrix(..., packed=True)`` reads it (on the tiles at every width, AVX-512 VNNI CPUs only); the
-    products keep their bits."""
+    """Lay a matrix (uint8 [N, bytes a row], N a multiple of 16) out 16 rows at a time, in place, or back
+    (``unpack``): each run of 16 rows keeps its bytes, block by block with row r's dword k at dword 16 k + r (a
+    32-weight block's leading float16 factors as 16 halves side by side), so the 16-row tiles load four weights of
+    all 16 rows as one vector (the file's layout needs transposes for that). Q8_0's weights are stored plus 128 and
+    Q5_0's high bits reordered, both undone by unpacking. Only ``Matrix(..., packed=True)`` reads it (on the tiles at
+    every width, AVX-512 VNNI CPUs only); the products keep their bits."""
     _require()
     t = block_type(kind) if isinstance(kind, str) else kind
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous():
@@ -294,7 +295,7 @@ def pack16(blocks: torch.Tensor, kind: str | BlockType, unpack: bool = False, th
 
 def can_pack16(kind: str, rows: int) -> bool:
     """Whether ``pack16`` takes a matrix of ``rows`` rows of ``kind`` on this CPU."""
-    return available() and best_isa() == "avx512vnni" and kind in K_TYPES and rows % 16 == 0
+    return available() and best_isa() == "avx512vnni" and kind in TYPES and rows % 16 == 0
 
 
 PREFETCH = 4096  # bytes ahead the one-row paths request weights when prefetching is on (the native default)
@@ -424,18 +425,18 @@ _pack16_kinds: set[str] = set()
 
 
 def pack16_kinds() -> tuple[str, ...]:
-    """The K types whose matrices a model loaded now lays out 16 rows at a time (``choose_paths``' choice, or
+    """The block types whose matrices a model loaded now lays out 16 rows at a time (``choose_paths``' choice, or
     ``set_pack16_kinds``'); the blocks backend packs them (``BlockLinear.pack``)."""
     return tuple(sorted(_pack16_kinds))
 
 
 def set_pack16_kinds(kinds) -> None:
-    """Lay out the matrices of these K types 16 rows at a time in models loaded from now on (AVX-512 VNNI only). Speed
-    only: the same bits."""
+    """Lay out the matrices of these block types 16 rows at a time in models loaded from now on (AVX-512 VNNI only).
+    Speed only: the same bits."""
     kinds = set(kinds)
-    if kinds - set(K_TYPES):
-        raise ValueError(f"only K types take the 16-row layout ({', '.join(K_TYPES)}), "
-                         f"not {', '.join(sorted(kinds - set(K_TYPES)))}")
+    if kinds - set(TYPES):
+        raise ValueError(f"the 16-row layout takes the block types {', '.join(TYPES)}, "
+                         f"not {', '.join(sorted(kinds - set(TYPES)))}")
     if kinds and not (available() and best_isa() == "avx512vnni"):
         raise ValueError("the 16-row layout is read by AVX-512 VNNI code; this CPU's best set is "
                          f"{best_isa() if available() else 'unknown (no native kernel)'}")
@@ -444,12 +445,12 @@ def set_pack16_kinds(kinds) -> None:
 
 
 def _choose_pack16(matrices: list["Matrix"], rounds: int) -> dict[str, dict[int, tuple[float, float]]]:
-    """Per K type, its matrices (every fourth of 32 or more) laid out 16 rows at a time (copies) against the paths
+    """Per block type, its matrices (every fourth of 32 or more) laid out 16 rows at a time (copies) against the paths
     chosen for the file's layout at ``PACK16_WIDTHS``; kept (``set_pack16_kinds``) where faster at 4 rows and within
     ``PACK16_ONE_ROW_SLACK`` at one. Returns {type: {rows: (ms in the 16-row layout, ms without)}}."""
     timed, kept = {}, set()
     tiles = amx_rows() if amx_usable() else {}
-    for kind in K_TYPES:
+    for kind in TYPES:
         mine = [m for m in matrices if m.type.name == kind and not m.packed and can_pack16(kind, m.N)]
         mine = mine[::4] if len(mine) >= 32 else mine
         if not mine or tiles.get(kind):  # (the AMX tiles read the file's layout)
@@ -661,7 +662,7 @@ class Matrix:
         _check(blocks, self.type, in_features)
         if packed and not can_pack16(self.type.name, blocks.shape[0]):
             raise ValueError(f"a {self.type.name} matrix of {blocks.shape[0]} rows cannot be read in the 16-row layout "
-                             f"here (K types, a multiple of 16 rows, AVX-512 VNNI: this CPU's best set is "
+                             f"here (a multiple of 16 rows, AVX-512 VNNI: this CPU's best set is "
                              f"{best_isa()})")
         self.blocks, self.K, self.N, self.packed = blocks, in_features, blocks.shape[0], bool(packed)
         self._args = (self.type.ggml_id, blocks.data_ptr(), self.N, self.K, blocks.shape[1])

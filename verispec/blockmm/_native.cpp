@@ -738,21 +738,63 @@ void matmul(int kind, const float* x, const uint8_t* W, float* y, int M, int N, 
     g_pool->run(threads, task, ahead);
 }
 
-// The 16-row layout of a K type (pack16, read by the 16-row tiles at every width): each run of 16 rows keeps its bytes
-// (16 rows' worth, in place), laid out super-block by super-block: super-block g of the 16 rows is one run of 16 x
-// (bytes a super-block) where row r's dword k sits at dword 16k + r, so the tiles load four weights of all 16 rows,
-// or one scale dword of each, as one vector (the unpacked layout needs 16-row transposes and gathers for that).
-// Q6_K's 210 bytes end in a half (d): the 16 rows' halves follow the 52 dwords. N must be a multiple of 16.
-void pack16_tile(const uint8_t* src, uint8_t* dst, int64_t row_bytes, int sb_bytes, bool unpack) {
-    const int64_t G = row_bytes / sb_bytes;
-    for (int64_t g = 0; g < G; g++)
-        for (int r = 0; r < 16; r++)
-            for (int o = 0; o < sb_bytes; o += 4) {
-                const int width = std::min(4, sb_bytes - o);  // 4, or Q6_K's final half
-                const int64_t flat = r * row_bytes + g * sb_bytes + o, tiled = g * 16 * sb_bytes + 16 * o + width * r;
-                if (unpack) std::memcpy(dst + flat, src + tiled, width);
-                else std::memcpy(dst + tiled, src + flat, width);
+// The 16-row layout (pack16, read by the 16-row tiles at every width): each run of 16 rows keeps its bytes (16 rows'
+// worth, in place), laid out block by block (a K type's super-block, or one 32-weight block): block g of the 16 rows
+// is one run of 16 x (bytes a block) where the block's piece at byte o of row r sits at byte 16 o + width r, so the
+// tiles load four weights of all 16 rows, or one scale dword of each, as one vector (the unpacked layout needs
+// 16-row transposes and gathers for that). The pieces are dwords, but for float16 halves: Q6_K's final d; the 32-weight
+// types' leading d (and Q4_1's m), which so come as 16 halves side by side. Two 32-weight types change bits too, each
+// a bijection undone by unpacking: Q8_0's weights are stored plus 128 (bit 7 flipped: the unsigned operand the tiles'
+// vpdpbusd takes), and Q5_0's 32 high bits are reordered (q5_bits) so that one shift puts those of four weights at
+// bit 4 of their bytes. N must be a multiple of 16.
+inline int pack16_halves(int kind) { return kind == Q4_1 ? 2 : is_k(kind) ? 0 : 1; }
+
+// Q5_0's high bits in the 16-row layout: bit 8b + k of the new dword is old bit 4k + b (weights 0-15: k, b < 4), bit
+// 8b + 4 + k is old bit 16 + 4k + b (weights 16-31): the weights in byte b of the k-th dword of low (high) nibbles
+inline uint32_t q5_bits(uint32_t h, bool back) {
+    uint32_t out = 0;
+    for (int k = 0; k < 4; k++)
+        for (int b = 0; b < 4; b++)
+            for (int part = 0; part < 2; part++) {
+                const int old_bit = 16 * part + 4 * k + b, new_bit = 8 * b + 4 * part + k;
+                if (back) out |= ((h >> new_bit) & 1u) << old_bit;
+                else out |= ((h >> old_bit) & 1u) << new_bit;
             }
+    return out;
+}
+
+// one block's bits changed (or back) in place in the 16-row layout: Q8_0's weights' bit 7, Q5_0's high bits
+void pack16_bits(int kind, uint8_t* tiled, bool back) {
+    if (kind == Q8_0)
+        for (int i = 32; i < 16 * 34; i++) tiled[i] ^= 0x80;
+    if (kind == Q5_0)
+        for (int r = 0; r < 16; r++) {
+            uint32_t h;
+            std::memcpy(&h, tiled + 32 + 4 * r, 4);
+            h = q5_bits(h, back);
+            std::memcpy(tiled + 32 + 4 * r, &h, 4);
+        }
+}
+
+void pack16_tile(int kind, const uint8_t* src, uint8_t* dst, int64_t row_bytes, int sb_bytes, bool unpack) {
+    const int64_t G = row_bytes / sb_bytes;
+    const int halves = pack16_halves(kind);
+    std::vector<uint8_t> block((size_t)16 * sb_bytes);
+    for (int64_t g = 0; g < G; g++) {
+        if (unpack) {
+            std::memcpy(block.data(), src + g * 16 * sb_bytes, block.size());
+            pack16_bits(kind, block.data(), true);
+        }
+        for (int r = 0; r < 16; r++)
+            for (int o = 0; o < sb_bytes;) {
+                const int width = o < 2 * halves ? 2 : std::min(4, sb_bytes - o);  // a half, a dword, Q6_K's end
+                const int64_t flat = r * row_bytes + g * sb_bytes + o, tiled = 16 * o + width * r;
+                if (unpack) std::memcpy(dst + flat, block.data() + tiled, width);
+                else std::memcpy(dst + g * 16 * sb_bytes + tiled, src + flat, width);
+                o += width;
+            }
+        if (!unpack) pack16_bits(kind, dst + g * 16 * sb_bytes, false);
+    }
 }
 
 void pack16(int kind, uint8_t* W, int64_t N, int64_t row_bytes, bool unpack, int threads) {
@@ -765,7 +807,7 @@ void pack16(int kind, uint8_t* W, int64_t N, int64_t row_bytes, bool unpack, int
         for (int64_t t = tiles * id / width; t < tiles * (id + 1) / width; t++) {
             uint8_t* tile = W + t * tile_bytes;
             std::memcpy(copy.data(), tile, (size_t)tile_bytes);
-            pack16_tile(copy.data(), tile, row_bytes, f.bytes, unpack);
+            pack16_tile(kind, copy.data(), tile, row_bytes, f.bytes, unpack);
         }
     };
     std::lock_guard<std::mutex> lock(g_call);
@@ -816,8 +858,8 @@ void attend(const float* q, const float* k, const float* v, float* out, int B, i
 
 // whether rows of this type and count can be laid out (and multiplied) 16 at a time on this CPU; else a Python error
 bool pack16_ok(int kind, long long N) {
-    if (!is_k(kind) || N % 16 != 0) {
-        PyErr_Format(PyExc_ValueError, "the 16-row layout takes a K type's matrix of a multiple of 16 rows, "
+    if (N % 16 != 0) {
+        PyErr_Format(PyExc_ValueError, "the 16-row layout takes a matrix of a multiple of 16 rows, "
                      "not type %d with %lld rows", kind, N);
         return false;
     }
