@@ -323,12 +323,13 @@ def _choose_paths(model: nn.Module) -> None:
 # --backend auto's estimate of a pass before anything is timed, in the unit llama.cpp declares (the bytes a pass reads;
 # backends.choice): each block type's bytes times its factor (the timed score a byte against llama.cpp's, whose passes
 # of several tokens cost more), float32 bytes for matrices the kernel does not multiply. Fitted to the built-in files'
-# timed scores on a Sapphire Rapids: experiments/auto_scores.py, docs/kernels.md ("--backend auto weighs the blocks
-# backend"). The 32-weight types' factor is higher on AVX-512 CPUs, where OpenVINO's float32 kernels ran the small
-# Q4_1 / Q8_0 / Q5_0 files faster still (a tie then goes to it): timed on a Sapphire Rapids (AMX) and on a Zen 4
-# (docs/kernels.md); on an AVX2 Zen 3 the kernel tied llama.cpp on them.
+# timed scores (experiments/auto_scores.py, docs/kernels.md: "--backend auto weighs the blocks backend", and "the
+# 32-weight types laid out 16 rows at a time"). The 32-weight types' factor depends on the CPU: on AVX-512 VNNI their
+# matrices are laid out 16 rows at a time and their passes of several tokens cost little more than one (a Zen 4 timed
+# blocks 0.40x / 0.41x / 0.75x llama.cpp's score on SmolLM2 / the 0.5B / Gemma 3, and ahead of OpenVINO on all three);
+# elsewhere their wide passes cost more (on an AVX2 Zen 3 the kernel tied llama.cpp on them).
 K_PER_BYTE = 0.63
-PER_BYTE_32 = {"avx512": 0.95, "avx2": 0.8}
+PER_BYTE_32 = {"avx512vnni": 0.6, "other": 0.8}
 
 
 def declared_cost(mix) -> float:
@@ -336,7 +337,7 @@ def declared_cost(mix) -> float:
     before timing anything, in llama.cpp's unit."""
     from .references import float32_bytes
 
-    per_32 = PER_BYTE_32["avx512" if blockmm.best_isa() == "avx512vnni" else "avx2"]
+    per_32 = PER_BYTE_32["avx512vnni" if blockmm.best_isa() == "avx512vnni" else "other"]
     factor = {kind: K_PER_BYTE if kind in blockmm.K_TYPES else per_32 for kind in blockmm.TYPES}
     return sum(size * factor[kind] if kind in factor else float32_bytes({kind: size}) for kind, size in mix.items())
 
