@@ -257,9 +257,10 @@ def test_costs_command_prints_each_engines_curve(tiny_dir, capsys, tmp_path):
     assert main(["costs", "--target", str(tiny_dir), "--backends", "nope"]) == 2
 
 
-def k_model(seed: int = 8):
-    """A one-layer Llama whose matrices are random K-type blocks (gguf quantizes no K type; their columns a multiple
-    of 256), the float model holding their values, and the blocks as a file's rows would be found."""
+def k_model(seed: int = 8, kinds=blockmm.K_TYPES):
+    """A one-layer Llama whose matrices are random blocks of ``kinds`` in turn (K types by default: gguf quantizes
+    none; their columns a multiple of 256), the float model holding their values, and the blocks as a file's rows
+    would be found."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -273,7 +274,7 @@ def k_model(seed: int = 8):
     rows = GGUFRows(path=None)
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     for i, (name, linear) in enumerate(linears):
-        kind = blockmm.K_TYPES[i % 3]
+        kind = kinds[i % len(kinds)]
         raw = random_blocks(kind, *linear.weight.shape, seed=seed + i).numpy()
         values = dequantize(raw, GGMLQuantizationType[kind]).reshape(linear.weight.shape)
         with torch.no_grad():
@@ -285,18 +286,19 @@ def k_model(seed: int = 8):
 @pytest.mark.skipif(blockmm.available() and blockmm.best_isa() != "avx512vnni",
                     reason="the 16-row layout is read by AVX-512 VNNI code; this CPU has no AVX-512 VNNI")
 @torch.inference_mode()
-def test_matrices_laid_out_16_rows_at_a_time_keep_every_bit(monkeypatch):
-    """The load lays out the K types ``choose_paths`` keeps 16 rows at a time (here forced: none, then all): the
-    joined products read that layout too, a wide pass and one-token steps give the bits of the file's layout, and
-    ``weight`` (read by EAGLE / Medusa heads) the file's values."""
+@pytest.mark.parametrize("types", [blockmm.K_TYPES, ("Q4_0", "Q4_1", "Q5_0", "Q8_0")])
+def test_matrices_laid_out_16_rows_at_a_time_keep_every_bit(types, monkeypatch):
+    """The load lays out the types ``choose_paths`` keeps 16 rows at a time (here forced: none, then all): the joined
+    products read that layout too, a wide pass and one-token steps give the bits of the file's layout, and ``weight``
+    (read by EAGLE / Medusa heads) the file's values (Q8_0's and Q5_0's bits changed by the layout changed back)."""
     got = []
-    for kinds in ((), blockmm.K_TYPES):
+    for kinds in ((), types):
         monkeypatch.setattr(blockmm, "_choose_pack16", lambda matrices, rounds, kinds=kinds:
                             blockmm.set_pack16_kinds(kinds) or {})
-        float_model, rows = k_model()
+        float_model, rows = k_model(kinds=types)
         model = on_blocks(float_model, rows)
         linears = [m for m in model.model.modules() if isinstance(m, BlockLinear)]
-        assert {m.kind.name for m in linears} == set(blockmm.K_TYPES)
+        assert {m.kind.name for m in linears} == set(types)
         assert all(m.packed == bool(kinds) and ("16-row layout" in repr(m)) == bool(kinds) for m in linears)
         lean = model.model.model.layers[0].__dict__["forward"]
         joined = [matrix for products in (lean.qkv, lean.gate_up) for matrix, _, _ in products.runs]
