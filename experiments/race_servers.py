@@ -17,6 +17,12 @@ so a slow spell of a shared machine hits all servers of a level alike); with ``-
 (``--categories G`` added to the bench arguments; the servers started once). Writes each bench-serve folder,
 ``table.md`` (output tokens/s per level and server, each server's ratio to plain llama-server, TPOT P50, errors)
 and ``table.json``.
+
+Every level asks the same prompts (bench-serve takes the first ``--requests`` of those ``--bench-args`` select, in
+turn), so a server that keeps earlier answers (verispec's suffix store, scope ``process``; llama-server's slot prompt
+caches) meets the later levels' prompts again; and with fewer prompts than requests, within a level too. ``--fresh``
+restarts every server before each level (and group), so that each level's figures are a server's first sight of its
+prompts; give at least as many prompts as requests (docs/kernels.md, 2026-12-06 afternoon).
 """
 
 from __future__ import annotations
@@ -68,6 +74,8 @@ def main() -> int:
     ap.add_argument("--verispec-args", default="", help="more options for both verispec servers")
     ap.add_argument("--groups", default="", help="Spec-Bench groups or categories to race one at a time at every "
                                                  "level (default: the prompts as bench-args select them, together)")
+    ap.add_argument("--fresh", action="store_true", help="restart every server before each level and group, so no "
+                    "server meets prompts an earlier level asked (their answers kept, their caches warm)")
     ap.add_argument("--bench-args", default="", help="more options for bench-serve, e.g. \"--limit 3\" (3 questions "
                                                     "of each Spec-Bench group instead of the first ones)")
     args = ap.parse_args()
@@ -90,7 +98,12 @@ def main() -> int:
         groups = args.groups.split(",") if args.groups else [None]
         for r in range(args.rounds):
             order = names[r % len(names):] + names[:r % len(names)]
-            for group, level in [(g, level) for g in groups for level in levels]:
+            for i, (group, level) in enumerate([(g, level) for g in groups for level in levels]):
+                if args.fresh and (i or r):
+                    for name in names:
+                        servers[name].stop()
+                        servers[name] = start(name, args, max(levels), gguf, binary)
+                    print(f"servers restarted before c={level} {group or ''}", file=sys.stderr, flush=True)
                 row = f"{level} ({group})" if group else level
                 extra = shlex.split(args.bench_args) + (["--categories", group] if group else [])
                 for name in order:
@@ -133,7 +146,7 @@ def write_table(rows: dict, names: list[str], args, gguf: Path, binary: Path) ->
     command = (f"python experiments/race_servers.py --out {args.out} --levels {args.levels} --requests {args.requests} "
                f"--max-tokens {args.max_tokens} --rounds {args.rounds} --servers {shlex.quote(args.servers)}"
                + (f" --bench-args {shlex.quote(args.bench_args)}" if args.bench_args else "")
-               + (f" --groups {args.groups}" if args.groups else ""))
+               + (f" --groups {args.groups}" if args.groups else "") + (" --fresh" if args.fresh else ""))
     (args.out / "table.md").write_text(f"{machine_line()}\n\nModel file {gguf.name}; llama-server {binary}\n\n"
                                        f"`{command}`\n\n" + text)
     print(text)
