@@ -268,7 +268,7 @@ struct Problem {
     const int8_t* qx;     // [M, q_stride]
     const float* dx;      // 32-weight types: [M, 8G]; K types: [M, G]
     const float* sx;      // 32-weight types: [M, 8G]
-    const int16_t* bsum;  // K types: [M, 8G]
+    const int16_t* bsum;  // sum(q) per 32 activations, [M, 8G]
     float* y;
     // the AMX path's activations (amx_layout), in blocks of 16 rows
     int mblocks = 0;
@@ -304,6 +304,7 @@ void quantize_rows(Problem* p, const float* x, int8_t* qx, float* dx, float* sx,
                 span(v + 32 * c, 32, q + 32 * c, &d, &sum);
                 dx[(int64_t)m * 8 * p->G + c] = d;
                 sx[(int64_t)m * 8 * p->G + c] = d * (float)sum;
+                bsum[(int64_t)m * 8 * p->G + c] = (int16_t)sum;  // (Q8_0's 16-row tiles take it off their integers)
             }
         }
     }
