@@ -87,7 +87,6 @@ def test_the_blocks_kernel_is_the_quick_choice_where_it_multiplies_the_files_blo
     llama.cpp tie on it: the preferred one) (docs/kernels.md)."""
     from verispec import blockmm
 
-    expected = expected[avx512] if isinstance(expected, dict) else expected
     monkeypatch.setattr(blockmm, "best_isa", lambda: "avx512vnni" if avx512 else "avx2")
     monkeypatch.setenv("VERISPEC_COST_CACHE", str(tmp_path / "measurements"))
     monkeypatch.setattr(choice, "installed",
