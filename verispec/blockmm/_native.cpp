@@ -393,6 +393,14 @@ constexpr int WIDE16_MIN = 2;  // one row: the one-row paths stream faster (docs
 int g_wide16[16] = {0};
 inline bool wide16_on(int kind, int M) { return is_k(kind) && g_wide16[kind & 15] > 0 && M >= g_wide16[kind & 15]; }
 
+// Q6_K in the 16-row layout (pack16): where the piece at byte o of a super-block sits (times 16 rows), in the order
+// the tiles read it: the scales, then per half its high bits and its low nibbles, d last. In the file's order (low
+// nibbles, high bits, scales, d) the tiles jumped back and forth through each 3,360 bytes: 4-row products streamed
+// ~12% slower (docs/kernels.md, "2026-12-06 evening").
+constexpr int q6_place(int o) {
+    return o >= 208 ? o : o >= 192 ? o - 192 : o >= 160 ? o - 48 : o >= 128 ? o - 112 : o >= 64 ? o + 80 : o + 48;
+}
+
 typedef float vs_f8 __attribute__((vector_size(32)));  // eight float lanes (attend_body.inc)
 typedef int32_t vs_i8 __attribute__((vector_size(32)));
 
@@ -741,7 +749,8 @@ void matmul(int kind, const float* x, const uint8_t* W, float* y, int M, int N, 
 
 // The 16-row layout (pack16, read by the 16-row tiles at every width): each run of 16 rows keeps its bytes (16 rows'
 // worth, in place), laid out block by block (a K type's super-block, or one 32-weight block): block g of the 16 rows
-// is one run of 16 x (bytes a block) where the block's piece at byte o of row r sits at byte 16 o + width r, so the
+// is one run of 16 x (bytes a block) where the block's piece at byte o of row r sits at byte 16 o + width r (Q6_K:
+// 16 q6_place(o) + width r), so the
 // tiles load four weights of all 16 rows, or one scale dword of each, as one vector (the unpacked layout needs
 // 16-row transposes and gathers for that). The pieces are dwords, but for float16 halves: Q6_K's final d; the 32-weight
 // types' leading d (and Q4_1's m), which so come as 16 halves side by side. Two 32-weight types change bits too, each
@@ -789,7 +798,8 @@ void pack16_tile(int kind, const uint8_t* src, uint8_t* dst, int64_t row_bytes, 
         for (int r = 0; r < 16; r++)
             for (int o = 0; o < sb_bytes;) {
                 const int width = o < 2 * halves ? 2 : std::min(4, sb_bytes - o);  // a half, a dword, Q6_K's end
-                const int64_t flat = r * row_bytes + g * sb_bytes + o, tiled = 16 * o + width * r;
+                const int at = kind == Q6_K ? q6_place(o) : o;
+                const int64_t flat = r * row_bytes + g * sb_bytes + o, tiled = 16 * at + width * r;
                 if (unpack) std::memcpy(dst + flat, block.data() + tiled, width);
                 else std::memcpy(dst + g * 16 * sb_bytes + tiled, src + flat, width);
                 o += width;
