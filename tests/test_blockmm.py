@@ -558,6 +558,29 @@ def test_rms_norm_is_the_formula_and_each_rows_bits_are_its_own():
         blockmm.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6)
 
 
+def test_silu_mul_gives_torchs_silu_bits_on_every_instruction_set():
+    """The native layers' SiLU (``blockmm.silu_mul``) against ``F.silu(g) * u`` on values of every sign and exponent,
+    those around SiLU's cut-offs (exp(-x) is 0 below x = -100 and infinite past x = 104) and random ones, on each
+    instruction set and the scalar steps past a multiple of 8; torch's reference taken in pieces below its parallel
+    grain, each a whole number of its vectors (its scalar tail calls std::exp, another rounding)."""
+    bits = torch.arange(0, 1 << 32, 40009, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    g = torch.cat([bits[torch.isfinite(bits)], torch.linspace(-110.0, 110.0, 8192), 6 * torch.randn(8192),
+                   torch.tensor([0.0, -0.0, 100.0, -100.0, 104.0, -104.0, 1e-38, -1e-38])])
+    g = g[: g.numel() // 32 * 32].contiguous()
+    u = 1.5 * torch.randn(g.numel())
+    want = torch.cat([torch.nn.functional.silu(piece) for piece in g.split(8192)]) * u
+    best = blockmm.best_isa()
+    try:
+        for name in blockmm.isas():
+            blockmm.set_isa(name)
+            assert torch.equal(blockmm.silu_mul(g, u), want), name
+            assert torch.equal(blockmm.silu_mul(g[:37], u[:37]), want[:37]), name  # 4 vectors and 5 scalar steps
+    finally:
+        blockmm.set_isa(best)
+    with pytest.raises(ValueError, match="one shape"):
+        blockmm.silu_mul(torch.randn(4), torch.randn(5))
+
+
 def test_rope_is_transformers_rotary_embedding_to_the_bit():
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 

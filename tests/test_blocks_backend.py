@@ -96,13 +96,13 @@ def test_decoder_layers_take_the_lean_forward_with_the_same_bits(pair):
 
 @torch.inference_mode()
 def test_the_native_layer_front_gives_the_lean_forwards_bits_on_every_kind_of_pass(pair):
-    """Each layer's attention half runs as one native call (``block_step.NativeFront``): a sequence's chain passes,
+    """Each layer runs as one native call (``block_step.NativeFront``, its MLP too): a sequence's chain passes,
     a token tree's nodes and a batch's ragged rows give the bits of the lean forward's Python steps, and leave the
     same keys and values in the cache (the passes after read them)."""
     _, model = pair
     leans = [layer.__dict__["forward"] for layer in model.model.model.layers]
     fronts = [lean.front for lean in leans]
-    assert all(front is not None for front in fronts)
+    assert all(front is not None and front.back for front in fronts)  # the whole layer (64 MLP units: whole vectors)
 
     def passes():
         kv = model.new_kv()

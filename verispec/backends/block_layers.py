@@ -107,6 +107,8 @@ class LeanForward:
         if self.front is not None:
             front = self.front(hidden_states, attention_mask, cache, position_embeddings,
                                dict(kwargs, position_ids=position_ids, use_cache=use_cache))
+            if isinstance(front, torch.Tensor):  # the whole layer (the front's ``back``)
+                return front
             if front is not None:
                 x2, gate, up = front
                 return x2 + mlp.down_proj(F.silu(gate) * up)
@@ -175,18 +177,23 @@ def install(model: nn.Module) -> int:
         own = run(type(layer).forward.__get__(layer))
         if not torch.equal(own, run(lean)):
             continue
-        if block_step.usable(layer, lean):  # the attention half natively, where it gives the same bits too
-            lean.front = block_step.NativeFront(lean)
-            if not (torch.equal(own, run(lean)) and lean.front.passes == 2):
+        if block_step.usable(layer, lean):  # the attention half natively (and the MLP's rest), where the same bits
+            for back in (True, False):
+                if back and not block_step.usable_back(layer, lean):
+                    continue
+                lean.front = block_step.NativeFront(lean, back=back)
+                if torch.equal(own, run(lean)) and lean.front.passes == 2:
+                    lean.front.forget()  # its products are read again at the first pass, after the load links them
+                    break
                 lean.front = None
-            else:
-                lean.front.forget()  # its products are read again at the first pass, after the load links them
         layer.forward = lean
         installed += 1
     return installed
 
 
 def native_fronts(model: nn.Module) -> int:
-    """How many of ``model``'s decoder layers run their attention half as one native call (``install``)."""
-    return sum(1 for m in model.modules()
-               if isinstance(m.__dict__.get("forward"), LeanForward) and m.__dict__["forward"].front is not None)
+    """How many of ``model``'s decoder layers run their attention half as one native call (``install``), and how many
+    of those their whole layer (the MLP's rest too)."""
+    fronts = [m.__dict__["forward"].front for m in model.modules() if isinstance(m.__dict__.get("forward"), LeanForward)]
+    fronts = [f for f in fronts if f is not None]
+    return len(fronts), sum(1 for f in fronts if f.back)

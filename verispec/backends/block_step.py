@@ -2,13 +2,15 @@
 
 ``LeanForward`` runs a layer as ~40 Python-level operations; between the kernel's products of a pass of 8 tokens they
 cost ~11 ms of the 1.5B's ~72 (docs/kernels.md: the products and the attention are native, what is left is the
-interpreter and torch's small operations). ``NativeFront`` hands the first part of the layer to one C++ routine
+interpreter and torch's small operations). ``NativeFront`` hands the layer to one C++ routine
 (``_native.layer_front``): the input norm, the q / k / v products and their biases, the rotary embedding, the new keys
 and values written into the cache's buffers, the row attention, the output product and the residual, the second norm
-and the gate / up products. Each step is the routine the lean forward calls through Python, with the same inputs in
-the same order, so the bits are the same; only SiLU, the product by ``up``, ``down_proj`` and the last residual stay
-in torch (SiLU's rounding is torch's own). A probe at install (``block_layers.install``) checks the layer's output
-against transformers' own, bit for bit, before the layer takes it.
+and the gate / up products; and with ``back`` the MLP's rest: SiLU(gate) * up, ``down_proj`` and the last residual.
+Each step is the routine the lean forward calls through Python, with the same inputs in the same order, so the bits
+are the same; SiLU is torch's own arithmetic (``_native.silu_mul``: ATen's vectorized SiLU, SLEEF's expf, which
+``silu_matches`` checks against ``F.silu`` once a process; rows a whole number of ``SILU_VECTOR`` floats, where torch
+leaves no scalar tail). A probe at install (``block_layers.install``) checks the layer's output against
+transformers' own, bit for bit, before the layer takes it.
 
 It serves the passes the row attention serves (a sequence's causal pass, a batch's rows, a token tree's nodes) on
 the caches that can say where a pass writes (``GrowingLayer``, ``RaggedLayer``: ``slots``); any other pass returns
@@ -37,7 +39,7 @@ class NativeFront:
     ``__call__`` returns ``(x2, gate, up)``, x2 the residual stream after the attention, or ``None`` for a pass it
     does not serve."""
 
-    def __init__(self, lean) -> None:
+    def __init__(self, lean, back: bool = False) -> None:
         layer = lean.layer
         attn = layer.self_attn
         self.lean, self.attn = lean, attn
@@ -53,6 +55,10 @@ class NativeFront:
         o = attn.o_proj
         self._products = ([(m, b) for m, b, _ in lean.qkv.runs] + [(o._matrix, o.bias)]
                           + [(m, b) for m, b, _ in lean.gate_up.runs])  # in the native call's order
+        self.back = back  # the MLP's rest natively too (``usable_back``)
+        if back:
+            down = layer.mlp.down_proj
+            self._products.append((down._matrix, down.bias))
         self._desc: tuple[tuple[bool, ...], torch.Tensor] | None = None
         self._empty: dict[int, torch.Tensor] = {}
         self.passes = 0  # passes served (install's probe checks that it served one)
@@ -99,6 +105,7 @@ class NativeFront:
         desc = self.descriptor()
         x2 = torch.empty_like(x)
         gu = torch.empty(B, R, sum(self.gate_up_sizes), dtype=torch.float32)
+        out = torch.empty_like(x) if self.back else None
         D = self.head_dim
         _native.layer_front(
             x.data_ptr(), B, R, self.hidden, self.heads, self.kv_heads, D, self.eps, self.norms[0].data_ptr(),
@@ -107,9 +114,11 @@ class NativeFront:
             keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
             starts.data_ptr(), counts.data_ptr(), 0 if index is None else index.data_ptr(),
             0 if index is None else index.shape[2], float(self.attn.scaling), blockmm.threads_now(),
-            x2.data_ptr(), gu.data_ptr())
+            x2.data_ptr(), gu.data_ptr(), 0 if out is None else out.data_ptr())
         layer_cache.filled(end)
         self.passes += 1
+        if out is not None:
+            return out
         gate, up = gu.split(self.gate_up_sizes, -1)
         return x2, gate, up
 
@@ -133,3 +142,40 @@ def usable(layer: nn.Module, lean) -> bool:
     return (layer.input_layernorm.eps == layer.post_attention_layernorm.eps
             and all(t.dtype == torch.float32 and t.is_contiguous() for t in norms)
             and all(b is None or (b.dtype == torch.float32 and b.is_contiguous()) for b in biases))
+
+
+SILU_VECTOR = 32  # floats torch's vectorized SiLU loop takes at a time on AVX-512 (16 lanes, unrolled twice)
+
+
+def usable_back(layer: nn.Module, lean) -> bool:
+    """Whether the native call can compute ``layer``'s MLP after gate / up too (``usable`` holding): gate and up of one
+    width I (a whole number of ``SILU_VECTOR``, so torch computes every element's SiLU on its vectorized loop),
+    ``down_proj`` a block product from I to the hidden width, and the native SiLU giving torch's bits on this machine
+    (``silu_matches``)."""
+    down = getattr(layer.mlp, "down_proj", None)
+    sizes = [n for _, _, s in lean.gate_up.runs for n in s]
+    return (len(sizes) == 2 and sizes[0] == sizes[1] and sizes[0] % SILU_VECTOR == 0
+            and isinstance(getattr(down, "_matrix", None), blockmm.Matrix) and down.in_features == sizes[0]
+            and down.out_features == layer.self_attn.config.hidden_size
+            and (down.bias is None or (down.bias.dtype == torch.float32 and down.bias.is_contiguous()))
+            and silu_matches())
+
+
+_silu_checked: dict[tuple, bool] = {}  # per instruction set
+
+
+def silu_matches() -> bool:
+    """Whether ``_native.silu_mul`` gives ``F.silu(g) * u``'s bits here, on a sweep of values (every sign and exponent,
+    and those around SiLU's cut-offs); checked once a process and instruction set."""
+    key = (blockmm.isa(),)
+    if key not in _silu_checked:
+        bits = torch.arange(0, 1 << 32, 65537, dtype=torch.int64).to(torch.int32).view(torch.float32)
+        g = torch.cat([bits[torch.isfinite(bits)], torch.linspace(-110.0, 110.0, 4096)])
+        g = g[: g.numel() // SILU_VECTOR * SILU_VECTOR].contiguous()
+        u = torch.linspace(0.5, 2.0, g.numel())
+        y = blockmm.silu_mul(g, u)
+        # torch's reference in pieces below its parallel grain (32,768), each a whole number of vectors: split across
+        # threads, its pieces' ends could fall mid-vector and take its scalar loop (std::exp)
+        want = torch.cat([torch.nn.functional.silu(piece) for piece in g.split(8192)]) * u
+        _silu_checked[key] = torch.equal(y, want)
+    return _silu_checked[key]

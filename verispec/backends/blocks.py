@@ -248,9 +248,9 @@ def _finish(loaded: LoadedModel, swapped: Swapped, name: str) -> BlocksModel:
     if invariant:
         loaded.model.set_attn_implementation(ROW_ATTENTION)
     lean = block_layers.install(loaded.model)
-    fronts = block_layers.native_fronts(loaded.model)
+    fronts, whole = block_layers.native_fronts(loaded.model)
     log.info("%s: %d decoder layers on the lean forward (joined products, native rotary), %d with their attention "
-             "half in one native call", name, lean, fronts)
+             "half in one native call (%d of them the whole layer)", name, lean, fronts, whole)
     blockmm.link(_matrices(loaded.model))
     return BlocksModel(model=loaded.model, tokenizer=loaded.tokenizer, name=loaded.name, dtype=torch.float32,
                        eos_token_ids=loaded.eos_token_ids, pack_requested=False, width_invariant=invariant,

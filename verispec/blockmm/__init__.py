@@ -617,6 +617,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return y
 
 
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``F.silu(gate) * up`` in float32 with torch's bits where torch computes SiLU on its vectorized loop (ATen's
+    kernel: ``x / (1 + exp(-x))``, exp by SLEEF's expf u10), on every instruction set alike: element by element, so
+    each value's bits are its own. The blocks backend's native layers call it (``backends/block_step.py``, which checks
+    it against ``F.silu`` once a process)."""
+    _require()
+    if gate.shape != up.shape:
+        raise ValueError(f"gate and up must have one shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
+    gate, up = gate.float().contiguous(), up.float().contiguous()
+    y = torch.empty(gate.shape, dtype=torch.float32)
+    _native.silu_mul(gate.data_ptr(), up.data_ptr(), y.data_ptr(), gate.numel())
+    return y
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``x * cos + rotate_half(x) * sin`` with ``cos`` / ``sin`` [B, R, D] broadcast over x's heads (x [B, H, R, D],
     float32, its last dimension contiguous): transformers' rotary embedding of the Llama / Qwen2 form, in one native
@@ -725,5 +739,5 @@ def attend_unchecked(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 __all__ = ["TYPES", "Matrix", "attend", "attend_unchecked", "available", "best_isa", "block_type", "default_threads",
            "isa", "isas", "link", "lookahead", "matmul", "native_built", "pack16", "pack16_kinds", "prefetch", "rms_norm",
-           "rope", "row_digests", "set_isa", "set_lookahead", "set_narrow_isa", "set_pack16_kinds", "set_prefetch",
+           "rope", "row_digests", "set_isa", "silu_mul", "set_lookahead", "set_narrow_isa", "set_pack16_kinds", "set_prefetch",
            "set_threads", "set_wide_isa", "threads_now", "why_unavailable", "narrow_isa", "wide_isa"]

@@ -401,6 +401,13 @@ constexpr int q6_place(int o) {
     return o >= 208 ? o : o >= 192 ? o - 192 : o >= 160 ? o - 48 : o >= 128 ? o - 112 : o >= 64 ? o + 80 : o + 48;
 }
 
+// SLEEF's expf (u10) constants, for SiLU as torch computes it (silu_mul in simd_body.inc, silu_one)
+constexpr float SILU_R_LN2 = 1.442695040888963407359924681001892137426645954152985934135449406931f;
+constexpr float SILU_L2U = 0.693145751953125f, SILU_L2L = 1.428606765330187045e-06f;
+constexpr float SILU_C[6] = {0.000198527617612853646278381f, 0.00139304355252534151077271f,
+                             0.00833336077630519866943359f, 0.0416664853692054748535156f,
+                             0.166666671633720397949219f, 0.5f};
+
 typedef float vs_f8 __attribute__((vector_size(32)));  // eight float lanes (attend_body.inc)
 typedef int32_t vs_i8 __attribute__((vector_size(32)));
 
@@ -1141,6 +1148,55 @@ void products(const Product* ps, int n, const float* x, float* y, int M, int thr
     }
 }
 
+// SiLU(x) as torch's vectorized loop computes it for float32 (ATen's silu kernel: x / (1 + exp(-x)), exp from SLEEF,
+// expf u10 with fused multiply-adds; torch's scalar tail calls std::exp, so callers keep their rows whole vectors):
+// the per-element steps of silu_mul (simd_body.inc), for CPUs without AVX2 and FMA
+inline float silu_one(float x) {
+    const float d = -x;
+    float e;
+    if (d < -104.0f) e = 0.0f;
+    else if (d > 100.0f) e = __builtin_inff();
+    else if (d != d) e = d;
+    else {
+        const int q = (int)std::nearbyint(d * SILU_R_LN2);
+        const float qf = (float)q;
+        float s = std::fma(qf, -SILU_L2U, d);
+        s = std::fma(qf, -SILU_L2L, s);
+        e = SILU_C[0];
+        for (int c = 1; c < 6; c++) e = std::fma(e, s, SILU_C[c]);
+        e = 1.0f + std::fma(s * s, e, s);
+        const int q1 = q >> 1, q2 = q - q1;
+        e = (e * std::ldexp(1.0f, q1)) * std::ldexp(1.0f, q2);
+    }
+    return x / (1.0f + e);
+}
+
+// y = SiLU(g) * u for n floats (silu_mul, or silu_one where the CPU has no AVX2 and FMA, or past a multiple of 8)
+void silu_mul_any(const float* g, const float* u, float* y, int64_t n) {
+    int64_t done = 0;
+#if VS_X86
+    if (g_isa >= ISA_AVX2) {
+        done = n / 8 * 8;
+        avx2::silu_mul(g, u, y, done);
+    }
+#endif
+    for (int64_t i = done; i < n; i++) y[i] = silu_one(g[i]) * u[i];
+}
+
+PyObject* py_silu_mul(PyObject*, PyObject* args) {
+    unsigned long long gp, up, yp;
+    long long n;
+    if (!PyArg_ParseTuple(args, "KKKL", &gp, &up, &yp, &n)) return nullptr;
+    if (n < 0) {
+        PyErr_Format(PyExc_ValueError, "bad length %lld", n);
+        return nullptr;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    silu_mul_any((const float*)gp, (const float*)up, (float*)yp, n);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 struct Front {
     const float* x;  // [B, R, Hd]
     int B, R, Hd, H, Hkv, D;
@@ -1160,12 +1216,13 @@ struct Front {
     int threads;
     float* x2;  // [B, R, Hd]: x plus the attention's output
     float* gu;  // [B, R, sum of gate / up's N]
+    float* out;  // null, or [B, R, Hd]: the layer's output, x2 + down(SiLU(gate) * up) (the product after gate / up)
 };
 
 void layer_front(const Front& a) {
     const int T = a.B * a.R, D = a.D;
     std::vector<Product> ps;
-    for (int i = 0; i < a.n_qkv + 1 + a.n_gu; i++) ps.push_back(product_at(a.desc + PRODUCT_FIELDS * i));
+    for (int i = 0; i < a.n_qkv + 1 + a.n_gu + (a.out ? 1 : 0); i++) ps.push_back(product_at(a.desc + PRODUCT_FIELDS * i));
     int Nqkv = 0;
     for (int i = 0; i < a.n_qkv; i++) Nqkv += ps[i].N;
     std::vector<float> h((size_t)T * a.Hd), y((size_t)T * Nqkv);
@@ -1192,15 +1249,23 @@ void layer_front(const Front& a) {
     for (int64_t i = 0; i < (int64_t)T * a.Hd; i++) a.x2[i] = a.x[i] + o[i];
     rms_norm(a.x2, a.norm2, h.data(), T, a.Hd, a.eps);
     products(ps.data() + a.n_qkv + 1, a.n_gu, h.data(), a.gu, T, a.threads);
+    if (!a.out) return;
+    // the MLP's rest, as LeanForward computes it in torch: act = SiLU(gate) * up, x2 + down(act)
+    const Product& down = ps[a.n_qkv + 1 + a.n_gu];
+    const int I = down.K;
+    std::vector<float> act((size_t)T * I), d((size_t)T * a.Hd);
+    for (int64_t t = 0; t < T; t++) silu_mul_any(a.gu + t * 2 * I, a.gu + t * 2 * I + I, act.data() + t * I, I);
+    products(&down, 1, act.data(), d.data(), T, a.threads);
+    for (int64_t i = 0; i < (int64_t)T * a.Hd; i++) a.out[i] = a.x2[i] + d[i];
 }
 
 PyObject* py_layer_front(PyObject*, PyObject* args) {
     Front a{};
-    unsigned long long x, n1, n2, desc, cs, sn, kbuf, vbuf, starts, counts, idx, x2, gu;
+    unsigned long long x, n1, n2, desc, cs, sn, kbuf, vbuf, starts, counts, idx, x2, gu, out = 0;
     long long cb, kb, kh, ks, vb, vh, vs;
-    if (!PyArg_ParseTuple(args, "KiiiiiifKKKiiKKLKKLLLLLLKKKifiKK", &x, &a.B, &a.R, &a.Hd, &a.H, &a.Hkv, &a.D, &a.eps,
-                          &n1, &n2, &desc, &a.n_qkv, &a.n_gu, &cs, &sn, &cb, &kbuf, &vbuf, &kb, &kh, &ks, &vb, &vh, &vs,
-                          &starts, &counts, &idx, &a.idx_len, &a.scale, &a.threads, &x2, &gu))
+    if (!PyArg_ParseTuple(args, "KiiiiiifKKKiiKKLKKLLLLLLKKKifiKK|K", &x, &a.B, &a.R, &a.Hd, &a.H, &a.Hkv, &a.D,
+                          &a.eps, &n1, &n2, &desc, &a.n_qkv, &a.n_gu, &cs, &sn, &cb, &kbuf, &vbuf, &kb, &kh, &ks, &vb,
+                          &vh, &vs, &starts, &counts, &idx, &a.idx_len, &a.scale, &a.threads, &x2, &gu, &out))
         return nullptr;
     if (a.B <= 0 || a.R <= 0 || a.Hd <= 0 || a.H <= 0 || a.Hkv <= 0 || a.H % a.Hkv != 0 || a.D <= 0 || a.D % 8 != 0 ||
         a.n_qkv < 1 || a.n_qkv > 3 || a.n_gu < 1 || a.n_gu > 2) {
@@ -1209,19 +1274,21 @@ PyObject* py_layer_front(PyObject*, PyObject* args) {
         return nullptr;
     }
     const int64_t* d = (const int64_t*)desc;
-    int Nqkv = 0;
-    for (int i = 0; i < a.n_qkv + 1 + a.n_gu; i++) {
+    int Nqkv = 0, Ngu = 0;
+    const int last = a.n_qkv + 1 + a.n_gu;  // the down product's place (with out)
+    for (int i = 0; i < last + (out ? 1 : 0); i++) {
         const Product p = product_at(d + PRODUCT_FIELDS * i);
         Format f;
-        const int in = i == a.n_qkv ? a.H * a.D : a.Hd;
+        const int in = i == a.n_qkv ? a.H * a.D : i == last ? Ngu / 2 : a.Hd;
         if (!format_of(p.kind, &f) || p.K != in || p.N <= 0 || p.row_bytes != (int64_t)(p.K / f.block) * f.bytes ||
-            p.K % f.block != 0 || (i == a.n_qkv && p.N != a.Hd)) {
+            p.K % f.block != 0 || ((i == a.n_qkv || i == last) && p.N != a.Hd) || (i == last && Ngu % 2)) {
             PyErr_Format(PyExc_ValueError, "product %d of the layer does not fit it (type %d, %d x %d)", i, p.kind, p.N,
                          p.K);
             return nullptr;
         }
         if (p.packed && !pack16_ok(p.kind, p.N)) return nullptr;
         if (i < a.n_qkv) Nqkv += p.N;
+        if (i > a.n_qkv && i < last) Ngu += p.N;
     }
     if (Nqkv != (a.H + 2 * a.Hkv) * a.D) {
         PyErr_Format(PyExc_ValueError, "the q/k/v products give %d columns, not (%d + 2 x %d) x %d", Nqkv, a.H, a.Hkv,
@@ -1243,6 +1310,7 @@ PyObject* py_layer_front(PyObject*, PyObject* args) {
     a.idx = idx ? (const int32_t*)idx : nullptr;
     a.x2 = (float*)x2;
     a.gu = (float*)gu;
+    a.out = out ? (float*)out : nullptr;
     Py_BEGIN_ALLOW_THREADS
     layer_front(a);
     Py_END_ALLOW_THREADS
@@ -1419,8 +1487,10 @@ PyMethodDef METHODS[] = {
      "row's causal attention over its own keys, alone (row-invariant)"},
     {"layer_front", py_layer_front, METH_VARARGS,
      "layer_front(x, B, R, hidden, H, Hkv, D, eps, norm1, norm2, desc, n_qkv, n_gu, cos, sin, cb, kbuf, vbuf, kb, kh, "
-     "ks, vb, vh, vs, starts, counts, idx, idx_len, scale, threads, x2, gu): a decoder layer's attention half and its "
-     "gate / up products in one call (verispec/backends/block_step.py)"},
+     "ks, vb, vh, vs, starts, counts, idx, idx_len, scale, threads, x2, gu[, out]): a decoder layer's attention half and "
+     "its gate / up products in one call, and with out its MLP's rest (verispec/backends/block_step.py)"},
+    {"silu_mul", py_silu_mul, METH_VARARGS,
+     "silu_mul(g_ptr, u_ptr, y_ptr, n): y = SiLU(g) * u for n floats, SiLU's bits torch's (its vectorized loop)"},
     {"rms_norm", py_rms_norm, METH_VARARGS,
      "rms_norm(x_ptr, w_ptr, y_ptr, M, H, eps): y = w * (x / sqrt(mean(x^2) + eps)) per row of H floats (row-invariant)"},
     {"rope", py_rope, METH_VARARGS,
