@@ -59,6 +59,9 @@ class NativeFront:
         if back:
             down = layer.mlp.down_proj
             self._products.append((down._matrix, down.bias))
+        self._shape = (self.hidden, self.heads, self.kv_heads, self.head_dim, self.eps)  # the call's fixed arguments
+        self._runs = (len(lean.qkv.runs), len(lean.gate_up.runs))
+        self._scale = float(attn.scaling)
         self._desc: tuple[tuple[bool, ...], torch.Tensor] | None = None
         self._empty: dict[int, torch.Tensor] = {}
         self.passes = 0  # passes served (install's probe checks that it served one)
@@ -97,30 +100,49 @@ class NativeFront:
         if like is None:
             like = self._empty[B] = torch.empty(B, self.kv_heads, 0, self.head_dim)
         keys, values, starts, end = layer_cache.slots(like, R)
-        counts, index = _layout(rows, B, R) if rows is not None else (_causal_counts(end, R), None)
+        if rows is not None:
+            counts, index = _layout(rows, B, R)
+            starts = torch.tensor(starts, dtype=torch.int32)
+        else:  # a sequence's causal pass: the same for every layer of the pass
+            (starts, counts), index = _causal(starts[0], end, R), None
         cos, sin = position_embeddings
         if cos.dtype != torch.float32 or not cos.is_contiguous() or not sin.is_contiguous():
             cos, sin = cos.float().contiguous(), sin.float().contiguous()
-        starts = torch.tensor(starts, dtype=torch.int32)
         desc = self.descriptor()
-        x2 = torch.empty_like(x)
-        gu = torch.empty(B, R, sum(self.gate_up_sizes), dtype=torch.float32)
-        out = torch.empty_like(x) if self.back else None
+        if self.back:  # the native call keeps x2 and gate / up to itself
+            out, x2, gu = torch.empty_like(x), None, None
+        else:
+            out, x2, gu = None, torch.empty_like(x), torch.empty(B, R, sum(self.gate_up_sizes), dtype=torch.float32)
         D = self.head_dim
+        ks, vs = keys.stride(), values.stride()
         _native.layer_front(
-            x.data_ptr(), B, R, self.hidden, self.heads, self.kv_heads, D, self.eps, self.norms[0].data_ptr(),
-            self.norms[1].data_ptr(), desc.data_ptr(), len(self.lean.qkv.runs), len(self.lean.gate_up.runs),
-            cos.data_ptr(), sin.data_ptr(), 0 if cos.shape[0] == 1 else R * D, keys.data_ptr(), values.data_ptr(),
-            keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
-            starts.data_ptr(), counts.data_ptr(), 0 if index is None else index.data_ptr(),
-            0 if index is None else index.shape[2], float(self.attn.scaling), blockmm.threads_now(),
-            x2.data_ptr(), gu.data_ptr(), 0 if out is None else out.data_ptr())
+            x.data_ptr(), B, R, *self._shape, self.norms[0].data_ptr(), self.norms[1].data_ptr(), desc.data_ptr(),
+            *self._runs, cos.data_ptr(), sin.data_ptr(), 0 if cos.shape[0] == 1 else R * D, keys.data_ptr(),
+            values.data_ptr(), ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], starts.data_ptr(), counts.data_ptr(),
+            0 if index is None else index.data_ptr(), 0 if index is None else index.shape[2], self._scale,
+            blockmm.threads_now(), 0 if x2 is None else x2.data_ptr(), 0 if gu is None else gu.data_ptr(),
+            0 if out is None else out.data_ptr())
         layer_cache.filled(end)
         self.passes += 1
         if out is not None:
             return out
         gate, up = gu.split(self.gate_up_sizes, -1)
         return x2, gate, up
+
+
+_causal_seen: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _causal(start: int, end: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(starts [1], counts [1, rows]) of one sequence's causal pass writing columns start..end-1: built once and kept
+    (every layer of a pass asks for the same; read-only)."""
+    key = (start, end, rows)
+    got = _causal_seen.get(key)
+    if got is None:
+        if len(_causal_seen) > 512:
+            _causal_seen.clear()
+        got = _causal_seen[key] = (torch.tensor([start], dtype=torch.int32), _causal_counts(end, rows))
+    return got
 
 
 def usable(layer: nn.Module, lean) -> bool:

@@ -1214,8 +1214,8 @@ struct Front {
     int idx_len;
     float scale;
     int threads;
-    float* x2;  // [B, R, Hd]: x plus the attention's output
-    float* gu;  // [B, R, sum of gate / up's N]
+    float* x2;  // [B, R, Hd]: x plus the attention's output (null with out: the call's own)
+    float* gu;  // [B, R, sum of gate / up's N] (null with out: the call's own)
     float* out;  // null, or [B, R, Hd]: the layer's output, x2 + down(SiLU(gate) * up) (the product after gate / up)
 };
 
@@ -1244,19 +1244,27 @@ void layer_front(const Front& a) {
             }
     attend(q.data(), a.kbuf, a.vbuf, att.data(), a.B, a.H, a.Hkv, a.R, D, a.kb, a.kh, a.ks, a.vb, a.vh, a.vs, a.counts,
            a.idx, a.idx_len, a.scale, a.threads, g_isa);
-    std::vector<float> o((size_t)T * a.Hd);
+    std::vector<float> o((size_t)T * a.Hd), own;  // own: x2 and gate / up where the caller left them to the call
+    float *x2 = a.x2, *gu = a.gu;
+    if (!x2 || !gu) {
+        int Ngu = 0;
+        for (int i = 0; i < a.n_gu; i++) Ngu += ps[a.n_qkv + 1 + i].N;
+        own.resize((size_t)T * (a.Hd + Ngu));
+        x2 = own.data();
+        gu = own.data() + (size_t)T * a.Hd;
+    }
     products(&ps[a.n_qkv], 1, att.data(), o.data(), T, a.threads);
-    for (int64_t i = 0; i < (int64_t)T * a.Hd; i++) a.x2[i] = a.x[i] + o[i];
-    rms_norm(a.x2, a.norm2, h.data(), T, a.Hd, a.eps);
-    products(ps.data() + a.n_qkv + 1, a.n_gu, h.data(), a.gu, T, a.threads);
+    for (int64_t i = 0; i < (int64_t)T * a.Hd; i++) x2[i] = a.x[i] + o[i];
+    rms_norm(x2, a.norm2, h.data(), T, a.Hd, a.eps);
+    products(ps.data() + a.n_qkv + 1, a.n_gu, h.data(), gu, T, a.threads);
     if (!a.out) return;
     // the MLP's rest, as LeanForward computes it in torch: act = SiLU(gate) * up, x2 + down(act)
     const Product& down = ps[a.n_qkv + 1 + a.n_gu];
     const int I = down.K;
     std::vector<float> act((size_t)T * I), d((size_t)T * a.Hd);
-    for (int64_t t = 0; t < T; t++) silu_mul_any(a.gu + t * 2 * I, a.gu + t * 2 * I + I, act.data() + t * I, I);
+    for (int64_t t = 0; t < T; t++) silu_mul_any(gu + t * 2 * I, gu + t * 2 * I + I, act.data() + t * I, I);
     products(&down, 1, act.data(), d.data(), T, a.threads);
-    for (int64_t i = 0; i < (int64_t)T * a.Hd; i++) a.out[i] = a.x2[i] + d[i];
+    for (int64_t i = 0; i < (int64_t)T * a.Hd; i++) a.out[i] = x2[i] + d[i];
 }
 
 PyObject* py_layer_front(PyObject*, PyObject* args) {
@@ -1311,6 +1319,10 @@ PyObject* py_layer_front(PyObject*, PyObject* args) {
     a.x2 = (float*)x2;
     a.gu = (float*)gu;
     a.out = out ? (float*)out : nullptr;
+    if (!a.out && (!a.x2 || !a.gu)) {
+        PyErr_SetString(PyExc_ValueError, "layer_front needs x2 and gu, or out");
+        return nullptr;
+    }
     Py_BEGIN_ALLOW_THREADS
     layer_front(a);
     Py_END_ALLOW_THREADS

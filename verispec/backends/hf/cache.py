@@ -71,8 +71,8 @@ class GrowingLayer(DynamicLayer):
 
     def filled(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's keys and values are now the buffers' first ``end`` columns."""
-        self.keys = self._key_buffer[..., :end, :]
-        self.values = self._value_buffer[..., :end, :]
+        self.keys = self._key_buffer.narrow(-2, 0, end)  # views as [..., :end, :], for less work a layer and pass
+        self.values = self._value_buffer.narrow(-2, 0, end)
         return self.keys, self.values
 
     def reset(self) -> None:
