@@ -1126,18 +1126,23 @@ Product product_at(const int64_t* d) {
     return p;
 }
 
+// n floats of this thread's scratch buffer `which`, kept from call to call (a layer's buffers every pass: neither
+// allocated nor zeroed again; every value is written before it is read)
+enum Scratch : int { S_PART, S_H, S_Y, S_Q, S_K, S_ATT, S_O, S_OWN, S_ACT, S_D, S_COUNT };
+float* scratch(Scratch which, size_t n) {
+    thread_local std::vector<float> bufs[S_COUNT];
+    std::vector<float>& b = bufs[which];
+    if (b.size() < n) b.resize(n);
+    return b.data();
+}
+
 // y [M, sum of N] = the products' outputs side by side in order, each plus its bias (one rounding, as torch's add_)
 void products(const Product* ps, int n, const float* x, float* y, int M, int threads) {
     int total = 0;
     for (int i = 0; i < n; i++) total += ps[i].N;
-    std::vector<float> part;
     for (int i = 0, col = 0; i < n; col += ps[i].N, i++) {
         const Product& p = ps[i];
-        float* out = y;
-        if (n > 1) {
-            part.resize((size_t)M * p.N);
-            out = part.data();
-        }
+        float* out = n > 1 ? scratch(S_PART, (size_t)M * p.N) : y;
         matmul(p.kind, x, p.w, out, M, p.N, p.K, p.row_bytes, threads, product_isa(p.kind, M, p.packed), &p.next,
                p.packed);
         if (p.bias)
@@ -1225,45 +1230,44 @@ void layer_front(const Front& a) {
     for (int i = 0; i < a.n_qkv + 1 + a.n_gu + (a.out ? 1 : 0); i++) ps.push_back(product_at(a.desc + PRODUCT_FIELDS * i));
     int Nqkv = 0;
     for (int i = 0; i < a.n_qkv; i++) Nqkv += ps[i].N;
-    std::vector<float> h((size_t)T * a.Hd), y((size_t)T * Nqkv);
-    rms_norm(a.x, a.norm1, h.data(), T, a.Hd, a.eps);
-    products(ps.data(), a.n_qkv, h.data(), y.data(), T, a.threads);
+    float *h = scratch(S_H, (size_t)T * a.Hd), *y = scratch(S_Y, (size_t)T * Nqkv);
+    rms_norm(a.x, a.norm1, h, T, a.Hd, a.eps);
+    products(ps.data(), a.n_qkv, h, y, T, a.threads);
     // q and k rotated from their columns of y ([B, R, heads, D] there) into [B, heads, R, D]
-    std::vector<float> q((size_t)T * a.H * D), k((size_t)T * a.Hkv * D), att((size_t)T * a.H * D);
-    rope(y.data(), (int64_t)a.R * Nqkv, D, Nqkv, a.cos, a.sin, a.cb, D, q.data(), a.B, a.H, a.R, D);
-    rope(y.data() + (int64_t)a.H * D, (int64_t)a.R * Nqkv, D, Nqkv, a.cos, a.sin, a.cb, D, k.data(), a.B, a.Hkv, a.R,
-         D);
+    float *q = scratch(S_Q, (size_t)T * a.H * D), *k = scratch(S_K, (size_t)T * a.Hkv * D),
+          *att = scratch(S_ATT, (size_t)T * a.H * D);
+    rope(y, (int64_t)a.R * Nqkv, D, Nqkv, a.cos, a.sin, a.cb, D, q, a.B, a.H, a.R, D);
+    rope(y + (int64_t)a.H * D, (int64_t)a.R * Nqkv, D, Nqkv, a.cos, a.sin, a.cb, D, k, a.B, a.Hkv, a.R, D);
     for (int b = 0; b < a.B; b++)
         for (int g = 0; g < a.Hkv; g++)
             for (int r = 0; r < a.R; r++) {
                 const int64_t col = (int64_t)a.starts[b] + r;
-                std::memcpy(a.kbuf + b * a.kb + g * a.kh + col * a.ks, k.data() + (((int64_t)b * a.Hkv + g) * a.R + r) * D,
+                std::memcpy(a.kbuf + b * a.kb + g * a.kh + col * a.ks, k + (((int64_t)b * a.Hkv + g) * a.R + r) * D,
                             sizeof(float) * D);
                 std::memcpy(a.vbuf + b * a.vb + g * a.vh + col * a.vs,
-                            y.data() + ((int64_t)b * a.R + r) * Nqkv + (int64_t)(a.H + a.Hkv + g) * D, sizeof(float) * D);
+                            y + ((int64_t)b * a.R + r) * Nqkv + (int64_t)(a.H + a.Hkv + g) * D, sizeof(float) * D);
             }
-    attend(q.data(), a.kbuf, a.vbuf, att.data(), a.B, a.H, a.Hkv, a.R, D, a.kb, a.kh, a.ks, a.vb, a.vh, a.vs, a.counts,
+    attend(q, a.kbuf, a.vbuf, att, a.B, a.H, a.Hkv, a.R, D, a.kb, a.kh, a.ks, a.vb, a.vh, a.vs, a.counts,
            a.idx, a.idx_len, a.scale, a.threads, g_isa);
-    std::vector<float> o((size_t)T * a.Hd), own;  // own: x2 and gate / up where the caller left them to the call
+    float* o = scratch(S_O, (size_t)T * a.Hd);
     float *x2 = a.x2, *gu = a.gu;
-    if (!x2 || !gu) {
+    if (!x2 || !gu) {  // the call's own x2 and gate / up, where the caller left them to it
         int Ngu = 0;
         for (int i = 0; i < a.n_gu; i++) Ngu += ps[a.n_qkv + 1 + i].N;
-        own.resize((size_t)T * (a.Hd + Ngu));
-        x2 = own.data();
-        gu = own.data() + (size_t)T * a.Hd;
+        x2 = scratch(S_OWN, (size_t)T * (a.Hd + Ngu));
+        gu = x2 + (size_t)T * a.Hd;
     }
-    products(&ps[a.n_qkv], 1, att.data(), o.data(), T, a.threads);
+    products(&ps[a.n_qkv], 1, att, o, T, a.threads);
     for (int64_t i = 0; i < (int64_t)T * a.Hd; i++) x2[i] = a.x[i] + o[i];
-    rms_norm(x2, a.norm2, h.data(), T, a.Hd, a.eps);
-    products(ps.data() + a.n_qkv + 1, a.n_gu, h.data(), gu, T, a.threads);
+    rms_norm(x2, a.norm2, h, T, a.Hd, a.eps);
+    products(ps.data() + a.n_qkv + 1, a.n_gu, h, gu, T, a.threads);
     if (!a.out) return;
     // the MLP's rest, as LeanForward computes it in torch: act = SiLU(gate) * up, x2 + down(act)
     const Product& down = ps[a.n_qkv + 1 + a.n_gu];
     const int I = down.K;
-    std::vector<float> act((size_t)T * I), d((size_t)T * a.Hd);
-    for (int64_t t = 0; t < T; t++) silu_mul_any(gu + t * 2 * I, gu + t * 2 * I + I, act.data() + t * I, I);
-    products(&down, 1, act.data(), d.data(), T, a.threads);
+    float *act = scratch(S_ACT, (size_t)T * I), *d = scratch(S_D, (size_t)T * a.Hd);
+    for (int64_t t = 0; t < T; t++) silu_mul_any(gu + t * 2 * I, gu + t * 2 * I + I, act + t * I, I);
+    products(&down, 1, act, d, T, a.threads);
     for (int64_t i = 0; i < (int64_t)T * a.Hd; i++) a.out[i] = x2[i] + d[i];
 }
 
