@@ -102,7 +102,12 @@ def test_the_native_layer_front_gives_the_lean_forwards_bits_on_every_kind_of_pa
     _, model = pair
     leans = [layer.__dict__["forward"] for layer in model.model.model.layers]
     fronts = [lean.front for lean in leans]
-    assert all(front is not None and front.back for front in fronts)  # the whole layer (64 MLP units: whole vectors)
+    from verispec.backends.block_step import silu_matches
+
+    assert all(front is not None for front in fronts)
+    # the whole layer (64 MLP units: whole vectors), wherever torch's SiLU is its vectorized SLEEF loop (every x86 CPU
+    # with AVX2)
+    assert all(front.back == silu_matches() for front in fronts) and (silu_matches() or blockmm.best_isa() == "scalar")
 
     def passes():
         kv = model.new_kv()
