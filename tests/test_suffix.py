@@ -89,6 +89,24 @@ def test_earlier_requests_draft_the_repeat_and_scope_request_does_not(tiny_targe
     assert accepted["request"][1] == accepted["request"][0]  # nothing carried over
 
 
+@pytest.mark.parametrize("tree", [False, True])
+def test_ids_outside_the_targets_vocabulary_are_never_fed_to_it(tiny_target, tree):
+    """The process's store holds every model's sequences: another model's ids after the same context (here ids past
+    the tiny model's vocabulary) are drafted, and the engine ends the draft before them instead of feeding them to
+    the target (llama.cpp refused such a batch, an embedding raises)."""
+    vocab = tiny_target.vocab_size
+    prompt = [3, 7, 11, 4, 9, 13, 6]
+    store = SuffixStore()
+    other = store.open()
+    store.extend(other, prompt + [vocab + 5, vocab + 9, 3, 4])
+    store.close(other)
+    assert SuffixDrafter(tree=tree, store=store).propose(prompt, 4).tokens[0] >= vocab
+    plain = SpeculativeDecoder(tiny_target).generate(prompt, max_new_tokens=20).token_ids
+    got = SpeculativeDecoder(tiny_target, SuffixDrafter(tree=tree, store=store), k=4, k_policy="fixed").generate(
+        prompt, max_new_tokens=20)
+    assert got.token_ids == plain
+
+
 @pytest.mark.parametrize("options", [{}, {"tree": True}])
 def test_greedy_output_equals_plain_decoding(tiny_target, options):
     drafter = make_drafter("suffix", target=tiny_target, scope="request", **options)

@@ -559,7 +559,14 @@ class SpeculativeDecoder:
             draft = self.drafter.propose(state.tokens, k, features=state.features.view())
         else:
             draft = self.drafter.propose(state.tokens, k)
-        return draft.truncated(k) if len(draft) > k else draft
+        draft = draft.truncated(k) if len(draft) > k else draft
+        # a token the target has no row for cannot be accepted, and no engine takes it (llama.cpp refuses the batch,
+        # an embedding raises): the draft ends before it. The process's suffix store holds every model's sequences,
+        # so a second model in one process can be drafted another vocabulary's ids (a test run met it: a Gemma 3 id
+        # drafted for a 49,152-token model).
+        vocab = self.target.vocab_size
+        bad = next((i for i, t in enumerate(draft.tokens) if not 0 <= t < vocab), None)
+        return draft if bad is None else draft.truncated(bad)
 
     def _verify_chain(self, state: SequenceState, draft: Draft, p: torch.Tensor | list[int]) -> tuple[int, int]:
         """(accepted draft tokens, correction or bonus token) by the acceptance rule (strict unless lossy is asked).
