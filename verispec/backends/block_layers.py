@@ -191,7 +191,7 @@ def install(model: nn.Module) -> int:
     return installed
 
 
-def native_fronts(model: nn.Module) -> int:
+def native_fronts(model: nn.Module) -> tuple[int, int]:
     """How many of ``model``'s decoder layers run their attention half as one native call (``install``), and how many
     of those their whole layer (the MLP's rest too)."""
     fronts = [m.__dict__["forward"].front for m in model.modules() if isinstance(m.__dict__.get("forward"), LeanForward)]

@@ -19,6 +19,8 @@ the caches that can say where a pass writes (``GrowingLayer``, ``RaggedLayer``: 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -36,8 +38,8 @@ def _fields(matrix: blockmm.Matrix, bias: torch.Tensor | None) -> list[int]:
 
 class NativeFront:
     """The attention half of one decoder layer and its gate / up products (``LeanForward``'s ``lean``), natively.
-    ``__call__`` returns ``(x2, gate, up)``, x2 the residual stream after the attention, or ``None`` for a pass it
-    does not serve."""
+    ``__call__`` returns ``(x2, gate, up)``, x2 the residual stream after the attention; with ``back`` the layer's
+    output instead; or ``None`` for a pass it does not serve."""
 
     def __init__(self, lean, back: bool = False) -> None:
         layer = lean.layer
@@ -130,19 +132,11 @@ class NativeFront:
         return x2, gate, up
 
 
-_causal_seen: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-
-
+@functools.lru_cache(maxsize=512)
 def _causal(start: int, end: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(starts [1], counts [1, rows]) of one sequence's causal pass writing columns start..end-1: built once and kept
     (every layer of a pass asks for the same; read-only)."""
-    key = (start, end, rows)
-    got = _causal_seen.get(key)
-    if got is None:
-        if len(_causal_seen) > 512:
-            _causal_seen.clear()
-        got = _causal_seen[key] = (torch.tensor([start], dtype=torch.int32), _causal_counts(end, rows))
-    return got
+    return torch.tensor([start], dtype=torch.int32), _causal_counts(end, rows)
 
 
 def usable(layer: nn.Module, lean) -> bool:
@@ -183,13 +177,13 @@ def usable_back(layer: nn.Module, lean) -> bool:
             and silu_matches())
 
 
-_silu_checked: dict[tuple, bool] = {}  # per instruction set
+_silu_checked: dict[str, bool] = {}  # per instruction set
 
 
 def silu_matches() -> bool:
     """Whether ``_native.silu_mul`` gives ``F.silu(g) * u``'s bits here, on a sweep of values (every sign and exponent,
     and those around SiLU's cut-offs); checked once a process and instruction set."""
-    key = (blockmm.isa(),)
+    key = blockmm.isa()
     if key not in _silu_checked:
         bits = torch.arange(0, 1 << 32, 65537, dtype=torch.int64).to(torch.int32).view(torch.float32)
         g = torch.cat([bits[torch.isfinite(bits)], torch.linspace(-110.0, 110.0, 4096)])

@@ -1227,7 +1227,8 @@ struct Front {
 void layer_front(const Front& a) {
     const int T = a.B * a.R, D = a.D;
     std::vector<Product> ps;
-    for (int i = 0; i < a.n_qkv + 1 + a.n_gu + (a.out ? 1 : 0); i++) ps.push_back(product_at(a.desc + PRODUCT_FIELDS * i));
+    const int n_products = a.n_qkv + 1 + a.n_gu + (a.out ? 1 : 0);  // with out: down, after gate / up
+    for (int i = 0; i < n_products; i++) ps.push_back(product_at(a.desc + PRODUCT_FIELDS * i));
     int Nqkv = 0;
     for (int i = 0; i < a.n_qkv; i++) Nqkv += ps[i].N;
     float *h = scratch(S_H, (size_t)T * a.Hd), *y = scratch(S_Y, (size_t)T * Nqkv);
@@ -1503,8 +1504,8 @@ PyMethodDef METHODS[] = {
      "row's causal attention over its own keys, alone (row-invariant)"},
     {"layer_front", py_layer_front, METH_VARARGS,
      "layer_front(x, B, R, hidden, H, Hkv, D, eps, norm1, norm2, desc, n_qkv, n_gu, cos, sin, cb, kbuf, vbuf, kb, kh, "
-     "ks, vb, vh, vs, starts, counts, idx, idx_len, scale, threads, x2, gu[, out]): a decoder layer's attention half and "
-     "its gate / up products in one call, and with out its MLP's rest (verispec/backends/block_step.py)"},
+     "ks, vb, vh, vs, starts, counts, idx, idx_len, scale, threads, x2, gu[, out]): a decoder layer's attention "
+     "half and its gate / up products in one call, and with out its MLP's rest (verispec/backends/block_step.py)"},
     {"silu_mul", py_silu_mul, METH_VARARGS,
      "silu_mul(g_ptr, u_ptr, y_ptr, n): y = SiLU(g) * u for n floats, SiLU's bits torch's (its vectorized loop)"},
     {"rms_norm", py_rms_norm, METH_VARARGS,
