@@ -122,18 +122,68 @@ def test_the_native_layer_front_gives_the_lean_forwards_bits_on_every_kind_of_pa
         return [o.logits if hasattr(o, "logits") else o for o in out]
 
     served = sum(front.passes for front in fronts)
-    native = passes()
-    assert sum(front.passes for front in fronts) == served + 6 * len(fronts)  # every pass above took the native call
-    for lean in leans:
-        lean.front = None
+    stack, model.stack = model.stack, None  # each layer its own call (the stack: the next test)
     try:
+        native = passes()
+        assert sum(front.passes for front in fronts) == served + 6 * len(fronts)  # every pass took the native call
+        for lean in leans:
+            lean.front = None
         python = passes()
     finally:
+        model.stack = stack
         for lean, front in zip(leans, fronts):
             lean.front = front
     assert len(native) == len(python) == 10
     for i, (a, b) in enumerate(zip(native, python)):
         assert torch.equal(a, b), i
+
+
+def test_the_decoder_layers_in_one_native_call_give_each_layers_own_calls_bits(pair):
+    """The whole pass with every decoder layer in one native call (``block_stack.NativeStack``): a sequence's chain
+    passes (logits of every row and of the last only), a token tree's nodes after a rollback and a batch's ragged rows
+    give the bits of the layers' own calls, and leave the same cache; a view without some layers (layer skipping) and
+    a pass asking for hidden states run through transformers."""
+    _, model = pair
+    assert model.stack is not None and model.stack.model is model.model
+
+    def passes():
+        kv = model.new_kv()
+        out = [model.forward(kv, [1, 5, 9, 3, 7]).logits, model.forward(kv, [12]).logits,
+               model.forward(kv, [4, 30, 2, 8], parents=[-1, 0, 0, 2]).logits]
+        kv.truncate(6)
+        out += [model.forward(kv, [4, 30]).logits, model.forward(kv, [4, 30, 5], last_only=True).logits]
+        out.append(model.forward(kv, [6, 2], feature_layers=(1,)).hidden)
+        group = model.new_kv_group(3)
+        kvs = [group.new_kv() for _ in range(3)]
+        out += [p.logits for p in model.forward_batch([(kvs[0], [1, 5, 9, 3]), (kvs[1], [2, 6]), (kvs[2], [7])])]
+        out += [p.logits for p in model.forward_batch([(kvs[0], [3, 4]), (kvs[2], [9, 8, 7]), (kvs[1], [1])],
+                                                      last_only=True)]
+        view = model.without_layers([1])
+        out.append(view.forward(view.new_kv(), [3, 1, 4]).logits)
+        out += [layer.keys for layer in kv.cache.layers]
+        return out
+
+    before = model.stack.passes
+    native = passes()
+    assert model.stack.passes == before + 7  # all but the hidden states' pass and the view's
+    stack, model.stack = model.stack, None
+    try:
+        python = passes()
+    finally:
+        model.stack = stack
+    assert len(native) == len(python)
+    for i, (a, b) in enumerate(zip(native, python)):
+        assert torch.equal(a, b), i
+
+
+def test_the_native_layers_call_refuses_bad_records_with_a_clear_error():
+    from verispec.blockmm import _native
+
+    records = torch.zeros(1, 13, dtype=torch.int64)
+    with pytest.raises(ValueError, match="null pointer"):
+        _native.layers(1, 1, 1, 1, 64, 4, 2, 16, 1e-6, 0.25, records.data_ptr(), 1, 0, 0, 0, 0, 0, 0, 0, 1)
+    with pytest.raises(ValueError, match="at least one layer"):
+        _native.layers(1, 1, 1, 1, 64, 4, 2, 16, 1e-6, 0.25, records.data_ptr(), 0, 0, 0, 0, 0, 0, 0, 0, 1)
 
 
 def test_the_native_layer_front_refuses_bad_shapes_with_a_clear_error():

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from .. import blockmm
-from . import block_layers
+from . import block_layers, block_stack
 from .block_layers import fusable
 from .block_modules import BlockLinear, RowRMSNorm
 from ..errors import InvalidRequest, ModelNotFound
@@ -131,13 +131,21 @@ def _aligned(nbytes: int, to: int = 4096) -> int:
     return -(-nbytes // to) * to
 
 
+_CPU = torch.device("cpu")
+
+
 @dataclass
 class BlocksModel(LoadedModel):
     """A ``LoadedModel`` whose linear layers run on the GGUF's blocks (``BlockLinear``)."""
 
     swapped: Swapped | None = None
+    stack: block_stack.NativeStack | None = None  # the decoder layers in one native call, where the probe allowed
     backend = "blocks"
     compiles_steps = False
+
+    @property
+    def device(self) -> torch.device:
+        return _CPU  # the kernel's memory (the generic property walks the model's parameters: ~0.2 ms a pass)
 
     @property
     def vocab_size(self) -> int:
@@ -152,6 +160,14 @@ class BlocksModel(LoadedModel):
 
     def compile_step(self, cached_only: bool = False) -> bool:
         return False  # nothing compiled: the kernel is the step's cost
+
+    def run_model(self, **inputs):
+        # the stack serves this model only, not a view of it with layers left out (without_layers shares the field)
+        if self.stack is not None and self.stack.model is self.model:
+            out = self.stack(**inputs)
+            if out is not None:
+                return out
+        return self.model(**inputs)
 
     # The kernel runs on its own threads; torch's ops between its calls (attention, norms) take one thread during
     # this model's passes, so the two pools never spin against each other on the same cores (they did: a pass took
@@ -251,10 +267,13 @@ def _finish(loaded: LoadedModel, swapped: Swapped, name: str) -> BlocksModel:
     fronts, whole = block_layers.native_fronts(loaded.model)
     log.info("%s: %d decoder layers on the lean forward (joined products, native rotary), %d with their attention "
              "half in one native call (%d of them the whole layer)", name, lean, fronts, whole)
+    stack = block_stack.install(loaded.model) if whole and whole == lean else None
+    if stack is not None:
+        log.info("%s: its %d decoder layers in one native call a pass", name, lean)
     blockmm.link(_matrices(loaded.model))
     return BlocksModel(model=loaded.model, tokenizer=loaded.tokenizer, name=loaded.name, dtype=torch.float32,
                        eos_token_ids=loaded.eos_token_ids, pack_requested=False, width_invariant=invariant,
-                       swapped=swapped)
+                       swapped=swapped, stack=stack)
 
 
 def _matrices(model: nn.Module) -> list[blockmm.Matrix]:

@@ -1128,7 +1128,7 @@ Product product_at(const int64_t* d) {
 
 // n floats of this thread's scratch buffer `which`, kept from call to call (a layer's buffers every pass: neither
 // allocated nor zeroed again; every value is written before it is read)
-enum Scratch : int { S_PART, S_H, S_Y, S_Q, S_K, S_ATT, S_O, S_OWN, S_ACT, S_D, S_COUNT };
+enum Scratch : int { S_PART, S_H, S_Y, S_Q, S_K, S_ATT, S_O, S_OWN, S_ACT, S_D, S_CHAIN, S_COUNT };
 float* scratch(Scratch which, size_t n) {
     thread_local std::vector<float> bufs[S_COUNT];
     std::vector<float>& b = bufs[which];
@@ -1272,6 +1272,40 @@ void layer_front(const Front& a) {
     for (int64_t i = 0; i < (int64_t)T * a.Hd; i++) a.out[i] = x2[i] + d[i];
 }
 
+// Whether a layer's products fit its shape (a.n_qkv q / k / v products giving (H + 2 Hkv) D columns from Hd, o from
+// H D to Hd, n_gu gate / up from Hd, and with `with_down` down from half the gate / up columns to Hd); a ValueError
+// set if not.
+bool layer_fits(const Front& a, bool with_down) {
+    if (a.B <= 0 || a.R <= 0 || a.Hd <= 0 || a.H <= 0 || a.Hkv <= 0 || a.H % a.Hkv != 0 || a.D <= 0 || a.D % 8 != 0 ||
+        a.n_qkv < 1 || a.n_qkv > 3 || a.n_gu < 1 || a.n_gu > 2) {
+        PyErr_Format(PyExc_ValueError, "bad layer shape: B=%d R=%d hidden=%d H=%d Hkv=%d D=%d (D a multiple of 8, H of "
+                     "Hkv), %d q/k/v and %d gate/up products", a.B, a.R, a.Hd, a.H, a.Hkv, a.D, a.n_qkv, a.n_gu);
+        return false;
+    }
+    int Nqkv = 0, Ngu = 0;
+    const int last = a.n_qkv + 1 + a.n_gu;  // the down product's place (with out)
+    for (int i = 0; i < last + (with_down ? 1 : 0); i++) {
+        const Product p = product_at(a.desc + PRODUCT_FIELDS * i);
+        Format f;
+        const int in = i == a.n_qkv ? a.H * a.D : i == last ? Ngu / 2 : a.Hd;
+        if (!format_of(p.kind, &f) || p.K != in || p.N <= 0 || p.row_bytes != (int64_t)(p.K / f.block) * f.bytes ||
+            p.K % f.block != 0 || ((i == a.n_qkv || i == last) && p.N != a.Hd) || (i == last && Ngu % 2)) {
+            PyErr_Format(PyExc_ValueError, "product %d of the layer does not fit it (type %d, %d x %d)", i, p.kind, p.N,
+                         p.K);
+            return false;
+        }
+        if (p.packed && !pack16_ok(p.kind, p.N)) return false;
+        if (i < a.n_qkv) Nqkv += p.N;
+        if (i > a.n_qkv && i < last) Ngu += p.N;
+    }
+    if (Nqkv != (a.H + 2 * a.Hkv) * a.D) {
+        PyErr_Format(PyExc_ValueError, "the q/k/v products give %d columns, not (%d + 2 x %d) x %d", Nqkv, a.H, a.Hkv,
+                     a.D);
+        return false;
+    }
+    return true;
+}
+
 PyObject* py_layer_front(PyObject*, PyObject* args) {
     Front a{};
     unsigned long long x, n1, n2, desc, cs, sn, kbuf, vbuf, starts, counts, idx, x2, gu, out = 0;
@@ -1280,38 +1314,11 @@ PyObject* py_layer_front(PyObject*, PyObject* args) {
                           &a.eps, &n1, &n2, &desc, &a.n_qkv, &a.n_gu, &cs, &sn, &cb, &kbuf, &vbuf, &kb, &kh, &ks, &vb,
                           &vh, &vs, &starts, &counts, &idx, &a.idx_len, &a.scale, &a.threads, &x2, &gu, &out))
         return nullptr;
-    if (a.B <= 0 || a.R <= 0 || a.Hd <= 0 || a.H <= 0 || a.Hkv <= 0 || a.H % a.Hkv != 0 || a.D <= 0 || a.D % 8 != 0 ||
-        a.n_qkv < 1 || a.n_qkv > 3 || a.n_gu < 1 || a.n_gu > 2) {
-        PyErr_Format(PyExc_ValueError, "bad layer shape: B=%d R=%d hidden=%d H=%d Hkv=%d D=%d (D a multiple of 8, H of "
-                     "Hkv), %d q/k/v and %d gate/up products", a.B, a.R, a.Hd, a.H, a.Hkv, a.D, a.n_qkv, a.n_gu);
-        return nullptr;
-    }
-    const int64_t* d = (const int64_t*)desc;
-    int Nqkv = 0, Ngu = 0;
-    const int last = a.n_qkv + 1 + a.n_gu;  // the down product's place (with out)
-    for (int i = 0; i < last + (out ? 1 : 0); i++) {
-        const Product p = product_at(d + PRODUCT_FIELDS * i);
-        Format f;
-        const int in = i == a.n_qkv ? a.H * a.D : i == last ? Ngu / 2 : a.Hd;
-        if (!format_of(p.kind, &f) || p.K != in || p.N <= 0 || p.row_bytes != (int64_t)(p.K / f.block) * f.bytes ||
-            p.K % f.block != 0 || ((i == a.n_qkv || i == last) && p.N != a.Hd) || (i == last && Ngu % 2)) {
-            PyErr_Format(PyExc_ValueError, "product %d of the layer does not fit it (type %d, %d x %d)", i, p.kind, p.N,
-                         p.K);
-            return nullptr;
-        }
-        if (p.packed && !pack16_ok(p.kind, p.N)) return nullptr;
-        if (i < a.n_qkv) Nqkv += p.N;
-        if (i > a.n_qkv && i < last) Ngu += p.N;
-    }
-    if (Nqkv != (a.H + 2 * a.Hkv) * a.D) {
-        PyErr_Format(PyExc_ValueError, "the q/k/v products give %d columns, not (%d + 2 x %d) x %d", Nqkv, a.H, a.Hkv,
-                     a.D);
-        return nullptr;
-    }
+    a.desc = (const int64_t*)desc;
+    if (!layer_fits(a, out != 0)) return nullptr;
     a.x = (const float*)x;
     a.norm1 = (const float*)n1;
     a.norm2 = (const float*)n2;
-    a.desc = d;
     a.cos = (const float*)cs;
     a.sin = (const float*)sn;
     a.cb = cb;
@@ -1330,6 +1337,62 @@ PyObject* py_layer_front(PyObject*, PyObject* args) {
     }
     Py_BEGIN_ALLOW_THREADS
     layer_front(a);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+// A model's decoder layers one after another in one call (verispec/backends/block_stack.py): layer_front with its
+// MLP's rest for each, the output of one the input of the next. Each layer's record (LAYER_FIELDS int64s): norm1,
+// norm2, desc, n_qkv, n_gu, kbuf, vbuf, kb, kh, ks, vb, vh, vs; the shapes, the rotary tables and the rows' columns
+// are the pass's, shared by every layer.
+constexpr int LAYER_FIELDS = 13;
+
+PyObject* py_layers(PyObject*, PyObject* args) {
+    Front a{};
+    unsigned long long x, out, records, cs, sn, starts, counts, idx;
+    long long cb;
+    int n_layers;
+    if (!PyArg_ParseTuple(args, "KKiiiiiiffKiKKLKKKii", &x, &out, &a.B, &a.R, &a.Hd, &a.H, &a.Hkv, &a.D, &a.eps,
+                          &a.scale, &records, &n_layers, &cs, &sn, &cb, &starts, &counts, &idx, &a.idx_len,
+                          &a.threads))
+        return nullptr;
+    if (n_layers < 1 || !x || !out || !records) {
+        PyErr_Format(PyExc_ValueError, "layers needs an input, an output and at least one layer (%d)", n_layers);
+        return nullptr;
+    }
+    std::vector<Front> layers(n_layers, a);
+    const int64_t* r = (const int64_t*)records;
+    for (int l = 0; l < n_layers; l++, r += LAYER_FIELDS) {
+        Front& f = layers[l];
+        f.norm1 = (const float*)r[0];
+        f.norm2 = (const float*)r[1];
+        f.desc = (const int64_t*)r[2];
+        f.n_qkv = (int)r[3];
+        f.n_gu = (int)r[4];
+        f.kbuf = (float*)r[5];
+        f.vbuf = (float*)r[6];
+        f.kb = r[7], f.kh = r[8], f.ks = r[9], f.vb = r[10], f.vh = r[11], f.vs = r[12];
+        if (!f.norm1 || !f.norm2 || !f.desc || !f.kbuf || !f.vbuf) {
+            PyErr_Format(PyExc_ValueError, "layer %d's record has a null pointer", l);
+            return nullptr;
+        }
+        if (!layer_fits(f, true)) return nullptr;
+        f.cos = (const float*)cs;
+        f.sin = (const float*)sn;
+        f.cb = cb;
+        f.starts = (const int32_t*)starts;
+        f.counts = (const int32_t*)counts;
+        f.idx = idx ? (const int32_t*)idx : nullptr;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    const size_t n = (size_t)a.B * a.R * a.Hd;
+    float* chain = scratch(S_CHAIN, 2 * n);  // the layers' outputs between them, two in turn
+    for (int l = 0; l < n_layers; l++) {
+        Front& f = layers[l];
+        f.x = l == 0 ? (const float*)x : chain + ((l - 1) % 2) * n;
+        f.out = l == n_layers - 1 ? (float*)out : chain + (l % 2) * n;
+        layer_front(f);
+    }
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -1506,6 +1569,11 @@ PyMethodDef METHODS[] = {
      "layer_front(x, B, R, hidden, H, Hkv, D, eps, norm1, norm2, desc, n_qkv, n_gu, cos, sin, cb, kbuf, vbuf, kb, kh, "
      "ks, vb, vh, vs, starts, counts, idx, idx_len, scale, threads, x2, gu[, out]): a decoder layer's attention "
      "half and its gate / up products in one call, and with out its MLP's rest (verispec/backends/block_step.py)"},
+    {"layers", py_layers, METH_VARARGS,
+     "layers(x, out, B, R, hidden, H, Hkv, D, eps, scale, records, n_layers, cos, sin, cb, starts, counts, idx, "
+     "idx_len, threads): decoder layers one after another in one call, each a layer_front with its MLP's rest; records "
+     "[n_layers, 13] int64: norm1, norm2, desc, n_qkv, n_gu, kbuf, vbuf, kb, kh, ks, vb, vh, vs "
+     "(verispec/backends/block_stack.py)"},
     {"silu_mul", py_silu_mul, METH_VARARGS,
      "silu_mul(g_ptr, u_ptr, y_ptr, n): y = SiLU(g) * u for n floats, SiLU's bits torch's (its vectorized loop)"},
     {"rms_norm", py_rms_norm, METH_VARARGS,

@@ -194,6 +194,11 @@ class LoadedModel(TargetModelBase):
         """Rows a batched pass computes: every row is padded to the widest."""
         return len(widths) * max(widths, default=0)
 
+    def run_model(self, **inputs):
+        """The transformers model's forward on ``inputs`` (``forward`` and ``forward_batch``'s one call of it); a
+        backend may serve some passes another way (the blocks backend: ``verispec.backends.block_stack``)."""
+        return self.model(**inputs)
+
     @torch.no_grad()  # the target is never trained through: a pass called outside the engine builds no graph
     def forward_batch(self, items, *, feature_layers=(), last_only: bool = False) -> list[TargetPass]:
         """One forward over several sequences of one ``BatchKV`` (``verispec.backends.base.TargetModel``). With
@@ -224,7 +229,7 @@ class LoadedModel(TargetModelBase):
                 if self.width_invariant:  # each row attends as if alone (verispec.backends.hf.invariant)
                     extra = dict(verispec_keys=row_keys(allowed.to(self.device)))
             keep = sorted({len(tokens) - 1 for _, tokens in items}) if last_only else None
-            out = self.model(input_ids=ids.to(self.device), cache=batch.cache, use_cache=True,
+            out = self.run_model(input_ids=ids.to(self.device), cache=batch.cache, use_cache=True,
                              position_ids=positions.to(self.device), attention_mask=mask,
                              output_hidden_states=bool(feature_layers),
                              logits_to_keep=torch.tensor(keep, device=self.device) if keep else 0, **extra)
@@ -269,7 +274,7 @@ class LoadedModel(TargetModelBase):
             elif fixed:  # the buffer's columns past the sequence hold stale keys: mask them explicitly
                 extra = dict(position_ids=torch.arange(len(kv), len(kv) + n, device=self.device)[None],
                              attention_mask=kv.mask(n, self.dtype, self.device, self.model.config))
-            out = self.model(input_ids=torch.tensor([list(tokens)], device=self.device), cache=kv.cache,
+            out = self.run_model(input_ids=torch.tensor([list(tokens)], device=self.device), cache=kv.cache,
                              use_cache=True, logits_to_keep=1 if last_only else 0,
                              output_hidden_states=bool(feature_layers), **extra)
         hidden = select_layers(out.hidden_states, tuple(feature_layers)) if feature_layers else None
