@@ -73,6 +73,16 @@ def test_built_from_the_file_is_the_model_found_by_value(family, files, same_tok
     assert torch.equal(direct.forward(direct.new_kv(), TOKENS).logits, want)
 
 
+def test_the_embedding_keeps_the_rows_it_dequantized_and_gives_the_tables_values(files, same_tokenizer):
+    table = blocks.load(str(files("llama"))).model.get_input_embeddings()
+    full = table.weight  # the whole table, dequantized on reading
+    table._most = 4  # room for a few rows: the oldest go as new ones come
+    for ids in ([[3]], [[3, 9, 3, 1]], [[5, 6, 7, 8, 2]], [[9]], [[3], [7]]):
+        ids = torch.tensor(ids)
+        assert torch.equal(table(ids), full[ids])
+        assert len(table._rows) <= max(4, ids.unique().numel())
+
+
 def test_the_configuration_is_read_once_and_kept(files, same_tokenizer, monkeypatch):
     from transformers import modeling_gguf_pytorch_utils
 

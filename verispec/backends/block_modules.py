@@ -4,6 +4,8 @@ Llama / Qwen2 RMSNorm, each one call into ``verispec.blockmm``."""
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from torch import nn
 
@@ -54,12 +56,21 @@ class BlockLinear(nn.Module):
 
 
 def _dequantized(blocks: torch.Tensor, kind, columns: int) -> torch.Tensor:
-    """Rows of GGUF blocks as float32 [rows, columns], dequantized by gguf (as transformers' loader does)."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
+    """Rows of GGUF blocks as float32 [rows, columns], dequantized by gguf (as transformers' loader does). A few rows
+    go to the type's ``dequantize_rows`` directly: gguf's ``dequantize`` runs it over groups of 16 rows (bounding its
+    temporaries on a whole table), each value computed alone, so the same bits with less of its overhead."""
+    from gguf import GGMLQuantizationType, quants
 
-    values = dequantize(blocks.numpy(), GGMLQuantizationType[kind.name])
+    if blocks.shape[0] <= 16:
+        rows = getattr(quants, kind.name)
+        rows.init_grid()
+        values = rows.dequantize_rows(blocks.numpy())
+    else:
+        values = quants.dequantize(blocks.numpy(), GGMLQuantizationType[kind.name])
     return torch.from_numpy(values.reshape(blocks.shape[0], columns))
+
+
+ROW_CACHE_BYTES = 32 << 20  # a BlockEmbedding's dequantized rows kept for the next passes
 
 
 class BlockEmbedding(nn.Module):
@@ -75,16 +86,38 @@ class BlockEmbedding(nn.Module):
         self.inner = embedding
         self.inner.weight = None  # never the whole table: each pass sets the rows it reads
         self.inner.padding_idx = None  # an index into the whole table (it only stops gradients)
+        # rows dequantized before, by token, the oldest dropped past ROW_CACHE_BYTES: gguf's numpy dequantization
+        # took ~0.7 ms of a one-token pass of the default model (docs/kernels.md); the same bits either way
+        self._rows: dict[int, torch.Tensor] = {}
+        self._most = max(1, ROW_CACHE_BYTES // (4 * self.embedding_dim))
+        self._lock = threading.Lock()
 
     @property
     def weight(self) -> torch.Tensor:
         """The whole table in float32, dequantized on each access (for readers such as EAGLE heads)."""
         return _dequantized(self.blocks, self.kind, self.embedding_dim)
 
+    def rows(self, tokens: list[int]) -> torch.Tensor:
+        """The table's rows for ``tokens`` (distinct), float32 [len(tokens), embedding_dim]."""
+        with self._lock:
+            kept = self._rows
+            missing = [t for t in tokens if t not in kept]
+            if missing:
+                values = _dequantized(self.blocks[missing], self.kind, self.embedding_dim)
+                kept.update(zip(missing, values))
+                while len(kept) > max(self._most, len(tokens)):
+                    del kept[next(iter(kept))]
+            return torch.stack([kept[t] for t in tokens])
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        picked, where = torch.unique(ids, return_inverse=True)
-        self.inner.weight = nn.Parameter(_dequantized(self.blocks[picked], self.kind, self.embedding_dim),
-                                         requires_grad=False)
+        if ids.numel() == 1:
+            picked, where = ids.reshape(1), torch.zeros_like(ids)
+        else:
+            picked, where = torch.unique(ids, return_inverse=True)
+        rows = self.rows(picked.tolist())
+        if type(self.inner) is nn.Embedding:  # its forward is this lookup (no scaling, no norm)
+            return rows[where]
+        self.inner.weight = nn.Parameter(rows, requires_grad=False)
         try:
             return self.inner(where)
         finally:

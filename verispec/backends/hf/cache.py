@@ -66,6 +66,13 @@ class GrowingLayer(DynamicLayer):
         """Where a pass of ``width`` new positions writes, for a caller that writes them itself (the blocks
         backend's native layer step, ``verispec.backends.block_step``): the key and value buffers (every row of
         ``like``'s batch), each row's first column, and the columns the pass's attention reads. ``filled`` after."""
+        keys, buffer = self.keys, self._key_buffer
+        # the common case first, in a few reads: the layer's keys a view of its buffer, with room for the pass
+        if (keys is not None and buffer is not None and keys.data_ptr() == buffer.data_ptr()
+                and keys.shape[:-2] == like.shape[:-2] == buffer.shape[:-2] and buffer.dtype == like.dtype):
+            length = keys.shape[-2]
+            if length + width <= buffer.shape[-2] and keys.shape[-1] == buffer.shape[-1] == like.shape[-1]:
+                return buffer, self._value_buffer, [length] * like.shape[0], length + width
         length = self._room(like, width)
         return self._key_buffer, self._value_buffer, [length] * like.shape[0], length + width
 
