@@ -132,11 +132,12 @@ def no_extra_buffers(llama_cpp, off: bool = True):
 
 
 def _weight_types(path: Path) -> list[str]:
-    """The tensor types a GGUF file holds (what decides which of llama.cpp's kernels its passes run)."""
-    try:
-        from gguf import GGUFReader
+    """The tensor types a GGUF file holds (what decides which of llama.cpp's kernels its passes run), from its tensor
+    table alone (``gguf_header``: gguf's reader decoded the whole vocabulary too, ~8 s a load of the default model)."""
+    from .gguf_header import type_bytes
 
-        return sorted({t.tensor_type.name for t in GGUFReader(str(path)).tensors})
+    try:
+        return sorted(type_bytes(path))
     except Exception:  # an unreadable header: the load itself will say so
         return []
 

@@ -205,18 +205,19 @@ class GGUFRows:
 
     @classmethod
     def read(cls, path: Path) -> "GGUFRows":
-        from gguf import GGUFReader
+        from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
+        from ..gguf_header import read_header
+
         found = cls(Path(path))
-        reader = GGUFReader(str(path))
-        for tensor in reader.tensors:
-            kind = tensor.tensor_type.name
+        for tensor in read_header(Path(path)).tensors:  # the tensor table alone: gguf's reader decodes the vocabulary
+            kind = tensor.kind
             if len(tensor.shape) != 2 or (kind not in DECODERS and kind != "F16"):
                 continue
-            raw = np.asarray(tensor.data)
-            rows = dequantize(raw, tensor.tensor_type).reshape(int(tensor.shape[1]), int(tensor.shape[0]))
-            found.add(tensor.name, kind, raw.reshape(rows.shape[0], -1), rows)
+            raw = np.asarray(tensor.data)  # [rows, bytes a row]
+            rows = dequantize(raw, GGMLQuantizationType[kind]).reshape(tensor.shape)
+            found.add(tensor.name, kind, raw, rows)
         return found
 
     def add(self, name: str, kind: str, raw: np.ndarray, values: np.ndarray) -> None:
