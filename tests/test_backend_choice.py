@@ -193,6 +193,22 @@ def test_the_command_line_resolves_auto_before_it_runs_and_says_so(tiny_dir, tmp
     assert "--backend auto chose openvino (as-is weights)" in capsys.readouterr().err
 
 
+def test_models_time_times_every_engine_and_the_next_start_chooses_by_it(tiny_dir, tmp_path, monkeypatch, capsys):
+    """``verispec models --time REF`` (what README tells a user to run once): every installed engine timed and the
+    timing stored, then the command line's auto chooses by it and says so."""
+    from verispec.cli import build_parser, main, resolve_auto_backend
+
+    timings = {"openvino": {"1": 30.0, "prefill": 0.4}, "transformers": {"1": 10.0, "prefill": 0.3}}
+    timed = _fake_engines(monkeypatch, tmp_path, timings)
+    assert main(["models", "--time", str(tiny_dir), "--threads", "2"]) == 0
+    assert sorted(timed) == ["openvino", "transformers"] and "transformers" in capsys.readouterr().out
+    monkeypatch.setenv("VERISPEC_BACKEND", "auto")
+    args = build_parser().parse_args(["generate", "hi", "--target", str(tiny_dir), "--threads", "2"])
+    resolve_auto_backend(args)
+    assert args.backend == "transformers" and len(timed) == 2  # read back, nothing timed again
+    assert "--backend auto chose transformers (as-is weights): timed on this CPU" in capsys.readouterr().err
+
+
 def test_the_default_backend_comes_from_the_environment(monkeypatch):
     from verispec.errors import InvalidRequest
 

@@ -71,7 +71,7 @@ def test_audit_passes_with_the_eagle_drafter_at_temperature_1(default_model):
 
 def test_bench_has_an_eagle_method(default_model, tmp_path, capsys):
     code = main(["bench", "--categories", "writing", "--limit", "1", "--max-new-tokens", "32",
-                 "--methods", "baseline,eagle:k=6", "--out", str(tmp_path), "--no-plots"])
+                 "--methods", "baseline,eagle:k=6", "--out", str(tmp_path), "--no-plots", "--no-quality"])
     assert code == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     eagle = result["overall"]["eagle:k=6"]

@@ -47,7 +47,8 @@ def test_one_round_of_the_search_prices_every_layer(default_model):
 
 def test_bench_method_spec(tmp_path, capsys):
     code = main(["bench", "--categories", "writing", "--limit", "1", "--max-new-tokens", "24", "--methods",
-                 "baseline,layerskip:layers=3+5:policy=fixed:k=2", "--out", str(tmp_path), "--no-plots"])
+                 "baseline,layerskip:layers=3+5:policy=fixed:k=2", "--out", str(tmp_path), "--no-plots",
+                 "--no-quality"])
     assert code == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     method = result["overall"]["layerskip:layers=3+5:policy=fixed:k=2"]

@@ -274,7 +274,7 @@ def test_generate_cli_on_llamacpp(capsys, llama_q41):
 def test_bench_with_llama_cpp_peers(tmp_path, capsys, llama_f32):
     code = main(["bench", "--categories", "summarization", "--limit", "1", "--max-new-tokens", "32",
                  "--methods", "baseline:backend=llamacpp:weights=f32,ngram:backend=llamacpp:weights=f32:policy=fixed,"
-                 "llamacpp,llamacpp:lookup", "--out", str(tmp_path), "--no-plots"])
+                 "llamacpp,llamacpp:lookup", "--out", str(tmp_path), "--no-plots", "--no-quality"])
     assert code == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     overall = result["overall"]

@@ -12,7 +12,6 @@ import torch
 from conftest import require_openvino
 from verispec import SpeculativeDecoder, load_model, make_drafter
 from verispec.audit import run_audit
-from verispec.backends.references import DEFAULT_MODEL
 from verispec.cli import main
 
 pytestmark = pytest.mark.e2e
@@ -140,10 +139,9 @@ def test_speculation_on_the_files_blocks_is_identical_to_plain_decoding(ov_as_is
 
 def test_the_readme_command_runs_on_the_engine_auto_chooses_and_says_which(tmp_path, monkeypatch, capsys):
     """README command 1 (no --backend): auto estimates without preparing the other engines, says what it chose and
-    runs it; ``verispec models --time`` then times every installed engine, the estimate's choice costs at most 10%
-    more a token than the timed best, and the next start says it chose by the timing."""
-    from verispec.backends.timing import auto_score
-
+    runs it. How its estimate compares with every engine timed on the default model is a benchmark, not a test
+    (``verispec models --time smollm2-135m`` per CPU in docs/kernels.md: a timing in a test fails on a busy
+    machine); choosing by a stored timing, and the message saying so, are tests/test_backend_choice.py's."""
     monkeypatch.setenv("VERISPEC_BACKEND", "auto")
     monkeypatch.setenv("VERISPEC_COST_CACHE", str(tmp_path / "measurements"))
     prompt = "Rewrite in the passive voice: The committee approved the new budget."
@@ -152,13 +150,3 @@ def test_the_readme_command_runs_on_the_engine_auto_chooses_and_says_which(tmp_p
     assert "--backend auto chose" in captured.err and "not timed" in captured.err
     assert json.loads(captured.out)["token_ids"]
     assert not list((tmp_path / "measurements").glob("backend-auto-*.json"))  # nothing was timed
-    quick = captured.err.split("--backend auto chose ")[1].split()[0]
-    assert main(["models", "--time", DEFAULT_MODEL]) == 0
-    (record,) = (tmp_path / "measurements").glob("backend-auto-*.json")
-    value = json.loads(record.read_text())["value"]
-    assert set(value["timings_ms"]) == {"blocks", "openvino", "llamacpp", "transformers"}  # CI installs every engine
-    score = {name: auto_score(ms) for name, ms in value["timings_ms"].items()}
-    assert score[quick] <= 1.10 * min(score.values()), (quick, score)
-    capsys.readouterr()
-    assert main(["generate", prompt, "--max-new-tokens", "4", "--json"]) == 0
-    assert f"--backend auto chose {value['choice']} (as-is weights): timed on this CPU" in capsys.readouterr().err

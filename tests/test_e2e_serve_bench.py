@@ -31,6 +31,12 @@ def test_bench_on_spec_bench_prompts(default_model, tmp_path, capsys):
         assert s["new_tokens"] == result["overall"]["baseline"]["new_tokens"]
     assert result["overall"]["ngram"]["drafted"] > 0
     assert result["environment"]["versions"]["transformers"]
+    # quality beside the speeds (the other e2e bench runs pass --no-quality): every method runs the model's own
+    # float32 weights, so their top-1 tokens are the weights' own
+    quality = result["quality"]
+    assert set(quality) == {"baseline", "ngram"}, quality  # hf: methods run transformers' own generate
+    for name, q in quality.items():
+        assert q["top1_agreement"] >= 0.98 and 1.0 < q["perplexity"] < 1000, (name, q)
 
 
 @pytest.fixture(scope="module", params=["transformers", "llamacpp"])

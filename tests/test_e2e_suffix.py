@@ -42,7 +42,7 @@ def test_bench_on_the_repetition_workload(tmp_path, capsys):
 
     workload = PACKAGED.parent.parent / "repetition" / "extract.jsonl"
     assert main(["bench", "--prompts", str(workload), "--limit", "2", "--max-new-tokens", "48", "--methods",
-                 "baseline,suffix", "--out", str(tmp_path), "--no-plots"]) == 0
+                 "baseline,suffix", "--out", str(tmp_path), "--no-plots", "--no-quality"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     overall = result["overall"]
     assert overall["suffix"]["identical"] == 1.0 and overall["suffix"]["drafted"] > 0
