@@ -645,22 +645,8 @@ def _runs_locally(ref: str) -> bool:
 SLOW_TYPES = {"Q4_K": 4.0, "Q5_K": 4.0, "Q6_K": 4.0}
 
 
-# Where the CPU's best is AVX2 (no AVX-512 VNNI), OpenVINO's passes over the 32-weight types score below llama.cpp's
-# (its prompt passes much faster than either kernel's there; docs/kernels.md, "Figures behind the code's choices"),
-# so auto's estimate counts those bytes at this factor on such a CPU, 1.0 elsewhere.
-PER_BYTE_32_AVX2 = 0.7
-TYPES_32 = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")
-
-
-def _avx2_best() -> bool:
-    from ... import blockmm
-
-    return blockmm.available() and blockmm.best_isa() == "avx2"
-
-
 def _cost(mix) -> float:
-    per_32 = PER_BYTE_32_AVX2 if _avx2_best() else 1.0
-    return sum(size * SLOW_TYPES.get(name, per_32 if name in TYPES_32 else 1.0) for name, size in mix.items())
+    return sum(size * SLOW_TYPES.get(name, 1.0) for name, size in mix.items())
 
 
 def _installed() -> bool:
