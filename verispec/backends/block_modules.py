@@ -87,7 +87,7 @@ class BlockEmbedding(nn.Module):
         self.inner.weight = None  # never the whole table: each pass sets the rows it reads
         self.inner.padding_idx = None  # an index into the whole table (it only stops gradients)
         # rows dequantized before, by token, the oldest dropped past ROW_CACHE_BYTES: gguf's numpy dequantization
-        # took ~0.7 ms of a one-token pass of the default model (docs/kernels.md); the same bits either way
+        # was a visible share of a small model's one-token pass (docs/kernels.md); the same bits either way
         self._rows: dict[int, torch.Tensor] = {}
         self._most = max(1, ROW_CACHE_BYTES // (4 * self.embedding_dim))
         self._lock = threading.Lock()

@@ -145,7 +145,7 @@ class BlocksModel(LoadedModel):
 
     @property
     def device(self) -> torch.device:
-        return _CPU  # the kernel's memory (the generic property walks the model's parameters: ~0.2 ms a pass)
+        return _CPU  # the kernel's memory (the generic property walks the model's parameters on every pass)
 
     @property
     def vocab_size(self) -> int:

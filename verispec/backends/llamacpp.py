@@ -133,7 +133,7 @@ def no_extra_buffers(llama_cpp, off: bool = True):
 
 def _weight_types(path: Path) -> list[str]:
     """The tensor types a GGUF file holds (what decides which of llama.cpp's kernels its passes run), from its tensor
-    table alone (``gguf_header``: gguf's reader decoded the whole vocabulary too, ~8 s a load of the default model)."""
+    table alone (``gguf_header``: gguf's reader decodes the whole vocabulary too, seconds a load; docs/kernels.md)."""
     from .gguf_header import type_bytes
 
     try:
