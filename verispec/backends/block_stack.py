@@ -26,7 +26,7 @@ from .. import blockmm
 from ..blockmm import _native
 from ..errors import InvalidRequest
 from . import block_step
-from .hf.row_attention import ROW_ATTENTION, _layout
+from .hf.row_attention import ROW_ATTENTION
 
 log = logging.getLogger(__name__)
 
@@ -73,21 +73,6 @@ class NativeStack:
             front.forget()
         self._layouts = None
 
-    def _caches(self, cache) -> list | None:
-        """The cache's layers for this model's decoder layers, made as transformers' ``Cache.update`` makes them, or
-        None where one cannot say where a pass writes (no ``slots``)."""
-        layers = getattr(cache, "layers", None)
-        if layers is None or getattr(cache, "offloading", False):
-            return None
-        n = len(self.fronts)
-        replicate = getattr(cache, "layer_class_to_replicate", None)
-        if replicate is not None:
-            while len(layers) < n:
-                layers.append(replicate())
-        if len(layers) < n or not all(hasattr(layer, "slots") for layer in layers[:n]):
-            return None
-        return layers[:n]
-
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor | None = None, attention_mask=None, position_ids=None, cache=None,
                  use_cache: bool | None = None, logits_to_keep: int | torch.Tensor = 0,
@@ -98,7 +83,7 @@ class NativeStack:
         B, R = input_ids.shape
         if R == 0 or (verispec_keys is None and (attention_mask is not None or B != 1)):
             return None  # as block_step.NativeFront: the row attention hands such passes to SDPA
-        caches = self._caches(cache)
+        caches = block_step.cache_layers(cache, len(self.fronts))
         if caches is None:
             return None
         x = self.embed(input_ids)
@@ -122,12 +107,8 @@ class NativeStack:
         self._descriptors()
         fields = self._records.copy()
         fields[:, 5:] = buffers
-        starts, end = first
-        if verispec_keys is not None:
-            counts, index = _layout(verispec_keys, B, R)
-            starts = torch.tensor(starts, dtype=torch.int32)
-        else:  # a sequence's causal pass
-            (starts, counts), index = block_step._causal(starts[0], end, R), None
+        starts, counts, index = block_step.pass_layout(verispec_keys, B, R, *first)
+        end = first[1]
         out = torch.empty_like(x)
         hidden, heads, kv_heads, head_dim, eps = self._shape
         _native.layers(

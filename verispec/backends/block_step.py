@@ -91,22 +91,15 @@ class NativeFront:
         if rows is None and (attention_mask is not None or B != 1):
             return None  # row_attention hands such passes to SDPA
         idx = self.attn.layer_idx
-        replicate = getattr(cache, "layer_class_to_replicate", None)  # as transformers' Cache.update makes layers
-        if replicate is not None:
-            while len(cache.layers) <= idx:
-                cache.layers.append(replicate())
-        if idx >= len(getattr(cache, "layers", ())) or not hasattr(cache.layers[idx], "slots"):
+        layers = cache_layers(cache, idx + 1)
+        if layers is None:
             return None
-        layer_cache = cache.layers[idx]
+        layer_cache = layers[idx]
         like = self._empty.get(B)
         if like is None:
             like = self._empty[B] = torch.empty(B, self.kv_heads, 0, self.head_dim)
         keys, values, starts, end = layer_cache.slots(like, R)
-        if rows is not None:
-            counts, index = _layout(rows, B, R)
-            starts = torch.tensor(starts, dtype=torch.int32)
-        else:  # a sequence's causal pass: the same for every layer of the pass
-            (starts, counts), index = _causal(starts[0], end, R), None
+        starts, counts, index = pass_layout(rows, B, R, starts, end)
         cos, sin = position_embeddings
         if cos.dtype != torch.float32 or not cos.is_contiguous() or not sin.is_contiguous():
             cos, sin = cos.float().contiguous(), sin.float().contiguous()
@@ -130,6 +123,31 @@ class NativeFront:
             return out
         gate, up = gu.split(self.gate_up_sizes, -1)
         return x2, gate, up
+
+
+def cache_layers(cache, n: int) -> list | None:
+    """The cache's first ``n`` layers, made as transformers' ``Cache.update`` makes them, or None where one of them
+    cannot say where a pass writes (no ``slots``)."""
+    layers = getattr(cache, "layers", None)
+    if layers is None or getattr(cache, "offloading", False):
+        return None
+    replicate = getattr(cache, "layer_class_to_replicate", None)
+    if replicate is not None:
+        while len(layers) < n:
+            layers.append(replicate())
+    if len(layers) < n or not all(hasattr(layer, "slots") for layer in layers[:n]):
+        return None
+    return layers[:n]
+
+
+def pass_layout(rows, B: int, R: int, starts: list[int], end: int):
+    """(starts [B] int32, counts [B, R], index or None) of a pass: laid out by the rows' keys (``RowKeys``), or a
+    sequence's causal pass writing columns starts[0]..end-1 (the same for every layer of the pass)."""
+    if rows is not None:
+        counts, index = _layout(rows, B, R)
+        return torch.tensor(starts, dtype=torch.int32), counts, index
+    starts, counts = _causal(starts[0], end, R)
+    return starts, counts, None
 
 
 @functools.lru_cache(maxsize=512)

@@ -267,7 +267,7 @@ def _finish(loaded: LoadedModel, swapped: Swapped, name: str) -> BlocksModel:
     fronts, whole = block_layers.native_fronts(loaded.model)
     log.info("%s: %d decoder layers on the lean forward (joined products, native rotary), %d with their attention "
              "half in one native call (%d of them the whole layer)", name, lean, fronts, whole)
-    stack = block_stack.install(loaded.model) if whole and whole == lean else None
+    stack = block_stack.install(loaded.model)  # where every layer runs whole natively
     if stack is not None:
         log.info("%s: its %d decoder layers in one native call a pass", name, lean)
     blockmm.link(_matrices(loaded.model))

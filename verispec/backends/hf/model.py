@@ -230,9 +230,9 @@ class LoadedModel(TargetModelBase):
                     extra = dict(verispec_keys=row_keys(allowed.to(self.device)))
             keep = sorted({len(tokens) - 1 for _, tokens in items}) if last_only else None
             out = self.run_model(input_ids=ids.to(self.device), cache=batch.cache, use_cache=True,
-                             position_ids=positions.to(self.device), attention_mask=mask,
-                             output_hidden_states=bool(feature_layers),
-                             logits_to_keep=torch.tensor(keep, device=self.device) if keep else 0, **extra)
+                                 position_ids=positions.to(self.device), attention_mask=mask,
+                                 output_hidden_states=bool(feature_layers),
+                                 logits_to_keep=torch.tensor(keep, device=self.device) if keep else 0, **extra)
         finally:
             batch.end_pass()
         passes = []
@@ -275,8 +275,8 @@ class LoadedModel(TargetModelBase):
                 extra = dict(position_ids=torch.arange(len(kv), len(kv) + n, device=self.device)[None],
                              attention_mask=kv.mask(n, self.dtype, self.device, self.model.config))
             out = self.run_model(input_ids=torch.tensor([list(tokens)], device=self.device), cache=kv.cache,
-                             use_cache=True, logits_to_keep=1 if last_only else 0,
-                             output_hidden_states=bool(feature_layers), **extra)
+                                 use_cache=True, logits_to_keep=1 if last_only else 0,
+                                 output_hidden_states=bool(feature_layers), **extra)
         hidden = select_layers(out.hidden_states, tuple(feature_layers)) if feature_layers else None
         return TargetPass(out.logits[0], hidden)
 
