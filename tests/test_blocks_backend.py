@@ -338,6 +338,44 @@ def k_model(seed: int = 8, kinds=blockmm.K_TYPES):
     return loaded(model), rows
 
 
+def test_the_kernels_paths_are_timed_once_and_later_loads_restore_them(tmp_path, monkeypatch, caplog):
+    """The paths ``choose_paths`` picks at a load are stored with the CPU, kernel, threads and the model's matrices: a
+    second load of the same matrices restores them (another model's choice changed them in between) without timing;
+    a record this CPU cannot follow is ignored and the paths timed again; other matrices are another record."""
+    import json
+    import logging
+
+    from test_blockmm import kernel_settings_restored
+
+    monkeypatch.setenv("VERISPEC_COST_CACHE", str(tmp_path))
+    timed, choose = [], blockmm.choose_paths
+    monkeypatch.setattr(blockmm, "choose_paths", lambda matrices, *a, **k: timed.append(1) or choose(matrices, *a, **k))
+
+    def load(kinds=("Q8_0", "Q4_K")):
+        return on_blocks(*k_model(kinds=kinds))
+
+    with kernel_settings_restored():
+        first = load()
+        chosen = blockmm.path_settings(first.swapped.kinds)
+        records = list(tmp_path.glob("block-paths-*.json"))
+        assert len(timed) == 1 and len(records) == 1
+        blockmm.set_prefetch(0 if chosen["prefetch"] else blockmm.PREFETCH)
+        blockmm.set_one_row_limit("Q8_0", 0 if chosen["one_row"]["Q8_0"] else 16)
+        second = load()
+        assert len(timed) == 1 and blockmm.path_settings(second.swapped.kinds) == chosen
+        with torch.inference_mode():
+            assert torch.equal(first.forward(first.new_kv(), [1, 5, 9]).logits,
+                               second.forward(second.new_kv(), [1, 5, 9]).logits)
+        record = json.loads(records[0].read_text())
+        record["value"]["wide"] = "avx1024"
+        records[0].write_text(json.dumps(record))
+        with caplog.at_level(logging.WARNING, logger="verispec.backends.blocks"):
+            load()
+        assert len(timed) == 2 and "timing them again" in caplog.text and "avx1024" in caplog.text
+        load(kinds=("Q4_0",))
+        assert len(timed) == 3 and len(list(tmp_path.glob("block-paths-*.json"))) == 2
+
+
 @pytest.mark.skipif(blockmm.available() and blockmm.best_isa() != "avx512vnni",
                     reason="the 16-row layout is read by AVX-512 VNNI code; this CPU has no AVX-512 VNNI")
 @torch.inference_mode()
@@ -347,6 +385,7 @@ def test_matrices_laid_out_16_rows_at_a_time_keep_every_bit(types, monkeypatch):
     products read that layout too, a wide pass and one-token steps give the bits of the file's layout, and ``weight``
     (read by EAGLE / Medusa heads) the file's values (Q8_0's and Q5_0's bits changed by the layout changed back)."""
     got = []
+    monkeypatch.setenv("VERISPEC_COST_CACHE", "0")  # each load times its paths (a stored choice would skip the patch)
     for kinds in ((), types):
         monkeypatch.setattr(blockmm, "_choose_pack16", lambda matrices, rounds, kinds=kinds:
                             blockmm.set_pack16_kinds(kinds) or {})
@@ -376,6 +415,7 @@ def test_a_layout_changed_in_place_after_the_load_reaches_the_native_layer_front
     native layer front reads each product's layout again, so its passes keep their bits."""
     from verispec.backends.blocks import _matrices
 
+    monkeypatch.setenv("VERISPEC_COST_CACHE", "0")  # the load times its paths (a stored choice would skip the patch)
     monkeypatch.setattr(blockmm, "_choose_pack16", lambda matrices, rounds: blockmm.set_pack16_kinds(blockmm.K_TYPES)
                         or {})
     float_model, rows = k_model()

@@ -83,6 +83,20 @@ def test_the_embedding_keeps_the_rows_it_dequantized_and_gives_the_tables_values
         assert len(table._rows) <= max(4, ids.unique().numel())
 
 
+def test_step_costs_are_keyed_by_the_file_and_the_kernels_threads(files, same_tokenizer):
+    """A model built straight from its GGUF stores its step costs (the file is its key's source: it had none) under the
+    kernel's threads, not torch's (one during its passes)."""
+    model = blocks.load(str(files("llama")))
+    key = model.measurement_key
+    assert key is not None and key["backend"] == "blocks" and key["threads"] == blockmm.default_threads()
+    before, saved = blockmm.default_threads(), blockmm._threads
+    try:
+        blockmm.set_threads(before + 1)
+        assert model.measurement_key["threads"] == before + 1 and model.measurement_key["model"] == key["model"]
+    finally:
+        blockmm.set_threads(saved)
+
+
 def test_the_configuration_is_read_once_and_kept(files, same_tokenizer, monkeypatch):
     from transformers import modeling_gguf_pytorch_utils
 

@@ -19,15 +19,17 @@ values and llama.cpp's: docs/kernels.md.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from .. import blockmm
-from . import block_layers, block_stack
+from . import block_layers, block_stack, measurements
 from .block_layers import fusable
 from .block_modules import BlockLinear, RowRMSNorm
 from ..errors import InvalidRequest, ModelNotFound
@@ -140,6 +142,7 @@ class BlocksModel(LoadedModel):
 
     swapped: Swapped | None = None
     stack: block_stack.NativeStack | None = None  # the decoder layers in one native call, where the probe allowed
+    gguf_path: str = ""  # the file a model built straight from it came from (its measurements' key)
     backend = "blocks"
     compiles_steps = False
 
@@ -160,6 +163,15 @@ class BlocksModel(LoadedModel):
 
     def compile_step(self, cached_only: bool = False) -> bool:
         return False  # nothing compiled: the kernel is the step's cost
+
+    def weights_source(self) -> str:
+        return self.gguf_path or super().weights_source()
+
+    @property
+    def measurement_key(self) -> dict | None:
+        key = super().measurement_key
+        # the kernel's threads, not torch's (one during this model's passes): a curve timed on one thread is not two's
+        return None if key is None else {**key, "threads": blockmm.default_threads()}
 
     def run_model(self, **inputs):
         # the stack serves this model only, not a view of it with layers left out (without_layers shares the field)
@@ -234,7 +246,9 @@ def from_file(ref: str, path) -> BlocksModel:
     swapped = place_linears(file.model, file.raw, file.kinds, file.locate)
     file.fill_rest()
     loaded = LoadedModel(model=file.model, tokenizer=tokenizer, name=ref, dtype=torch.float32, pack_requested=False)
-    return _finish(loaded, swapped, path.name)
+    model = _finish(loaded, swapped, path.name)
+    model.gguf_path = str(path)
+    return model
 
 
 def on_blocks(loaded: LoadedModel, rows, name: str = "the model") -> BlocksModel:
@@ -299,10 +313,42 @@ def _pack16(model: nn.Module) -> int:
     return done
 
 
+PATHS_RECORD = "block-paths"  # the measurement store's kind for choose_paths' choice
+
+
+def _paths_key(matrices: list[blockmm.Matrix]) -> dict:
+    """What choose_paths' choice depends on: the CPU and software (``measurements.machine``), the kernel build, its
+    instruction set and threads, and the model's matrices (type and shape, in order)."""
+    from ..blockmm import _native
+
+    built = Path(_native.__file__).stat()
+    shapes = "|".join(f"{m.type.name}:{m.N}x{m.K}" for m in matrices)
+    kinds = ", ".join(sorted({m.type.name for m in matrices}))
+    return {**measurements.machine(), "what": f"block kernel paths for {len(matrices)} matrices ({kinds})",
+            "kernel": f"{built.st_size}:{built.st_mtime_ns}", "isa": blockmm.isa(),
+            "threads": blockmm.default_threads(), "matrices": hashlib.sha256(shapes.encode()).hexdigest()[:24],
+            "v": 1}
+
+
 def _choose_paths(model: nn.Module) -> None:
-    """Pick the kernel's faster paths per block type on this model's own matrices (``blockmm.choose_paths``: about a
-    second for the 1.5B; the same bits either way), and log what was timed."""
-    found = blockmm.choose_paths([m._matrix for m in model.modules() if isinstance(m, BlockLinear)])
+    """Pick the kernel's faster paths per block type on this model's own matrices (``blockmm.choose_paths``: seconds
+    on 2 cores; the same bits either way), and log what was timed. The choice is stored (the measurement store:
+    ``VERISPEC_COST_CACHE``, ``--no-cost-cache``) and a later load of a model of the same matrices on this CPU, kernel
+    and thread count restores it instead of timing again."""
+    matrices = [m._matrix for m in model.modules() if isinstance(m, BlockLinear)]
+    kinds = {m.type.name for m in matrices}
+    key = _paths_key(matrices) if matrices else None
+    stored = measurements.load(PATHS_RECORD, key)
+    if stored is not None:
+        try:
+            blockmm.set_path_settings(stored)
+        except ValueError as exc:
+            log.warning("ignoring the stored block kernel paths (%s); timing them again", exc)
+        else:
+            log.info("block kernel paths as timed before on this CPU (stored; VERISPEC_COST_CACHE=0 times them again)")
+            return
+    found = blockmm.choose_paths(matrices)
+    measurements.save(PATHS_RECORD, key, blockmm.path_settings(kinds))
     if "prefetch" in found:
         took, = found.pop("prefetch").values()
         kept = blockmm.prefetch()

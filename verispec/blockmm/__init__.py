@@ -579,6 +579,43 @@ def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[in
     return found
 
 
+def path_settings(kinds) -> dict:
+    """What ``choose_paths`` set for the block types ``kinds`` (a model's), as plain values: the blocks backend stores
+    it with the CPU, the kernel and the model's matrices, and a later load there restores it (``set_path_settings``)
+    instead of timing again. Speed only: every path computes the same bits."""
+    _require()
+    kinds = set(kinds)
+    return {"one_row": {k: v for k, v in one_row_limits().items() if k in kinds}, "prefetch": prefetch(),
+            "narrow": narrow_isa(), "wide": wide_isa(), "q6k_tiles": q6k_tiles(),
+            "wide16": {k: v for k, v in wide16_rows().items() if k in kinds},
+            "amx": {k: v for k, v in amx_rows().items() if k in kinds} if amx_usable() else {},
+            "pack16": sorted(set(pack16_kinds()) & kinds)}
+
+
+def set_path_settings(settings: dict) -> None:
+    """Apply what ``path_settings`` returned (on the same CPU and kernel; each setter checks its value). ValueError
+    (naming the setting) for a record that does not fit this CPU or kernel: the caller times the paths again."""
+    _require()
+    try:
+        for kind, rows in settings["one_row"].items():
+            set_one_row_limit(kind, int(rows))
+        set_prefetch(int(settings["prefetch"]))
+        for name, setter in (("narrow", set_narrow_isa), ("wide", set_wide_isa)):
+            if settings[name] not in isas():
+                raise ValueError(f"{name} instruction set {settings[name]!r} is not one this CPU runs")
+            setter(settings[name])
+        set_q6k_tiles(bool(settings["q6k_tiles"]))
+        for kind, rows in settings["wide16"].items():
+            set_wide16(int(rows), kind)
+        if settings["amx"] and not amx_usable():
+            raise ValueError("the record sends products to AMX tiles, which this CPU or OS does not give")
+        for kind, rows in settings["amx"].items():
+            set_amx_rows(int(rows), kind)
+        set_pack16_kinds(settings["pack16"])
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"not a record of path_settings ({exc!r})") from exc
+
+
 HUGE_PAGE = 2 << 20
 
 
@@ -740,4 +777,5 @@ def attend_unchecked(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 __all__ = ["TYPES", "Matrix", "attend", "attend_unchecked", "available", "best_isa", "block_type", "default_threads",
            "isa", "isas", "link", "lookahead", "matmul", "native_built", "pack16", "pack16_kinds", "prefetch", "rms_norm",
            "rope", "row_digests", "set_isa", "silu_mul", "set_lookahead", "set_narrow_isa", "set_pack16_kinds", "set_prefetch",
-           "set_threads", "set_wide_isa", "threads_now", "why_unavailable", "narrow_isa", "wide_isa"]
+           "set_threads", "set_wide_isa", "threads_now", "why_unavailable", "narrow_isa", "wide_isa", "path_settings",
+           "set_path_settings"]

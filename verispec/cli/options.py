@@ -78,9 +78,9 @@ def add_backend_options(g: argparse._ArgumentGroup, what: str = "what runs the t
 
 def add_cost_cache_option(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--no-cost-cache", action="store_true",
-                   help="measure the target's step costs afresh instead of starting from those an earlier run stored "
-                        "for the same model, settings and CPU (also: VERISPEC_COST_CACHE=0; `verispec models` lists "
-                        "what is stored)")
+                   help="measure the target's step costs (and, on the blocks backend, time the kernel's paths) "
+                        "afresh instead of starting from those an earlier run stored for the same model, settings and "
+                        "CPU (also: VERISPEC_COST_CACHE=0; `verispec models` lists what is stored)")
 
 
 def load_args_model(args, ref: str, layer_states: bool = False, **overrides):

@@ -88,11 +88,15 @@ class LoadedModel(TargetModelBase):
     def programs_loading(self) -> bool:
         return self._verify_thread is not None and self._verify_thread.is_alive()
 
+    def weights_source(self) -> str:
+        """Where the weights came from (a folder, file or hub id), for measurement keys; empty when unknown."""
+        return str(self.model.config._name_or_path or "")
+
     @property
     def measurement_key(self) -> dict | None:
         """What a pass's cost depends on here (``verispec.backends.measurements``); None for a model that was not
         loaded from a folder or the hub (its costs are never stored)."""
-        source = str(self.model.config._name_or_path or "")
+        source = self.weights_source()
         if not source or self.skipped_layers:  # a view's costs belong to the drafter using it, not to the model
             return None
         model = measurements.file_fingerprint(source) if Path(source).exists() else source
