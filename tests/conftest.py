@@ -142,6 +142,18 @@ def default_model():
     return load_model("smollm2-135m")
 
 
+@pytest.fixture(scope="session")
+def default_blocks():
+    """The real default model on the engine ``--backend auto`` runs it on (blocks: the file's own Q4_1 / Q8_0 blocks
+    on verispec's kernel). Its passes cost a fifth of the float32 model's on a loaded core, so the real-model audits
+    run here (110 against 600 ms a sample, docs/testing.md)."""
+    from verispec import blockmm, load_model
+
+    if not blockmm.available():
+        pytest.skip(f"the blocks backend cannot run here: {blockmm.why_unavailable()}")
+    return load_model("smollm2-135m", backend="blocks")
+
+
 def require_llama_cpp():
     """llama_cpp, or a skip with the install command, except in CI (VERISPEC_REQUIRE_LLAMACPP=1), where its
     absence is a failure: CI installs the extra, so these tests must run there."""

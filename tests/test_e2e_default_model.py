@@ -59,10 +59,10 @@ def test_cli_generate_json_matches_drafter_none():
     assert spec["stats"]["drafter"] == "ngram" and plain["stats"]["drafter"] == "none"
 
 
-def test_audit_passes_strict_and_fails_lossy_typical_on_the_documented_setting(default_model):
+def test_audit_passes_strict_and_fails_lossy_typical_on_the_documented_setting(default_blocks):
     """The documented audit setting (docs/analysis.md): default raw prompt, n-gram drafter, temperature 1."""
     def audit(acceptance, samples):
-        decoder = SpeculativeDecoder(default_model, NgramDrafter(), k=8, k_policy="fixed", acceptance=acceptance)
+        decoder = SpeculativeDecoder(default_blocks, NgramDrafter(), k=8, k_policy="fixed", acceptance=acceptance)
         prompt_ids = decoder.encode(DEFAULT_AUDIT_PROMPT, raw=True)
         return run_audit(decoder, prompt_ids, temperature=1.0, samples=samples, positions=3, seed=0)
 

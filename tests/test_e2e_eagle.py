@@ -62,8 +62,8 @@ def test_eagle_greedy_equals_plain_greedy_in_float32_and_the_shipped_head_gets_d
     assert steps["eagle+lookup"][0] / steps["eagle+lookup"][1] > TREE_MAT
 
 
-def test_audit_passes_with_the_eagle_drafter_at_temperature_1(default_model):
-    decoder = SpeculativeDecoder(default_model, EagleDrafter(default_model), k=4, k_policy="fixed")
+def test_audit_passes_with_the_eagle_drafter_at_temperature_1(default_blocks):
+    decoder = SpeculativeDecoder(default_blocks, EagleDrafter(default_blocks), k=4, k_policy="fixed")
     prompt_ids = decoder.encode("Write a short poem about the sea.")
     report = run_audit(decoder, prompt_ids, temperature=1.0, samples=150, positions=3, seed=0)
     assert report.passed, report.to_dict()

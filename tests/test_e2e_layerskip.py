@@ -28,8 +28,8 @@ def test_greedy_output_is_plain_decodings(default_model):
             assert got.stats.drafted > 0 and got.stats.accepted > 0
 
 
-def test_audit_passes_at_temperature_0_7(default_model):
-    decoder = SpeculativeDecoder(default_model, LayerSkipDrafter(default_model, LAYERS), k=3, k_policy="fixed")
+def test_audit_passes_at_temperature_0_7(default_blocks):
+    decoder = SpeculativeDecoder(default_blocks, LayerSkipDrafter(default_blocks, LAYERS), k=3, k_policy="fixed")
     prompt_ids = decoder.encode("Write a short poem about the sea.")
     report = run_audit(decoder, prompt_ids, temperature=0.7, samples=150, positions=3, seed=0)
     assert report.passed, report.to_dict()

@@ -26,8 +26,8 @@ def test_greedy_output_is_plain_decodings(default_model, context_pool):
     assert accepted >= 8  # the window's and the pool's guesses are taken, not just verified
 
 
-def test_audit_passes_at_temperature_0_7(default_model):
-    decoder = SpeculativeDecoder(default_model, LookaheadDrafter(), k=8, k_policy="fixed")
+def test_audit_passes_at_temperature_0_7(default_blocks):
+    decoder = SpeculativeDecoder(default_blocks, LookaheadDrafter(), k=8, k_policy="fixed")
     prompt_ids = decoder.encode("Write a short poem about the sea.")
     report = run_audit(decoder, prompt_ids, temperature=0.7, samples=150, positions=3, seed=0)
     assert report.passed, report.to_dict()

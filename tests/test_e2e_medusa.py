@@ -29,11 +29,11 @@ def test_greedy_output_is_plain_decodings(default_model, tree):
     assert drafter.heads.config.training["best_validation"]["top1"][0] > 0.2
 
 
-def test_audit_passes_at_temperature_0_7_on_trees(default_model):
+def test_audit_passes_at_temperature_0_7_on_trees(default_blocks):
     # trees only: sampled chains of a drafter's own q are audited on this model with the layer-skip drafter
     # (test_e2e_layerskip.py) and with a draft model (test_e2e_qwen_pair.py), and both of Medusa's acceptance paths
     # against exact joint distributions on tiny models (tests/test_medusa.py)
-    decoder = SpeculativeDecoder(default_model, MedusaDrafter(default_model, tree=True), k=8, k_policy="fixed")
+    decoder = SpeculativeDecoder(default_blocks, MedusaDrafter(default_blocks, tree=True), k=8, k_policy="fixed")
     prompt_ids = decoder.encode("Write a short poem about the sea.")
     report = run_audit(decoder, prompt_ids, temperature=0.7, samples=150, positions=3, seed=0)
     assert report.passed, report.to_dict()
