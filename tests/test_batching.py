@@ -42,6 +42,25 @@ def lone(target, prompt, **options):
     return SpeculativeDecoder(target).generate(prompt, **options)
 
 
+def test_the_batch_cache_holds_rows_for_the_sequences_that_joined_not_its_capacity(tiny_target):
+    """One sequence in a group of 8 keeps one row of buffers; rows double as sequences join (a copy into a row that
+    joined after the last pass included), and every sequence's logits stay its lone passes'."""
+    torch.manual_seed(1)
+    seqs = [torch.randint(3, 32, (n,)).tolist() for n in (6, 4, 7)]
+    with torch.inference_mode():
+        ref = [tiny_target.forward(tiny_target.new_kv(), s).logits for s in seqs]
+        group = tiny_target.new_kv_group(8)
+        first = group.new_kv()
+        torch.testing.assert_close(tiny_target.forward(first, seqs[0]).logits, ref[0], atol=1e-5, rtol=0)
+        assert {layer._keys.shape[0] for layer in group.cache.layers} == {1}
+        second, third = group.new_kv(), group.new_kv()
+        group.copy_prefix(first, third, 3)  # into a row the buffers do not hold yet
+        assert {layer._keys.shape[0] for layer in group.cache.layers} == {3}  # the live rows (at least twice 1)
+        outs = tiny_target.forward_batch([(second, seqs[1]), (third, seqs[0][3:])])
+        torch.testing.assert_close(outs[0].logits, ref[1], atol=1e-5, rtol=0)
+        torch.testing.assert_close(outs[1].logits, ref[0][3:], atol=1e-5, rtol=0)
+
+
 def test_batched_pass_equals_lone_passes(tiny_target):
     torch.manual_seed(0)
     seqs = [torch.randint(3, 32, (n,)).tolist() for n in (5, 9, 3, 12)]

@@ -284,15 +284,21 @@ class RaggedLayer(DynamicLayer):
         self._values: torch.Tensor | None = None
 
     def _ensure(self, like: torch.Tensor, columns: int) -> None:
+        """Buffers with room for ``columns`` columns and for every live row (rows 0..n-1). Both grow by doubling:
+        rows only up to the batch's capacity as sequences join, so a server serving one request zeroes and copies
+        one row's buffers, not its capacity's (docs/serving.md)."""
         have = 0 if self._keys is None else self._keys.shape[-2]
-        if columns <= have:
+        height = 0 if self._keys is None else self._keys.shape[0]
+        rows = max(1, len(self.batch.rows))
+        if columns <= have and rows <= height:
             return
-        capacity = max(columns, 2 * have, MIN_CAPACITY)
-        shape = (self.batch.capacity, like.shape[1], capacity, like.shape[-1])
+        capacity = max(columns, 2 * have, MIN_CAPACITY) if columns > have else have
+        taller = min(self.batch.capacity, max(rows, 2 * height)) if rows > height else height
+        shape = (taller, like.shape[1], capacity, like.shape[-1])
         keys, values = like.new_zeros(shape), like.new_zeros(shape)
         if have:
-            keys[..., :have, :].copy_(self._keys)
-            values[..., :have, :].copy_(self._values)
+            keys[:height, :, :have].copy_(self._keys)
+            values[:height, :, :have].copy_(self._values)
         self._keys, self._values = keys, values
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -327,6 +333,7 @@ class RaggedLayer(DynamicLayer):
 
     def move(self, source: int, target: int, length: int) -> None:
         if self._keys is not None:
+            self._ensure(self._keys, self._keys.shape[-2])  # the target row may have joined since the last pass
             self._keys[target, :, :length].copy_(self._keys[source, :, :length])
             self._values[target, :, :length].copy_(self._values[source, :, :length])
 
