@@ -23,7 +23,6 @@ import hashlib
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -321,11 +320,10 @@ def _paths_key(matrices: list[blockmm.Matrix]) -> dict:
     instruction set and threads, and the model's matrices (type and shape, in order)."""
     from ..blockmm import _native
 
-    built = Path(_native.__file__).stat()
     shapes = "|".join(f"{m.type.name}:{m.N}x{m.K}" for m in matrices)
     kinds = ", ".join(sorted({m.type.name for m in matrices}))
     return {**measurements.machine(), "what": f"block kernel paths for {len(matrices)} matrices ({kinds})",
-            "kernel": f"{built.st_size}:{built.st_mtime_ns}", "isa": blockmm.isa(),
+            "kernel": measurements.file_fingerprint(_native.__file__), "isa": blockmm.isa(),
             "threads": blockmm.default_threads(), "matrices": hashlib.sha256(shapes.encode()).hexdigest()[:24],
             "v": 1}
 
