@@ -1,7 +1,8 @@
-"""Whole passes of the blocks backend with its K-type matrices in the file's layout and laid out 16 rows at a time
+"""Whole passes of the blocks backend with its matrices in the file's layout and laid out 16 rows at a time
 (``blockmm.pack16``), toggled in place in one process and interleaved round by round: the fair comparison on a VM
 whose speed drifts by tens of percent over minutes (and for ~20 s after a load). Prints the median ms per width and
-the ratio (docs/kernels.md, "the 16-row layout"). AVX-512 VNNI CPUs only.
+the ratio (docs/kernels.md, "the 16-row layout"). The types toggled: those given, by default every type this CPU reads
+in that layout (all on AVX-512 VNNI, the 32-weight types on AVX2).
 
     python experiments/pack16_ab.py [--target qwen2.5-coder-1.5b] [--widths 1,2,4,8,16] [--rounds 4] [--kinds Q4_K,Q6_K]
 """
@@ -11,6 +12,7 @@ import statistics
 import sys
 
 from verispec import blockmm
+from verispec.blockmm.formats import TYPES
 from verispec.backends import load_model
 from verispec.backends.block_modules import BlockLinear
 from verispec.backends.blocks import _matrices
@@ -22,12 +24,12 @@ def main() -> None:
     ap.add_argument("--target", default="qwen2.5-coder-1.5b")
     ap.add_argument("--widths", default="1,2,4,8,16")
     ap.add_argument("--rounds", type=int, default=4, help="rounds of both layouts (each a median of 3 passes a width)")
-    ap.add_argument("--kinds", default=",".join(blockmm.K_TYPES), help="the K types toggled")
+    ap.add_argument("--kinds", default="", help="the block types toggled (default: every type this CPU lays out)")
     ap.add_argument("--context", type=int, default=256)
     args = ap.parse_args()
-    if blockmm.best_isa() != "avx512vnni":
-        sys.exit(f"the 16-row layout is read by AVX-512 VNNI code; this CPU's best set is {blockmm.best_isa()}")
-    kinds = set(args.kinds.split(","))
+    kinds = set(args.kinds.split(",")) if args.kinds else {kind for kind in TYPES if blockmm.can_pack16(kind, 16)}
+    if not kinds or not all(blockmm.can_pack16(kind, 16) for kind in kinds):
+        sys.exit(f"this CPU (best instruction set {blockmm.best_isa()}) lays out none of {', '.join(sorted(kinds))}")
     widths = tuple(int(w) for w in args.widths.split(","))
     model = load_model(args.target, backend="blocks")
     linears = [m for m in model.model.modules() if isinstance(m, BlockLinear) and m.kind.name in kinds

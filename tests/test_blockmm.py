@@ -208,14 +208,15 @@ def test_the_16_row_tiles_give_the_reference_bits_and_keep_rows_invariant(kind):
         blockmm.set_narrow_isa(narrow)
 
 
-@pytest.mark.skipif(blockmm.available() and blockmm.best_isa() != "avx512vnni",
-                    reason="the 16-row layout is read by AVX-512 VNNI code; this CPU has no AVX-512 VNNI")
 @pytest.mark.parametrize("kind", list(TYPES))
 def test_the_16_row_layout_gives_the_reference_bits_at_every_width_and_packs_back(kind):
     """``pack16``: 48 weight rows (three tiles) laid out 16 rows at a time and multiplied at 1 to 40 rows on 1 to 3
-    threads (``Matrix(..., packed=True)``, every width on the 16-row tiles whatever the other settings), the integers at
-    their extremes too: the reference's bits; unpacking gives the file's bytes back. Three K-type super-blocks a row;
-    27 blocks of a 32-weight type (three groups of eight float lanes, the last of three)."""
+    threads (``Matrix(..., packed=True)``, every width on the 16-row tiles whatever the other settings: AVX-512 VNNI's
+    for every type, 256-bit ones for the 32-weight types on AVX2), the integers at their extremes too: the reference's
+    bits; unpacking gives the file's bytes back. Three K-type super-blocks a row; 27 blocks of a 32-weight type (three
+    groups of eight float lanes, the last of three)."""
+    if not blockmm.can_pack16(kind, 16):
+        pytest.skip(f"this CPU (best set {blockmm.best_isa()}) has no code that reads {kind} in the 16-row layout")
     K = 768 if kind in blockmm.K_TYPES else 27 * 32
     raw = random_blocks(kind, 48, K, seed=31)
     x = activations(40, K, seed=37)
@@ -251,6 +252,10 @@ def test_the_16_row_layout_refuses_what_it_cannot_hold():
     if blockmm.best_isa() != "avx512vnni":
         with pytest.raises((ValueError, RuntimeError), match="AVX-512 VNNI"):
             blockmm.pack16(random_blocks("Q4_K", 32, 256), "Q4_K")
+        with pytest.raises(ValueError, match="Q4_K is read by AVX-512 VNNI code"):
+            blockmm.set_pack16_kinds(["Q4_K", "Q4_0"])
+        with pytest.raises(ValueError, match="a K type needs AVX-512 VNNI"):
+            blockmm.Matrix(random_blocks("Q4_K", 32, 256), "Q4_K", 256, packed=True)
     else:
         with pytest.raises(ValueError, match="multiple of 16 rows"):
             blockmm.pack16(random_blocks("Q4_K", 40, 256), "Q4_K")
@@ -433,16 +438,16 @@ def test_choose_paths_times_both_paths_per_k_type_and_keeps_the_faster():
         found = blockmm.choose_paths(matrices, rounds=3)
         paths = {"Q4_K", "Q6_K", "Q4_0", "Q8_0", "prefetch"}
         assert set(found) - {"wide", "narrow", "amx", "wide16", "pack16"} == paths
+        timed = found.pop("pack16", {})
+        for kind, took in timed.items():  # every type among the matrices that this CPU reads in the layout
+            assert tuple(took) == blockmm.PACK16_WIDTHS and min(min(pair) for pair in took.values()) > 0
+            one, wide = took[1], took[blockmm.PACK16_WIDTHS[-1]]
+            kept = wide[0] < wide[1] and one[0] <= one[1] * blockmm.PACK16_ONE_ROW_SLACK
+            assert (kind in blockmm.pack16_kinds()) == kept
+            assert (f"{kind} laid out 16 rows at a time" in " ".join(blockmm.paths_in_use([kind]))) == kept
         if blockmm.isa() == "avx512vnni":
-            timed = found.pop("pack16")
             amx = {kind for kind, rows in blockmm.amx_rows().items() if rows}  # (the AMX tiles read the file's layout)
             assert set(timed) == {"Q4_K", "Q6_K", "Q4_0", "Q8_0"} - amx  # every type among the matrices
-            for kind, took in timed.items():
-                assert tuple(took) == blockmm.PACK16_WIDTHS and min(min(pair) for pair in took.values()) > 0
-                one, wide = took[1], took[blockmm.PACK16_WIDTHS[-1]]
-                kept = wide[0] < wide[1] and one[0] <= one[1] * blockmm.PACK16_ONE_ROW_SLACK
-                assert (kind in blockmm.pack16_kinds()) == kept
-                assert (f"{kind} laid out 16 rows at a time" in " ".join(blockmm.paths_in_use([kind]))) == kept
             rows16 = found.pop("wide16")
             assert set(rows16) == {"Q4_K", "Q6_K"}  # the K types among the matrices
             for kind, took in rows16.items():
@@ -451,7 +456,7 @@ def test_choose_paths_times_both_paths_per_k_type_and_keeps_the_faster():
                 assert blockmm.wide16_rows()[kind] == (wins[0] if wins else 0)
         else:
             assert "wide16" not in found and set(blockmm.wide16_rows().values()) == {0}
-            assert "pack16" not in found and blockmm.pack16_kinds() == ()
+            assert set(timed) == {"Q4_0", "Q8_0"}  # AVX2: the 32-weight types only
         if blockmm.isa() == "avx512vnni" and blockmm.amx_usable():
             amx = found.pop("amx")
             assert set(amx) == {"Q4_K", "Q6_K"}  # the K types among the matrices

@@ -376,14 +376,14 @@ def test_the_kernels_paths_are_timed_once_and_later_loads_restore_them(tmp_path,
         assert len(timed) == 3 and len(list(tmp_path.glob("block-paths-*.json"))) == 2
 
 
-@pytest.mark.skipif(blockmm.available() and blockmm.best_isa() != "avx512vnni",
-                    reason="the 16-row layout is read by AVX-512 VNNI code; this CPU has no AVX-512 VNNI")
 @torch.inference_mode()
 @pytest.mark.parametrize("types", [blockmm.K_TYPES, ("Q4_0", "Q4_1", "Q5_0", "Q8_0")])
 def test_matrices_laid_out_16_rows_at_a_time_keep_every_bit(types, monkeypatch):
     """The load lays out the types ``choose_paths`` keeps 16 rows at a time (here forced: none, then all): the joined
     products read that layout too, a wide pass and one-token steps give the bits of the file's layout, and ``weight``
     (read by EAGLE / Medusa heads) the file's values (Q8_0's and Q5_0's bits changed by the layout changed back)."""
+    if not all(blockmm.can_pack16(kind, 16) for kind in types):
+        pytest.skip(f"this CPU (best set {blockmm.best_isa()}) does not read {', '.join(types)} in the 16-row layout")
     got = []
     monkeypatch.setenv("VERISPEC_COST_CACHE", "0")  # each load times its paths (a stored choice would skip the patch)
     for kinds in ((), types):
@@ -407,18 +407,18 @@ def test_matrices_laid_out_16_rows_at_a_time_keep_every_bit(types, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(got[0][1], got[1][1]))
 
 
-@pytest.mark.skipif(blockmm.available() and blockmm.best_isa() != "avx512vnni",
-                    reason="the 16-row layout is read by AVX-512 VNNI code")
 @torch.inference_mode()
 def test_a_layout_changed_in_place_after_the_load_reaches_the_native_layer_front(monkeypatch):
     """Matrices laid out back to the file's layout in place after the load (as experiments/pack16_ab.py does): the
     native layer front reads each product's layout again, so its passes keep their bits."""
     from verispec.backends.blocks import _matrices
 
+    types = blockmm.K_TYPES if blockmm.can_pack16("Q4_K", 16) else ("Q4_0", "Q4_1", "Q5_0", "Q8_0")
+    if not blockmm.can_pack16(types[0], 16):
+        pytest.skip(f"this CPU (best set {blockmm.best_isa()}) reads no type in the 16-row layout")
     monkeypatch.setenv("VERISPEC_COST_CACHE", "0")  # the load times its paths (a stored choice would skip the patch)
-    monkeypatch.setattr(blockmm, "_choose_pack16", lambda matrices, rounds: blockmm.set_pack16_kinds(blockmm.K_TYPES)
-                        or {})
-    float_model, rows = k_model()
+    monkeypatch.setattr(blockmm, "_choose_pack16", lambda matrices, rounds: blockmm.set_pack16_kinds(types) or {})
+    float_model, rows = k_model(kinds=types)
     model = on_blocks(float_model, rows)
     assert all(layer.__dict__["forward"].front is not None for layer in model.model.model.layers)
     before = model.forward(model.new_kv(), [1, 5, 9, 3]).logits

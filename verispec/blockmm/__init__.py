@@ -284,7 +284,7 @@ def pack16(blocks: torch.Tensor, kind: str | BlockType, unpack: bool = False, th
     32-weight block's leading float16 factors as 16 halves side by side), so the 16-row tiles load four weights of
     all 16 rows as one vector (the file's layout needs transposes for that). Q8_0's weights are stored plus 128 and
     Q5_0's high bits reordered, both undone by unpacking. Only ``Matrix(..., packed=True)`` reads it (on the tiles at
-    every width, AVX-512 VNNI CPUs only); the products keep their bits."""
+    every width: every type on AVX-512 VNNI CPUs, the 32-weight types on AVX2 ones); the products keep their bits."""
     _require()
     t = block_type(kind) if isinstance(kind, str) else kind
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous():
@@ -295,7 +295,16 @@ def pack16(blocks: torch.Tensor, kind: str | BlockType, unpack: bool = False, th
 
 def can_pack16(kind: str, rows: int) -> bool:
     """Whether ``pack16`` takes a matrix of ``rows`` rows of ``kind`` on this CPU."""
-    return available() and best_isa() == "avx512vnni" and kind in TYPES and rows % 16 == 0
+    return rows % 16 == 0 and _pack16_served(kind)
+
+
+def _pack16_served(kind: str) -> bool:
+    """Whether this CPU's code reads ``kind`` in the 16-row layout: every type on AVX-512 VNNI, the 32-weight types
+    on AVX2 (256-bit tiles)."""
+    if not available() or kind not in TYPES:
+        return False
+    best = best_isa()
+    return best == "avx512vnni" or (best in ("avx2", "vnni256") and kind not in K_TYPES)
 
 
 PREFETCH = 4096  # bytes ahead the one-row paths request weights when prefetching is on (the native default)
@@ -366,7 +375,7 @@ def paths_in_use(kinds) -> list[str]:
     if not available():
         return []
     limits = one_row_limits()
-    one_row = [kind for kind in sorted(kinds) if limits.get(kind)]
+    one_row = [kind for kind in sorted(kinds) if limits.get(kind) and kind not in _pack16_kinds]  # (the layout: tiles)
     named = [f"one-row path for {', '.join(one_row)}"] if one_row else []
     if "Q6_K" in kinds and isa() == "avx512vnni" and q6k_tiles():
         named.append("Q6_K tiles")
@@ -431,14 +440,16 @@ def pack16_kinds() -> tuple[str, ...]:
 
 
 def set_pack16_kinds(kinds) -> None:
-    """Lay out the matrices of these block types 16 rows at a time in models loaded from now on (AVX-512 VNNI only).
-    Speed only: the same bits."""
+    """Lay out the matrices of these block types 16 rows at a time in models loaded from now on (every type on AVX-512
+    VNNI, the 32-weight types on AVX2). Speed only: the same bits."""
     kinds = set(kinds)
     if kinds - set(TYPES):
         raise ValueError(f"the 16-row layout takes the block types {', '.join(TYPES)}, "
                          f"not {', '.join(sorted(kinds - set(TYPES)))}")
-    if kinds and not (available() and best_isa() == "avx512vnni"):
-        raise ValueError("the 16-row layout is read by AVX-512 VNNI code; this CPU's best set is "
+    unserved = sorted(kind for kind in kinds if not _pack16_served(kind))
+    if unserved:
+        raise ValueError(f"the 16-row layout of {', '.join(unserved)} is read by "
+                         f"{'AVX-512 VNNI' if set(unserved) & set(K_TYPES) else 'AVX2'} code; this CPU's best set is "
                          f"{best_isa() if available() else 'unknown (no native kernel)'}")
     _pack16_kinds.clear()
     _pack16_kinds.update(kinds)
@@ -496,10 +507,10 @@ def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[in
     ``AMX_WIDTHS``, and a type's tiles kept from the narrowest of those widths from which they win at every wider one
     (``set_amx_rows``); on AVX-512 VNNI, each K type's 16-row tiles against the paths chosen for each width of
     ``WIDE16_WIDTHS`` (under "wide16" {type: {rows: (ms on the 16-row tiles, ms without)}}), kept from the narrowest of
-    those widths from which they win at every wider one (``set_wide16``); then, on AVX-512 VNNI, each K type's matrices
-    laid out 16 rows at a time (``pack16``) against all of that (``_choose_pack16``; under "pack16" {type: {rows: (ms in
-    that layout, ms without)}}, ``pack16_kinds``); medians of interleaved rounds; ties go to the earlier candidate (the
-    AVX paths, for the tiles)."""
+    those widths from which they win at every wider one (``set_wide16``); then each type's matrices laid out 16 rows at
+    a time (``pack16``: every type on AVX-512 VNNI, the 32-weight types on AVX2) against all of that
+    (``_choose_pack16``; under "pack16" {type: {rows: (ms in that layout, ms without)}}, ``pack16_kinds``); medians of
+    interleaved rounds; ties go to the earlier candidate (the AVX paths, for the tiles)."""
     _require()
     set_wide_isa(isa())  # every width on one set while the other paths are timed (a model loaded before may have
     # put wide products on AVX2, where the Q6_K tiles setting below changes nothing)
@@ -570,7 +581,7 @@ def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[in
             found.setdefault("amx", {})[kind] = timed
             wins = [rows for rows in AMX_WIDTHS if all(timed[w][0] < timed[w][1] for w in AMX_WIDTHS if w >= rows)]
             set_amx_rows(wins[0] if wins else 0, kind)
-    if isa() == "avx512vnni":
+    if isa() == "avx512vnni" or (isa() != "scalar" and best_isa() != "avx512vnni"):  # the layout's readers run
         timed = _choose_pack16(matrices, rounds)
         if timed:
             found["pack16"] = timed
@@ -713,8 +724,8 @@ class Matrix:
         _check(blocks, self.type, in_features)
         if packed and not can_pack16(self.type.name, blocks.shape[0]):
             raise ValueError(f"a {self.type.name} matrix of {blocks.shape[0]} rows cannot be read in the 16-row layout "
-                             f"here (a multiple of 16 rows, AVX-512 VNNI: this CPU's best set is "
-                             f"{best_isa()})")
+                             f"here (a multiple of 16 rows; a K type needs AVX-512 VNNI, a 32-weight type AVX2: "
+                             f"this CPU's best set is {best_isa()})")
         self.blocks, self.K, self.N, self.packed = blocks, in_features, blocks.shape[0], bool(packed)
         self._args = (self.type.ggml_id, blocks.data_ptr(), self.N, self.K, blocks.shape[1])
         self._next = (0, 0, 0)  # the matrix fetched ahead after each product (link)

@@ -881,8 +881,9 @@ bool pack16_ok(int kind, long long N) {
                      "not type %d with %lld rows", kind, N);
         return false;
     }
-    if (g_best != ISA_VNNI) {
-        PyErr_Format(PyExc_RuntimeError, "the 16-row layout is read by AVX-512 VNNI code; this CPU's best set is %s",
+    if (g_best < ISA_AVX2 || (is_k(kind) && g_best != ISA_VNNI)) {
+        PyErr_Format(PyExc_RuntimeError, "the 16-row layout of %s is read by %s code; this CPU's best set is %s",
+                     is_k(kind) ? "a K type" : "a 32-weight type", is_k(kind) ? "AVX-512 VNNI" : "AVX2",
                      ISA_NAMES[g_best]);
         return false;
     }
@@ -911,6 +912,7 @@ PyObject* py_pack16(PyObject*, PyObject* args) {
 // and width, whatever set the width has; else the set chosen for the width, or the one in use
 int product_isa(int kind, int M, bool packed) {
     const int chosen = M >= WIDE_ROWS ? g_wide_isa : g_narrow_isa;
+    if (packed && g_best != ISA_VNNI) return std::max((int)ISA_AVX2, chosen >= 0 ? chosen : g_isa);  // the 256-bit tiles
     return packed || (g_isa == ISA_VNNI && wide16_on(kind, M)) ? ISA_VNNI : chosen >= 0 ? chosen : g_isa;
 }
 
