@@ -212,9 +212,9 @@ def test_the_16_row_tiles_give_the_reference_bits_and_keep_rows_invariant(kind):
 def test_the_16_row_layout_gives_the_reference_bits_at_every_width_and_packs_back(kind):
     """``pack16``: 48 weight rows (three tiles) laid out 16 rows at a time and multiplied at 1 to 40 rows on 1 to 3
     threads (``Matrix(..., packed=True)``, every width on the 16-row tiles whatever the other settings: AVX-512 VNNI's
-    for every type, 256-bit ones for the 32-weight types on AVX2), the integers at their extremes too: the reference's
-    bits; unpacking gives the file's bytes back. Three K-type super-blocks a row; 27 blocks of a 32-weight type (three
-    groups of eight float lanes, the last of three)."""
+    for every type, 256-bit ones for the 32-weight types and Q4_K on AVX2), the integers at their extremes too: the
+    reference's bits; unpacking gives the file's bytes back. Three K-type super-blocks a row; 27 blocks of a
+    32-weight type (three groups of eight float lanes, the last of three)."""
     if not blockmm.can_pack16(kind, 16):
         pytest.skip(f"this CPU (best set {blockmm.best_isa()}) has no code that reads {kind} in the 16-row layout")
     K = 768 if kind in blockmm.K_TYPES else 27 * 32
@@ -251,11 +251,11 @@ def test_the_16_row_layout_refuses_what_it_cannot_hold():
         blockmm.set_pack16_kinds(["Q3_K"])
     if blockmm.best_isa() != "avx512vnni":
         with pytest.raises((ValueError, RuntimeError), match="AVX-512 VNNI"):
-            blockmm.pack16(random_blocks("Q4_K", 32, 256), "Q4_K")
-        with pytest.raises(ValueError, match="Q4_K is read by AVX-512 VNNI code"):
-            blockmm.set_pack16_kinds(["Q4_K", "Q4_0"])
-        with pytest.raises(ValueError, match="a K type needs AVX-512 VNNI"):
-            blockmm.Matrix(random_blocks("Q4_K", 32, 256), "Q4_K", 256, packed=True)
+            blockmm.pack16(random_blocks("Q6_K", 32, 256), "Q6_K")
+        with pytest.raises(ValueError, match="Q6_K is read by AVX-512 VNNI code"):
+            blockmm.set_pack16_kinds(["Q4_K", "Q6_K", "Q4_0"])
+        with pytest.raises(ValueError, match="Q5_K / Q6_K need AVX-512 VNNI"):
+            blockmm.Matrix(random_blocks("Q5_K", 32, 256), "Q5_K", 256, packed=True)
     else:
         with pytest.raises(ValueError, match="multiple of 16 rows"):
             blockmm.pack16(random_blocks("Q4_K", 40, 256), "Q4_K")
@@ -456,7 +456,7 @@ def test_choose_paths_times_both_paths_per_k_type_and_keeps_the_faster():
                 assert blockmm.wide16_rows()[kind] == (wins[0] if wins else 0)
         else:
             assert "wide16" not in found and set(blockmm.wide16_rows().values()) == {0}
-            assert set(timed) == {"Q4_0", "Q8_0"}  # AVX2: the 32-weight types only
+            assert set(timed) == {"Q4_K", "Q4_0", "Q8_0"}  # AVX2: the 32-weight types and Q4_K
         if blockmm.isa() == "avx512vnni" and blockmm.amx_usable():
             amx = found.pop("amx")
             assert set(amx) == {"Q4_K", "Q6_K"}  # the K types among the matrices

@@ -284,7 +284,8 @@ def pack16(blocks: torch.Tensor, kind: str | BlockType, unpack: bool = False, th
     32-weight block's leading float16 factors as 16 halves side by side), so the 16-row tiles load four weights of
     all 16 rows as one vector (the file's layout needs transposes for that). Q8_0's weights are stored plus 128 and
     Q5_0's high bits reordered, both undone by unpacking. Only ``Matrix(..., packed=True)`` reads it (on the tiles at
-    every width: every type on AVX-512 VNNI CPUs, the 32-weight types on AVX2 ones); the products keep their bits."""
+    every width: every type on AVX-512 VNNI CPUs, the 32-weight types and Q4_K on AVX2 ones); the products keep their
+    bits."""
     _require()
     t = block_type(kind) if isinstance(kind, str) else kind
     if blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous():
@@ -300,11 +301,16 @@ def can_pack16(kind: str, rows: int) -> bool:
 
 def _pack16_served(kind: str) -> bool:
     """Whether this CPU's code reads ``kind`` in the 16-row layout: every type on AVX-512 VNNI, the 32-weight types
-    on AVX2 (256-bit tiles)."""
+    and Q4_K on AVX2 (256-bit tiles)."""
     if not available() or kind not in TYPES:
         return False
     best = best_isa()
-    return best == "avx512vnni" or (best in ("avx2", "vnni256") and kind not in K_TYPES)
+    return best == "avx512vnni" or (best in ("avx2", "vnni256") and kind not in AVX512_LAYOUT_ONLY)
+
+
+# the types whose 16-row layout only AVX-512 VNNI code reads (Q6_K's AVX2 reading was no faster than its own paths
+# at 4 rows on a Zen 3: docs/kernels.md)
+AVX512_LAYOUT_ONLY = ("Q5_K", "Q6_K")
 
 
 PREFETCH = 4096  # bytes ahead the one-row paths request weights when prefetching is on (the native default)
@@ -441,7 +447,7 @@ def pack16_kinds() -> tuple[str, ...]:
 
 def set_pack16_kinds(kinds) -> None:
     """Lay out the matrices of these block types 16 rows at a time in models loaded from now on (every type on AVX-512
-    VNNI, the 32-weight types on AVX2). Speed only: the same bits."""
+    VNNI, the 32-weight types and Q4_K on AVX2). Speed only: the same bits."""
     kinds = set(kinds)
     if kinds - set(TYPES):
         raise ValueError(f"the 16-row layout takes the block types {', '.join(TYPES)}, "
@@ -449,7 +455,7 @@ def set_pack16_kinds(kinds) -> None:
     unserved = sorted(kind for kind in kinds if not _pack16_served(kind))
     if unserved:
         raise ValueError(f"the 16-row layout of {', '.join(unserved)} is read by "
-                         f"{'AVX-512 VNNI' if set(unserved) & set(K_TYPES) else 'AVX2'} code; this CPU's best set is "
+                         f"{'AVX-512 VNNI' if set(unserved) & set(AVX512_LAYOUT_ONLY) else 'AVX2'} code; this CPU's best set is "
                          f"{best_isa() if available() else 'unknown (no native kernel)'}")
     _pack16_kinds.clear()
     _pack16_kinds.update(kinds)
@@ -508,7 +514,7 @@ def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[in
     (``set_amx_rows``); on AVX-512 VNNI, each K type's 16-row tiles against the paths chosen for each width of
     ``WIDE16_WIDTHS`` (under "wide16" {type: {rows: (ms on the 16-row tiles, ms without)}}), kept from the narrowest of
     those widths from which they win at every wider one (``set_wide16``); then each type's matrices laid out 16 rows at
-    a time (``pack16``: every type on AVX-512 VNNI, the 32-weight types on AVX2) against all of that
+    a time (``pack16``: every type on AVX-512 VNNI, the 32-weight types and Q4_K on AVX2) against all of that
     (``_choose_pack16``; under "pack16" {type: {rows: (ms in that layout, ms without)}}, ``pack16_kinds``); medians of
     interleaved rounds; ties go to the earlier candidate (the AVX paths, for the tiles)."""
     _require()
@@ -724,7 +730,7 @@ class Matrix:
         _check(blocks, self.type, in_features)
         if packed and not can_pack16(self.type.name, blocks.shape[0]):
             raise ValueError(f"a {self.type.name} matrix of {blocks.shape[0]} rows cannot be read in the 16-row layout "
-                             f"here (a multiple of 16 rows; a K type needs AVX-512 VNNI, a 32-weight type AVX2: "
+                             f"here (a multiple of 16 rows; Q5_K / Q6_K need AVX-512 VNNI, the other types AVX2: "
                              f"this CPU's best set is {best_isa()})")
         self.blocks, self.K, self.N, self.packed = blocks, in_features, blocks.shape[0], bool(packed)
         self._args = (self.type.ggml_id, blocks.data_ptr(), self.N, self.K, blocks.shape[1])

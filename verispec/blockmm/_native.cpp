@@ -881,9 +881,10 @@ bool pack16_ok(int kind, long long N) {
                      "not type %d with %lld rows", kind, N);
         return false;
     }
-    if (g_best < ISA_AVX2 || (is_k(kind) && g_best != ISA_VNNI)) {
+    const bool avx512_only = kind == Q5_K || kind == Q6_K;  // AVX2 reads the 32-weight types' and Q4_K's layout
+    if (g_best < ISA_AVX2 || (avx512_only && g_best != ISA_VNNI)) {
         PyErr_Format(PyExc_RuntimeError, "the 16-row layout of %s is read by %s code; this CPU's best set is %s",
-                     is_k(kind) ? "a K type" : "a 32-weight type", is_k(kind) ? "AVX-512 VNNI" : "AVX2",
+                     avx512_only ? "Q5_K / Q6_K" : "this type", avx512_only ? "AVX-512 VNNI" : "AVX2",
                      ISA_NAMES[g_best]);
         return false;
     }
