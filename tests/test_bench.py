@@ -112,14 +112,17 @@ def test_charts_mark_a_changed_model_and_name_the_machine(tmp_path):
 
 
 def test_the_pass_cost_chart_draws_each_engines_curve_and_the_floor(tmp_path):
-    """``verispec costs --plot``'s chart from a summary with a memory floor and engines timed at different widths."""
+    """``verispec costs --plot``'s chart from a summary with a memory floor, engines timed at different widths and one
+    engine's products timed with their weights in cache."""
     import matplotlib.image
 
     from verispec.bench import plots
 
     summary = {"target": "m", "threads": 2, "context": 256, "cpu": "AMD EPYC (avx2, family 25, model 1)",
                "floor_ms": 30.0, "bandwidth_gbs": 35.0,
-               "engines": {"a": {"ms": {"1": 40.0, "2": 50.0, "8": 120.0}}, "b": {"ms": {"1": 36.0, "4": 100.0}}}}
+               "engines": {"a": {"ms": {"1": 40.0, "2": 50.0, "8": 120.0},  # with --arithmetic-floor: dashed
+                                 "products_in_cache_ms": {"1": {"all": 20.0}, "2": {"all": 30.0}, "8": {"all": 100.0}}},
+                           "b": {"ms": {"1": 36.0, "4": 100.0}}}}
     path = plots.pass_costs(summary, tmp_path / "c.png")
     height, width = matplotlib.image.imread(path).shape[:2]
     assert width > height > 300

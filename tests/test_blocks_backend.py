@@ -312,6 +312,29 @@ def test_costs_command_prints_each_engines_curve(tiny_dir, capsys, tmp_path):
     assert main(["costs", "--target", str(tiny_dir), "--backends", "nope"]) == 2
 
 
+def test_arithmetic_floor_times_every_product_a_pass_runs(pair, tiny_dir, capsys):
+    """``verispec costs --arithmetic-floor``'s measurement: the products of a pass of w tokens are every weight the
+    float model multiplies by (joined or not, the same rows in all), each at w rows; timed with their weights in
+    cache, by block type."""
+    from verispec.backends.block_floor import pass_products, products_in_cache
+    from verispec.cli import main
+
+    float_model, model = pair
+    linear = [m for m in float_model.model.modules() if isinstance(m, torch.nn.Linear)]
+    for width in (1, 3):
+        products = pass_products(model, width, context=4)
+        assert {rows for _, rows in products} == {width}
+        assert sum(m.N * m.K for m, _ in products) == sum(m.in_features * m.out_features for m in linear)
+    floor = products_in_cache(model, (1, 3), context=4, seconds=0.001, rounds=1)
+    assert set(floor) == {1, 3}
+    for parts in floor.values():
+        kinds = {k: v for k, v in parts.items() if k != "all"}
+        assert set(kinds) == set(model.swapped.kinds) and all(v > 0 for v in kinds.values())
+        assert parts["all"] == pytest.approx(sum(kinds.values()))
+    assert main(["costs", "--target", str(tiny_dir), "--backends", "transformers", "--arithmetic-floor"]) == 2
+    assert "--arithmetic-floor times the blocks engine's products; add blocks" in capsys.readouterr().err
+
+
 def k_model(seed: int = 8, kinds=blockmm.K_TYPES):
     """A one-layer Llama whose matrices are random blocks of ``kinds`` in turn (K types by default: gguf quantizes
     none; their columns a multiple of 256), the float model holding their values, and the blocks as a file's rows

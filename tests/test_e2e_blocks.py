@@ -53,10 +53,15 @@ def test_the_files_values_teacher_forced(target, default_model):
 
 
 def test_costs_command(capsys):
-    assert main(["costs", "--backends", "blocks", "--widths", "1,4", "--repeats", "1", "--context", "64"]) == 0
+    assert main(["costs", "--backends", "blocks", "--widths", "1,4", "--repeats", "1", "--context", "64",
+                 "--arithmetic-floor"]) == 0
     out = capsys.readouterr().out
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["floor_ms"] > 0 and set(summary["engines"]) == {"blocks"}
     ms = summary["engines"]["blocks"]["ms"]
     assert set(ms) == {"1", "4"} and all(v > 0 for v in ms.values())
     assert "| blocks |" in out
+    # the products with their weights in cache, in all and by the file's block types
+    cached = summary["engines"]["blocks"]["products_in_cache_ms"]
+    assert set(cached) == {"1", "4"} and all(parts["all"] > 0 and len(parts) > 1 for parts in cached.values())
+    assert "| blocks: products, weights in cache |" in out and "| ... of which " in out

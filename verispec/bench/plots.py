@@ -107,7 +107,8 @@ def analysis_plot(r, path: Path) -> Path:
 
 def pass_costs(summary: dict, path: Path) -> Path:
     """``verispec costs``'s curve from its JSON summary (widths as string keys): ms a pass by width for each engine
-    with the memory floor as a line (left), and c(w) / c(1) beside 1 and w (right)."""
+    with the memory floor as a line and, where timed, an engine's products with their weights in cache as a dashed
+    one (left), and c(w) / c(1) beside 1 and w (right)."""
     plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     widths = sorted({int(w) for r in summary["engines"].values() for w in r["ms"]})
@@ -116,6 +117,11 @@ def pass_costs(summary: dict, path: Path) -> Path:
         ms = [r["ms"][str(w)] for w in ws]
         left.plot(ws, ms, marker="o", label=name)
         right.plot(ws, [m / ms[0] for m in ms], marker="o", label=name)
+        cached = r.get("products_in_cache_ms")  # --arithmetic-floor: the pass's products with weights in cache
+        if cached:
+            line = left.lines[-1]
+            left.plot(ws, [cached[str(w)]["all"] for w in ws], linestyle="--", color=line.get_color(),
+                      label=f"{name}: its products, weights in cache")
     if summary.get("floor_ms"):
         left.axhline(summary["floor_ms"], color="gray", linestyle=":",
                      label=f"memory floor ({summary['floor_ms']:.1f} ms at {summary['bandwidth_gbs']:.1f} GB/s)")

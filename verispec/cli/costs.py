@@ -3,7 +3,9 @@
 Speculation pays only where a pass over k + 1 tokens costs little more than a one-token pass; this prints that curve
 for every installed engine that runs the model's own weights (or those named), measured here with the same context,
 and the floor a one-token pass cannot beat: the bytes of the model's file over the read bandwidth measured with the
-same threads.
+same threads. With ``--arithmetic-floor``, the blocks engine's row also gets the products of each pass timed with
+their weights in cache (``verispec.backends.block_floor``): where they come close to the pass, the kernel's arithmetic
+binds, not memory.
 """
 
 from __future__ import annotations
@@ -30,6 +32,10 @@ def add_costs_parser(sub) -> None:
     p.add_argument("--context", type=int, default=256, help="cached tokens before each pass (default: 256)")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds (default: 5)")
     p.add_argument("--threads", type=int, default=None, help="threads of every engine (default: this process's cores)")
+    p.add_argument("--arithmetic-floor", action="store_true",
+                   help="blocks engine: also time each pass's products with their weights in cache (what they cost "
+                        "were memory free; by block type; ~20 s more for five widths): the arithmetic floor beside "
+                        "the memory floor")
     p.add_argument("--plot", default=None, metavar="PNG",
                    help="also draw the curves to this PNG file: ms a pass beside the memory floor, and c(w) / c(1)")
     p.set_defaults(func=cmd_costs)
@@ -64,6 +70,9 @@ def cmd_costs(args) -> int:
         names = [s.name for s in backend_specs() if s.installed() and s.runs_own_weights(target)]
     if not names:
         raise InvalidRequest(f"no installed engine runs {target!r}; name one with --backends")
+    if args.arithmetic_floor and "blocks" not in names:
+        raise InvalidRequest("--arithmetic-floor times the blocks engine's products; add blocks to --backends "
+                             f"(timing {', '.join(names)})")
     if args.plot and not Path(args.plot).parent.is_dir():
         raise InvalidRequest(f"--plot {args.plot}: no folder {Path(args.plot).parent}; create it or name another")
     threads = args.threads or default_threads()
@@ -82,6 +91,12 @@ def cmd_costs(args) -> int:
         results[name] = {"load_s": round(loaded, 1),
                          "ms": {w: round(v, 2) for w, v in time_passes(model, args.context, widths, args.repeats).items()},
                          "kernel": getattr(model, "kernel", "")}
+        if args.arithmetic_floor and name == "blocks":
+            from ..backends.block_floor import products_in_cache
+
+            results[name]["products_in_cache_ms"] = {
+                w: {kind: round(ms, 2) for kind, ms in parts.items()}
+                for w, parts in products_in_cache(model, widths, args.context).items()}
         del model
     from ..backends.torch_cpu.cpu import cpu_info
 
@@ -99,6 +114,14 @@ def cmd_costs(args) -> int:
         base = r["ms"][1]
         cells = [f"{r['ms'][w]:.1f} ms ({r['ms'][w] / base:.2f})" for w in widths]
         print(f"| {name} | " + " | ".join(cells) + " |")
+        cached = r.get("products_in_cache_ms")
+        if cached:
+            print(f"| {name}: products, weights in cache | "
+                  + " | ".join(f"{cached[w]['all']:.1f} ms ({cached[w]['all'] / r['ms'][w]:.0%})" for w in widths) + " |")
+            kinds = [k for k in cached[widths[0]] if k != "all"]
+            for kind in kinds:
+                print(f"| ... of which {kind} | " + " | ".join(f"{cached[w].get(kind, 0.0):.1f} ms" for w in widths)
+                      + " |")
     summary = {"target": target, "threads": threads, "context": args.context, "cpu": cpu,
                "floor_ms": round(floor, 2) if floor else None, "bandwidth_gbs": round(bandwidth / 1e9, 2),
                "engines": results}
