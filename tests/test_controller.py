@@ -154,9 +154,47 @@ def test_confidence_is_calibrated_against_what_was_accepted():
     c = Controller(FixedCosts(0.3))
     for _ in range(200):  # confident positions were accepted, unconfident ones rejected
         c.observe_verdict(2, 1, [0.95, 0.15])
-    assert c.state.acceptance.calibrated(0.95) > 0.9 and c.state.acceptance.calibrated(0.15) < 0.1
+    assert c.state.acceptance.calibrated(0.95) > 0.9 and c.state.acceptance.calibrated(0.15, 1) < 0.1
     assert c.verify_length(2, [0.95, 0.15], deterministic=True).n == 1
     assert c.verify_length(2, [0.15, 0.95], deterministic=True).n == 0
+
+
+def test_a_lookup_drafter_pays_per_proposal_and_is_asked_for_the_whole_budget():
+    """A drafter whose proposals cost the same whatever their length (flat_cost) is charged per proposal: a draft
+    of 8 tokens costs what one of 1 did, so the budget asks for all 8 where per token it asked for fewer."""
+    per_token = controller(slope=0.1, acceptance=0.5)
+    flat = controller(slope=0.1, acceptance=0.5)
+    flat.flat_cost = True
+    for c in (per_token, flat):
+        c.draft_seconds_per_token = RunningMean(0.0, 0.0, 0.1)
+        c.state.drafted = True
+        for _ in range(5):
+            c.observe_draft(1, 0.002)  # one token's lookup: 20% of a one-token pass (not free)
+    assert flat.draft_cost(8) == flat.draft_cost(1) == pytest.approx(0.002)
+    assert per_token.draft_cost(8) == pytest.approx(8 * 0.002)
+    assert not flat.drafting_is_cheap(8)
+    assert flat.draft_budget(8).n == 8 and per_token.draft_budget(8).n < 8
+    never = controller(slope=2.0, acceptance=0.05)  # nothing pays: a plain step either way
+    never.flat_cost = True
+    never.draft_seconds_per_token = RunningMean(0.002, 1e9)
+    assert never.draft_budget(8).n == 0
+
+
+def test_positions_after_the_first_are_calibrated_apart():
+    """A draft's later positions are reached only when the ones before were accepted: at the same confidence they
+    are calibrated on their own, so a draft whose first position often fails but whose matches then hold is
+    verified further than one table for all positions would allow."""
+    c = Controller(FixedCosts(0.15))
+    for _ in range(100):
+        c.observe_verdict(4, 0, [0.85] * 4)  # the first position rejected
+        c.observe_verdict(4, 4, [0.85] * 4)  # or all four accepted
+    acc = c.state.acceptance
+    assert acc.calibrated(0.85) == pytest.approx(0.5, abs=0.15) and acc.calibrated(0.85, 1) > 0.9
+    assert c.verify_length(4, [0.85] * 4, deterministic=True).n == 4
+    one_table = Controller(FixedCosts(0.15))
+    one_table.state.acceptance = Acceptance(prior=0.5, weight=1e9)  # every position calibrated as the first
+    one_table.state.acceptance.calibrated = lambda confidence, position=0: 0.5
+    assert one_table.verify_length(4, [0.85] * 4, deterministic=True).n < 4
 
 
 @settings(max_examples=200, deadline=None)
@@ -242,7 +280,9 @@ def test_greedy_output_is_identical_whatever_the_controller_decides(tiny_target,
     prompt = [5, 9, 3, 5, 9, 4, 7, 5, 9, 3]
     expected = SpeculativeDecoder(tiny_target).generate(prompt, max_new_tokens=40).token_ids
     for drafter in (NgramDrafter(), ModelDrafter(tiny_noisy_draft, tiny_target)):
-        out = with_costs(SpeculativeDecoder(tiny_target, drafter, k=6), slope).generate(prompt, max_new_tokens=40)
+        decoder = with_costs(SpeculativeDecoder(tiny_target, drafter, k=6), slope)
+        assert decoder.controller.flat_cost == (drafter.name == "ngram")  # a lookup pays per proposal
+        out = decoder.generate(prompt, max_new_tokens=40)
         assert out.token_ids == expected, (drafter.name, slope)
         st_ = out.stats
         assert st_.k_policy == "cost" and len(st_.step_budget) == st_.verify_steps

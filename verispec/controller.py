@@ -314,21 +314,30 @@ def save_cost_curve(curve: CostCurve, force: bool = False) -> None:
 
 
 class Acceptance:
-    """P(draft position i accepted | positions < i accepted) per position, and a calibration table from a
-    drafter's confidence (ten bins over [0, 1]) to the same conditional probability."""
+    """P(draft position i accepted | positions < i accepted) per position, and calibration tables from a
+    drafter's confidence (ten bins over [0, 1]) to the same conditional probability: one for a draft's first
+    position, one for the positions after it. A position reached only after the ones before it were accepted is
+    likelier to be accepted at the same confidence (a suffix draft that matched goes on matching: 0.4 at the first
+    position, 0.74-0.94 at the next three on code edits), which one table for all positions, filled mostly by first
+    positions, had missed: it kept drafts whose every position said 0.8 to one token."""
 
     BINS = 10
 
     def __init__(self, prior: float = 0.6, weight: float = 2.0, smoothing: float = 0.05) -> None:
         self.prior, self.weight, self.smoothing = prior, weight, smoothing
         self.positions: list[RunningMean] = []
-        self.bins = [RunningMean((b + 0.5) / self.BINS, weight, smoothing) for b in range(self.BINS)]
+        self.bins = self._new_bins()  # a draft's first position
+        self.later = self._new_bins()  # the positions after it
+
+    def _new_bins(self) -> list[RunningMean]:
+        return [RunningMean((b + 0.5) / self.BINS, self.weight, self.smoothing) for b in range(self.BINS)]
 
     def copy(self, max_weight: float) -> "Acceptance":
         """A per-request copy that starts from this history but follows the request after a few steps."""
         out = Acceptance(self.prior, self.weight, self.smoothing)
         out.positions = [m.copy(max_weight) for m in self.positions]
         out.bins = [m.copy(max_weight) for m in self.bins]
+        out.later = [m.copy(max_weight) for m in self.later]
         return out
 
     def _position(self, i: int) -> RunningMean:
@@ -350,8 +359,9 @@ class Acceptance:
         for i, mean in enumerate(self.positions):
             mean.value += (toward.at(i) - mean.value) * rate
 
-    def calibrated(self, confidence: float) -> float:
-        return self.bins[_bin(confidence, self.BINS)].value
+    def calibrated(self, confidence: float, position: int = 0) -> float:
+        """Acceptance of draft position ``position`` (0-based; those before it accepted) at ``confidence``."""
+        return (self.later if position else self.bins)[_bin(confidence, self.BINS)].value
 
     def observe(self, verified: int, accepted: int, confidence: list[float] | None = None) -> None:
         """A draft of which ``verified`` tokens were checked and the first ``accepted`` of them kept."""
@@ -359,7 +369,7 @@ class Acceptance:
             hit = 1.0 if i < accepted else 0.0
             self._position(i).add(hit)
             if confidence is not None and i < len(confidence):
-                self.bins[_bin(confidence[i], self.BINS)].add(hit)
+                (self.later if i else self.bins)[_bin(confidence[i], self.BINS)].add(hit)
 
 
 def _bin(confidence: float, bins: int) -> int:
@@ -425,7 +435,9 @@ class Controller:
         # computes in all, and the tokens the others commit with it (both 0 extra when the pass is ours alone)
         self.width_of: Callable[[int], int] | None = None
         self.other_tokens = 0.0
-        self.draft_seconds_per_token = RunningMean(0.0, 0.0, 0.1)  # across requests
+        self.draft_seconds_per_token = RunningMean(0.0, 0.0, 0.1)  # across requests (per proposal: flat_cost)
+        # the drafter's proposals cost about the same whatever their length (``Drafter.flat_cost``: lookups)
+        self.flat_cost = False
         # what reading one committed token costs a drafter that catches up (a draft model after plain steps)
         self.catch_up_seconds_per_token = RunningMean(0.0, 0.0, 0.1)
         self.state = self.start_request()
@@ -477,7 +489,10 @@ class Controller:
         return self.costs(self.width_of(width) if self.width_of is not None else width)
 
     def draft_cost(self, n: int) -> float:
-        return self.draft_seconds_per_token.value * n if self.draft_seconds_per_token.count else 0.0
+        """Seconds a proposal of ``n`` tokens costs: per token, or one proposal's whatever its length (flat_cost)."""
+        if not n or not self.draft_seconds_per_token.count:
+            return 0.0
+        return self.draft_seconds_per_token.value * (1 if self.flat_cost else n)
 
     def catch_up_cost(self) -> float:
         """Seconds the drafter will spend reading what it has not read: the prompt before its first proposal, then
@@ -511,7 +526,7 @@ class Controller:
         """Acceptance of draft positions 1..length: the calibrated confidence where the drafter gave one,
         else this request's acceptance by position."""
         acc = self.state.acceptance
-        given = [] if confidence is None else [acc.calibrated(c) for c in confidence[:length]]
+        given = [] if confidence is None else [acc.calibrated(c, i) for i, c in enumerate(confidence[:length])]
         return given + [acc.at(i) for i in range(len(given), length)]
 
     def predicted_tokens(self, length: int, confidence: list[float] | None) -> float:
@@ -575,6 +590,11 @@ class Controller:
         decision = self._choose(best, plain, fed, length=k_max)
         if decision.n == 0:
             self.state.behind += 1  # the drafter does not run this step: it will read this step's token later
+        elif self.flat_cost and not decision.probe:
+            # a longer draft costs no more: ask for the most, and verify_length keeps what the draft's own
+            # confidences say pays (the acceptance by position alone, its first position lowered by every weak
+            # match, had chosen one token)
+            decision = Decision(k_max, decision.predicted_tokens, decision.predicted_seconds)
         return decision
 
     def verify_length(self, length: int, confidence: list[float] | None, deterministic: bool,
@@ -613,7 +633,7 @@ class Controller:
         # a request's first proposal also reads the whole prompt (an EAGLE head, a draft model's prefill): a
         # one-time cost, not what each further draft token costs
         if proposed and (st.drafted or catch_up):
-            self.draft_seconds_per_token.add(max(0.0, seconds - catch_up_seconds) / proposed)
+            self.draft_seconds_per_token.add(max(0.0, seconds - catch_up_seconds) / (1 if self.flat_cost else proposed))
         st.drafted = st.drafted or bool(proposed)
         st.behind = 0
 

@@ -60,7 +60,7 @@ EMPTY_DRAFT = Draft([])
 
 @runtime_checkable
 class Drafter(Protocol):
-    """What the engine needs from a drafter: three methods and two declared capabilities.
+    """What the engine needs from a drafter: three methods and three declared capabilities.
 
     ``feature_layers``: the target's hidden-state layers it reads (indices into transformers' ``hidden_states``,
     0 = embeddings), () for none. The engine then calls ``propose(context, k, features=F)`` with F [n, L, H]: the
@@ -73,12 +73,16 @@ class Drafter(Protocol):
     ``tree_depth``: the depth of the trees it drafts for the current request, None when it drafts chains; read before
     drafting, so the controller can budget nodes instead of chain positions.
 
+    ``flat_cost``: whether a proposal costs about the same whatever its length (a lookup), so the controller counts
+    its drafting time per proposal rather than per token.
+
     Every drafter derives from ``DrafterBase``, which gives the defaults (no hidden states, chains, nothing to reset
     or observe) and the optional hooks (``observe_logits``, ``join_siblings``), so the engine calls them as they are."""
 
     name: str
     feature_layers: tuple[int, ...]
     tree_depth: int | None
+    flat_cost: bool
 
     def reset(self, sampling: SamplingParams, generator: torch.Generator | None) -> None:
         """Start a new sequence; drafters that sample use these parameters and this generator."""
@@ -98,6 +102,11 @@ class DrafterBase:
     feature_layers: tuple[int, ...] = ()
     tree_depth: int | None = None
     prompt_feature_rows: int | None = None  # a prompt's last rows whose hidden states it reads (None: all)
+    # a proposal costs about the same whatever its length (a lookup: n-gram, suffix): the controller then counts the
+    # drafting time per proposal, not per token, and asks for the whole budget, since a longer draft costs nothing
+    # more (per token, one token's lookup time made an 8-token draft look as dear as 8 lookups, and the suffix
+    # drafter was asked for one token a step)
+    flat_cost: bool = False
 
     def reset(self, sampling: SamplingParams | None = None, generator: torch.Generator | None = None) -> None:
         pass

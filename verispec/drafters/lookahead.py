@@ -41,6 +41,7 @@ from .registry import DrafterSpec, Option, register
 
 class LookaheadDrafter(DrafterBase):
     name = "lookahead"
+    flat_cost = True  # a lookup: a longer draft costs no more
 
     def __init__(self, window: int = 5, ngram: int = 3, candidates: int = 5, context_pool: bool = True) -> None:
         check_whole("lookahead window", window, 1, 64)

@@ -20,6 +20,7 @@ from .registry import DrafterSpec, Option, register
 
 class NgramDrafter(DrafterBase):
     name = "ngram"
+    flat_cost = True  # a lookup: a longer draft costs no more
 
     def __init__(self, min_n: int = 2, max_n: int = 4, branches: int = 1) -> None:
         check_whole("n-gram min_n", min_n)

@@ -157,6 +157,7 @@ def shared_store() -> SuffixStore:
 
 class SuffixDrafter(DrafterBase):
     name = "suffix"
+    flat_cost = True  # a lookup: a longer draft costs no more
 
     def __init__(self, tree: bool = False, max_match: int = 32, min_share: float = 0.2, scope: str = "process",
                  store: SuffixStore | None = None, min_n: int | None = None) -> None:
