@@ -416,7 +416,7 @@ class Controller:
     def __init__(self, costs: CostCurve, policy: str = COST, margin: float = 0.03, probe_length: int = 2,
                  first_probe_interval: int = 8, max_probe_interval: int = 64, request_weight: float = 4.0,
                  cheap_draft: float = 0.02, plain_relax: float = 0.03,
-                 source: Callable[[], CostCurve] | None = None) -> None:
+                 source: Callable[[], CostCurve] | None = None, flat_cost: bool = False) -> None:
         if policy not in K_POLICIES:
             raise InvalidRequest(f"k policy must be one of {', '.join(K_POLICIES)}, got {policy!r}")
         self._costs = costs
@@ -437,7 +437,7 @@ class Controller:
         self.other_tokens = 0.0
         self.draft_seconds_per_token = RunningMean(0.0, 0.0, 0.1)  # across requests (per proposal: flat_cost)
         # the drafter's proposals cost about the same whatever their length (``Drafter.flat_cost``: lookups)
-        self.flat_cost = False
+        self.flat_cost = flat_cost
         # what reading one committed token costs a drafter that catches up (a draft model after plain steps)
         self.catch_up_seconds_per_token = RunningMean(0.0, 0.0, 0.1)
         self.state = self.start_request()

@@ -183,8 +183,8 @@ class SpeculativeDecoder:
         # tree passes cost what they cost (a tree may run eagerly where a chain as wide runs compiled, on some
         # backends always): a tree drafter's curve is its own
         curves = functools.partial(shared_cost_curve, target, trees=self._trees)
-        self.controller = Controller(curves(), policy=k_policy, source=curves)
-        self.controller.flat_cost = drafter is not None and drafter.flat_cost
+        self.controller = Controller(curves(), policy=k_policy, source=curves,
+                                     flat_cost=drafter is not None and drafter.flat_cost)
         self._cache: KVCache | None = None
         self._cached_tokens: list[int] = []
         self._features = FeatureBuffer()

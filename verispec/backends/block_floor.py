@@ -37,13 +37,14 @@ def _recording(calls: list):
 
 
 def pass_products(model, width: int, context: int = 0) -> list[tuple[blockmm.Matrix, int]]:
-    """The products one pass of ``width`` tokens after ``context`` cached ones runs, as (matrix, rows): those made
-    in Python (the output head; every layer's where no native stack serves the pass) and the native stack's."""
+    """The products one pass of ``width`` tokens after ``context`` cached ones runs on blocks model ``model``, as
+    (matrix, rows): those made in Python (the output head; every layer's where no native stack serves the pass) and
+    the native stack's."""
     kv = model.new_kv()
     vocab = model.vocab_size
     if context:
         model.forward(kv, [(7 * i) % vocab for i in range(context)], last_only=True)
-    stack = getattr(model, "stack", None)
+    stack = model.stack
     served = stack.passes if stack is not None else 0
     with _recording([]) as calls:
         model.forward(kv, [(11 * i) % vocab for i in range(width)])

@@ -34,7 +34,7 @@ def add_costs_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=None, help="threads of every engine (default: this process's cores)")
     p.add_argument("--arithmetic-floor", action="store_true",
                    help="blocks engine: also time each pass's products with their weights in cache (what they cost "
-                        "were memory free; by block type; ~20 s more for five widths): the arithmetic floor beside "
+                        "were memory free; by block type; ~25 s more for five widths): the arithmetic floor beside "
                         "the memory floor")
     p.add_argument("--plot", default=None, metavar="PNG",
                    help="also draw the curves to this PNG file: ms a pass beside the memory floor, and c(w) / c(1)")

@@ -102,11 +102,7 @@ class DrafterBase:
     feature_layers: tuple[int, ...] = ()
     tree_depth: int | None = None
     prompt_feature_rows: int | None = None  # a prompt's last rows whose hidden states it reads (None: all)
-    # a proposal costs about the same whatever its length (a lookup: n-gram, suffix): the controller then counts the
-    # drafting time per proposal, not per token, and asks for the whole budget, since a longer draft costs nothing
-    # more (per token, one token's lookup time made an 8-token draft look as dear as 8 lookups, and the suffix
-    # drafter was asked for one token a step)
-    flat_cost: bool = False
+    flat_cost: bool = False  # a proposal costs the same whatever its length (see ``Drafter``; lookups set it)
 
     def reset(self, sampling: SamplingParams | None = None, generator: torch.Generator | None = None) -> None:
         pass
