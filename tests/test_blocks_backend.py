@@ -332,7 +332,7 @@ def test_arithmetic_floor_times_every_product_a_pass_runs(pair, tiny_dir, capsys
         assert set(kinds) == set(model.swapped.kinds) and all(v > 0 for v in kinds.values())
         assert parts["all"] == pytest.approx(sum(kinds.values()))
     assert main(["costs", "--target", str(tiny_dir), "--backends", "transformers", "--arithmetic-floor"]) == 2
-    assert "--arithmetic-floor times the blocks engine's products; add blocks" in capsys.readouterr().err
+    assert "--arithmetic-floor times the products of blocks; add blocks to --backends" in capsys.readouterr().err
 
 
 def k_model(seed: int = 8, kinds=blockmm.K_TYPES):

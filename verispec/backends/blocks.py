@@ -405,6 +405,13 @@ def declared_cost(mix) -> float:
     return sum(size * factor[kind] if kind in factor else float32_bytes({kind: size}) for kind, size in mix.items())
 
 
+def arithmetic_floor(model, widths, context):
+    """The products each pass runs, timed with their weights in cache (``block_floor``)."""
+    from .block_floor import products_in_cache
+
+    return products_in_cache(model, widths, context)
+
+
 register(BackendSpec(
     "blocks",
     summary="verispec's native kernel on the GGUF file's own quantized blocks (row-invariant; attention in float32)",
@@ -413,5 +420,6 @@ register(BackendSpec(
     runs_own_weights=is_gguf,
     preference=0.5,  # a tie goes to llama.cpp (faster to load), not to transformers (4x the memory)
     cost=declared_cost,
+    arithmetic_floor=arithmetic_floor,
     options=(Option("threads", int, None, "the kernel's threads (default: the cores this process may use)"),),
 ))

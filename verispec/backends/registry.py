@@ -40,7 +40,7 @@ class BackendSpec:
     ``installed()`` whether it can run here; ``runs_own_weights(ref)`` whether it runs that model's weights as the
     model ships them (``--backend auto`` times only backends that are installed and do, and whose ``auto`` is True;
     ``preference`` breaks a tie, higher first); ``cost`` is what auto estimates a pass by before preparing anything
-    (``backends.choice``)."""
+    (``backends.choice``); ``arithmetic_floor`` what ``verispec costs --arithmetic-floor`` times."""
 
     name: str
     summary: str
@@ -54,6 +54,9 @@ class BackendSpec:
     # The declared cost model ``--backend auto`` chooses by before anything is prepared: the relative cost of one
     # pass from the bytes a GGUF file holds per tensor type ({"Q4_K": bytes, ...}); None: not estimated.
     cost: Callable[[Mapping[str, int]], float] | None = None
+    # ``verispec costs --arithmetic-floor``: ``arithmetic_floor(model, widths, context)`` times the products a pass of
+    # each width runs with their weights in cache, {w: {"all": ms, block type: ms}}; None: the backend cannot.
+    arithmetic_floor: Callable[..., Mapping[int, Mapping[str, float]]] | None = None
 
     def __post_init__(self) -> None:
         options = tuple(o if o.flag else replace(o, flag=o.name.replace("_", "-")) for o in self.options)

@@ -4,7 +4,7 @@ Speculation pays only where a pass over k + 1 tokens costs little more than a on
 for every installed engine that runs the model's own weights (or those named), measured here with the same context,
 and the floor a one-token pass cannot beat: the bytes of the model's file over the read bandwidth measured with the
 same threads. With ``--arithmetic-floor``, the blocks engine's row also gets the products of each pass timed with
-their weights in cache (``verispec.backends.block_floor``): where they come close to the pass, the kernel's arithmetic
+their weights in cache (its backend's ``arithmetic_floor``): where they come close to the pass, the kernel's arithmetic
 binds, not memory.
 """
 
@@ -70,9 +70,10 @@ def cmd_costs(args) -> int:
         names = [s.name for s in backend_specs() if s.installed() and s.runs_own_weights(target)]
     if not names:
         raise InvalidRequest(f"no installed engine runs {target!r}; name one with --backends")
-    if args.arithmetic_floor and "blocks" not in names:
-        raise InvalidRequest("--arithmetic-floor times the blocks engine's products; add blocks to --backends "
-                             f"(timing {', '.join(names)})")
+    floors = [s.name for s in backend_specs() if s.arithmetic_floor]
+    if args.arithmetic_floor and not set(floors) & set(names):
+        raise InvalidRequest(f"--arithmetic-floor times the products of {' or '.join(floors)}; add "
+                             f"{floors[0]} to --backends (timing {', '.join(names)})")
     if args.plot and not Path(args.plot).parent.is_dir():
         raise InvalidRequest(f"--plot {args.plot}: no folder {Path(args.plot).parent}; create it or name another")
     threads = args.threads or default_threads()
@@ -91,12 +92,11 @@ def cmd_costs(args) -> int:
         results[name] = {"load_s": round(loaded, 1),
                          "ms": {w: round(v, 2) for w, v in time_passes(model, args.context, widths, args.repeats).items()},
                          "kernel": getattr(model, "kernel", "")}
-        if args.arithmetic_floor and name == "blocks":
-            from ..backends.block_floor import products_in_cache
-
+        floor_of = get_backend(name).arithmetic_floor
+        if args.arithmetic_floor and floor_of:
             results[name]["products_in_cache_ms"] = {
                 w: {kind: round(ms, 2) for kind, ms in parts.items()}
-                for w, parts in products_in_cache(model, widths, args.context).items()}
+                for w, parts in floor_of(model, widths, args.context).items()}
         del model
     from ..backends.torch_cpu.cpu import cpu_info
 
