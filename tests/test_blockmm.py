@@ -104,6 +104,30 @@ def test_kernel_equals_reference_bit_for_bit(kind):
 
 
 @pytest.mark.parametrize("kind", list(TYPES))
+def test_rows_handed_out_in_runs_give_the_same_bits(kind):
+    """Past the one-row paths a call hands out its weight rows in runs as threads free up (``set_row_chunks``): any
+    number of runs, or one fixed share a thread, gives the reference's bits on any thread count (the 16-row layout's
+    test runs the default, one 16-row run at a time)."""
+    K = 512
+    raw = random_blocks(kind, 77, K, seed=3)
+    x = activations(33, K, seed=4)
+    want = reference.matmul(x, raw, kind)
+    before = blockmm.row_chunks()
+    try:
+        for chunks in (0, 1, 3, 64):
+            blockmm.set_row_chunks(chunks)
+            assert blockmm.row_chunks() == chunks
+            for M in (3, 8, 17, 33):
+                for threads in (2, 3):
+                    got = blockmm.matmul(x[:M], raw, kind, threads=threads)
+                    assert torch.equal(got, want[:M]), (chunks, M, threads)
+        with pytest.raises(ValueError, match="row chunks must be 0..64"):
+            blockmm.set_row_chunks(65)
+    finally:
+        blockmm.set_row_chunks(before)
+
+
+@pytest.mark.parametrize("kind", list(TYPES))
 def test_rows_invariant(kind):
     """Row i is the same bits alone, among 64 rows, after other rows, with any thread count and instruction set."""
     K = 512

@@ -341,6 +341,22 @@ def lookahead() -> tuple[int, int]:
     return tuple(_native.lookahead())
 
 
+def row_chunks() -> int:
+    """About how many runs of rows each thread takes, one after another, in a call past the one-row paths (0: one
+    fixed share a thread)."""
+    _require()
+    return _native.row_chunks()
+
+
+def set_row_chunks(n: int) -> None:
+    """Calls past the one-row paths hand out their weight rows in about ``n`` runs a thread, a thread taking the next
+    run when it is done (0: one fixed share a thread, as one-row calls keep). Speed only: the same bits."""
+    _require()
+    if not 0 <= n <= 64:
+        raise ValueError(f"row chunks must be 0..64, not {n}")
+    _native.set_row_chunks(int(n))
+
+
 def set_lookahead(own: int, other: int = 0) -> None:
     """Between calls, each worker thread fetches the first ``own`` bytes of its rows of the matrix the last product
     named as next (``link``), worker 1 also ``other`` bytes of the calling thread's rows. Speed only: the same bits."""
@@ -793,6 +809,6 @@ def attend_unchecked(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 __all__ = ["TYPES", "Matrix", "attend", "attend_unchecked", "available", "best_isa", "block_type", "default_threads",
            "isa", "isas", "link", "lookahead", "matmul", "native_built", "pack16", "pack16_kinds", "prefetch", "rms_norm",
-           "rope", "row_digests", "set_isa", "silu_mul", "set_lookahead", "set_narrow_isa", "set_pack16_kinds", "set_prefetch",
-           "set_threads", "set_wide_isa", "threads_now", "why_unavailable", "narrow_isa", "wide_isa", "path_settings",
-           "set_path_settings"]
+           "rope", "row_chunks", "row_digests", "set_isa", "silu_mul", "set_lookahead", "set_narrow_isa",
+           "set_row_chunks", "set_pack16_kinds", "set_prefetch", "set_threads", "set_wide_isa", "threads_now",
+           "why_unavailable", "narrow_isa", "wide_isa", "path_settings", "set_path_settings"]

@@ -276,6 +276,9 @@ struct Problem {
     const int16_t* bsT = nullptr;
     const float* dxT = nullptr;
     bool packed = false;  // W's rows laid out 16 at a time by pack16 (the 16-row tiles read it, nothing else)
+    // matmul's call number (0: none): what a thread lays out from the activations for its first run of rows of a
+    // call (interleaved16, sums16) it keeps for its next runs of the same call (row_chunks)
+    uint64_t call = 0;
 };
 
 using SpanFn = void (*)(const float*, int, int8_t*, float*, int*);
@@ -542,6 +545,12 @@ struct Ahead {  // a matrix's blocks: where they start, rows, bytes a row
     int64_t N = 0, row_bytes = 0;
 };
 constexpr int PREP_SHARED_ROWS = 16;  // passes of this many rows or more quantize their activations on the pool
+// Calls past the one-row paths (compute-bound) hand out their runs of rows a few at a time, each thread taking the
+// next run when it is done, about g_row_chunks runs a thread (0: each thread one fixed share, as one-row calls keep
+// for the look-ahead's shares): a fixed half left the calling thread waiting ~9% of an 8-token pass on the other
+// (docs/kernels.md). Which thread computes a row changes no bit of it.
+std::atomic<int> g_row_chunks{6};
+std::atomic<uint64_t> g_calls{0};
 // bytes fetched ahead between calls (set_lookahead; 0: off); workers read them while a caller may set them
 std::atomic<int64_t> g_lookahead_own{0}, g_lookahead_other{0};
 
@@ -692,6 +701,7 @@ void matmul(int kind, const float* x, const uint8_t* W, float* y, int M, int N, 
     std::vector<int16_t> bsum((size_t)M * 8 * G, 0);
     Problem p{kind, f, M, N, K, row_bytes, W, G, stride, qx.data(), dx.data(), sx.data(), bsum.data(), y};
     p.packed = packed;
+    p.call = g_calls.fetch_add(1, std::memory_order_relaxed) + 1;
     SpanFn span = quantize_span;
 #if VS_X86
     if (isa == ISA_VNNI) span = vnni::quantize_span_simd;
@@ -730,14 +740,23 @@ void matmul(int kind, const float* x, const uint8_t* W, float* y, int M, int N, 
     const int unit = rows16 ? 16 : NR;
     const int units = (N + unit - 1) / unit;
     threads = std::max(1, std::min(threads, units));
-    auto task = [&](int id, int width) {
-        const int u0 = (int)((int64_t)units * id / width), u1 = (int)((int64_t)units * (id + 1) / width);
+    const int chunks = g_row_chunks.load(std::memory_order_relaxed);
+    const int chunk = !amx && chunks > 0 && M > one_row_max(kind) ? std::max(1, units / (threads * chunks)) : 0;
+    std::atomic<int> next{0};
+    auto rows = [&](int u0, int u1) {
         const int n0 = std::min(N, u0 * unit), n1 = std::min(N, u1 * unit);
         if (n0 >= n1) return;
 #if VS_X86
         if (amx) return vnni::amx_range(p, n0, n1);
 #endif
         run_range(p, n0, n1, isa);
+    };
+    auto task = [&](int id, int width) {
+        if (chunk)
+            for (int u0; (u0 = next.fetch_add(chunk, std::memory_order_relaxed)) < units;)
+                rows(u0, std::min(units, u0 + chunk));
+        else
+            rows((int)((int64_t)units * id / width), (int)((int64_t)units * (id + 1) / width));
     };
     if (prep_shared) {
         const int blocks16 = (M + 15) / 16;
@@ -1547,6 +1566,19 @@ PyObject* py_set_lookahead(PyObject*, PyObject* args) {
     Py_RETURN_NONE;
 }
 
+PyObject* py_set_row_chunks(PyObject*, PyObject* args) {
+    int n;
+    if (!PyArg_ParseTuple(args, "i", &n)) return nullptr;
+    if (n < 0 || n > 64) {
+        PyErr_Format(PyExc_ValueError, "set_row_chunks takes 0..64, not %d", n);
+        return nullptr;
+    }
+    g_row_chunks.store(n, std::memory_order_relaxed);
+    Py_RETURN_NONE;
+}
+
+PyObject* py_row_chunks(PyObject*, PyObject*) { return PyLong_FromLong(g_row_chunks.load()); }
+
 PyObject* py_lookahead(PyObject*, PyObject*) {
     return Py_BuildValue("(LL)", (long long)g_lookahead_own.load(), (long long)g_lookahead_other.load());
 }
@@ -1604,6 +1636,9 @@ PyMethodDef METHODS[] = {
      "set_lookahead(own, other): between calls each worker fetches the first `own` bytes of its rows of the matrix the "
      "last call named as next, worker 1 also `other` bytes of the calling thread's rows (0: off)"},
     {"lookahead", py_lookahead, METH_NOARGS, "(own, other) bytes fetched ahead between calls"},
+    {"set_row_chunks", py_set_row_chunks, METH_VARARGS,
+     "set_row_chunks(n): calls past the one-row paths hand out their rows in about n runs a thread (0: a fixed share)"},
+    {"row_chunks", py_row_chunks, METH_NOARGS, "runs of rows a thread a call past the one-row paths (0: a fixed share)"},
     {"prefetch", py_prefetch, METH_NOARGS, "the one-row paths' prefetch distance in bytes"},
     {"best_isa", py_best_isa, METH_NOARGS, "the best instruction set this CPU runs"},
     {"set_isa", py_set_isa, METH_VARARGS, "use another instruction set (scalar, avx2, avx512vnni), at most the best"},
