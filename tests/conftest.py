@@ -87,6 +87,27 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))
 
 
+_MODULE_SECONDS: dict[str, float] = {}  # setup + call + teardown per module, summed where the reports arrive
+
+
+def pytest_runtest_logreport(report):
+    """Each test's phases summed per module (with pytest-xdist the controlling process gets every worker's reports),
+    for the per-module table at the end: ``--durations`` names single tests, and the suite's time is per module."""
+    module = report.nodeid.split("::")[0]
+    _MODULE_SECONDS[module] = _MODULE_SECONDS.get(module, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The 12 modules that took longest, and every module's time together (worker-seconds: with two workers about
+    twice the run's): where a run that passes CI's budget should be cut (docs/testing.md)."""
+    if hasattr(terminalreporter.config, "workerinput") or not _MODULE_SECONDS:
+        return
+    total = sum(_MODULE_SECONDS.values())
+    terminalreporter.section(f"slowest modules ({total:.0f} s of tests in all)")
+    for module, seconds in sorted(_MODULE_SECONDS.items(), key=lambda kv: -kv[1])[:12]:
+        terminalreporter.write_line(f"{seconds:8.1f}s {100 * seconds / total:5.1f}%  {module}")
+
+
 def pytest_xdist_auto_num_workers(config):
     """`-n auto`: one worker per core, at most four (each worker loads its own models: the real ones take 1-3 GB)
     and one on a single core. On 2 cores two workers halve the suite's time: the tiny models' tests are mostly
