@@ -742,7 +742,7 @@ void matmul(int kind, const float* x, const uint8_t* W, float* y, int M, int N, 
     threads = std::max(1, std::min(threads, units));
     const int chunks = g_row_chunks.load(std::memory_order_relaxed);
     const int chunk = !amx && chunks > 0 && M > one_row_max(kind) ? std::max(1, units / (threads * chunks)) : 0;
-    std::atomic<int> next{0};
+    std::atomic<int> handed{0};  // the runs handed out so far (chunk > 0)
     auto rows = [&](int u0, int u1) {
         const int n0 = std::min(N, u0 * unit), n1 = std::min(N, u1 * unit);
         if (n0 >= n1) return;
@@ -753,7 +753,7 @@ void matmul(int kind, const float* x, const uint8_t* W, float* y, int M, int N, 
     };
     auto task = [&](int id, int width) {
         if (chunk)
-            for (int u0; (u0 = next.fetch_add(chunk, std::memory_order_relaxed)) < units;)
+            for (int u0; (u0 = handed.fetch_add(chunk, std::memory_order_relaxed)) < units;)
                 rows(u0, std::min(units, u0 + chunk));
         else
             rows((int)((int64_t)units * id / width), (int)((int64_t)units * (id + 1) / width));

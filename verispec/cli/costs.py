@@ -72,8 +72,9 @@ def cmd_costs(args) -> int:
         raise InvalidRequest(f"no installed engine runs {target!r}; name one with --backends")
     floors = [s.name for s in backend_specs() if s.arithmetic_floor]
     if args.arithmetic_floor and not set(floors) & set(names):
-        raise InvalidRequest(f"--arithmetic-floor times the products of {' or '.join(floors)}; add "
-                             f"{floors[0]} to --backends (timing {', '.join(names)})")
+        raise InvalidRequest(f"--arithmetic-floor times the products of {' or '.join(floors) or 'no backend here'}; "
+                             f"add {floors[0] if floors else 'one that has them'} to --backends "
+                             f"(timing {', '.join(names)})")
     if args.plot and not Path(args.plot).parent.is_dir():
         raise InvalidRequest(f"--plot {args.plot}: no folder {Path(args.plot).parent}; create it or name another")
     threads = args.threads or default_threads()
