@@ -569,7 +569,7 @@ class Pool {
         {
             std::lock_guard<std::mutex> lock(mu_);
             stop_ = true;
-            gen_.fetch_add(1);
+            gen_.store((gen_.load() | WIDTH_BITS) + 1);  // the next generation, width 0
         }
         cv_.notify_all();
         for (auto& t : workers_) t.join();
@@ -580,14 +580,15 @@ class Pool {
     // between two products is spent fetching the next one (set_lookahead).
     void run(int threads, const std::function<void(int, int)>& task, const Ahead* ahead = nullptr) {
         if (ahead) ahead_ = *ahead;
+        threads = std::min(threads, (int)WIDTH_BITS);
         if (threads <= 1) { task(0, 1); return; }
         grow(threads - 1);
         task_ = &task;
-        width_ = threads;
         pending_.store(threads - 1, std::memory_order_relaxed);
         {
             std::lock_guard<std::mutex> lock(mu_);
-            gen_.fetch_add(1, std::memory_order_release);
+            gen_.store(((gen_.load(std::memory_order_relaxed) | WIDTH_BITS) + 1) | (uint64_t)threads,
+                       std::memory_order_release);
         }
         cv_.notify_all();
         task(0, threads);
@@ -629,9 +630,12 @@ class Pool {
             }
             seen = now;
             if (stop_) return;
-            if (id < width_) {
+            // the call's width comes with its generation: a worker that sat out a call and woke late must not read
+            // the next call's width (and run its task under this generation, then again under its own: pending_
+            // counted down twice let a call return before its last rows were done, or called a cleared task)
+            const int width = (int)(now & WIDTH_BITS);
+            if (id < width) {
                 const Ahead next = ahead_;  // read before the call ends: the caller may name another after it
-                const int width = width_;
                 (*task_)(id, width);
                 pending_.fetch_sub(1, std::memory_order_acq_rel);
                 if (next.w != fetched.w || next.N != fetched.N) {
@@ -640,7 +644,7 @@ class Pool {
                 }
                 look_ahead(fetched, id, width, seen, own_done, other_done);
             } else {
-                look_ahead(fetched, id, width_, seen, own_done, other_done);
+                look_ahead(fetched, id, width, seen, own_done, other_done);
             }
         }
     }
@@ -677,10 +681,10 @@ class Pool {
     }
 
     std::vector<std::thread> workers_;
+    static constexpr uint64_t WIDTH_BITS = 0xFFFF;  // gen_: a call's number above these bits, its width in them
     std::atomic<uint64_t> gen_{0};
     std::atomic<int> pending_{0};
     const std::function<void(int, int)>* volatile task_ = nullptr;
-    volatile int width_ = 1;
     Ahead ahead_;
     std::mutex mu_;
     std::condition_variable cv_;
