@@ -422,6 +422,7 @@ def kernel_settings_restored():
             blockmm.set_wide16(rows, kind)
         blockmm.set_q6k_tiles(q6k_before)
         blockmm.set_prefetch(ahead)
+        blockmm.set_threads(None)
         if blockmm.amx_usable():
             blockmm.set_amx_rows(0)
 
@@ -461,7 +462,12 @@ def test_choose_paths_times_both_paths_per_k_type_and_keeps_the_faster():
     with kernel_settings_restored():
         found = blockmm.choose_paths(matrices, rounds=3)
         paths = {"Q4_K", "Q6_K", "Q4_0", "Q8_0", "prefetch"}
-        assert set(found) - {"wide", "narrow", "amx", "wide16", "pack16"} == paths
+        assert set(found) - {"wide", "narrow", "amx", "wide16", "pack16", "amx_packed"} == paths
+
+        def won(took):  # the narrowest width from which the first path wins at every wider one
+            wins = [rows for rows in took if all(took[w][0] < took[w][1] for w in took if w >= rows)]
+            return wins[0] if wins else 0
+
         timed = found.pop("pack16", {})
         for kind, took in timed.items():  # every type among the matrices that this CPU reads in the layout
             assert tuple(took) == blockmm.PACK16_WIDTHS and min(min(pair) for pair in took.values()) > 0
@@ -470,26 +476,27 @@ def test_choose_paths_times_both_paths_per_k_type_and_keeps_the_faster():
             assert (kind in blockmm.pack16_kinds()) == kept
             assert (f"{kind} laid out 16 rows at a time" in " ".join(blockmm.paths_in_use([kind]))) == kept
         if blockmm.isa() == "avx512vnni":
-            amx = {kind for kind, rows in blockmm.amx_rows().items() if rows}  # (the AMX tiles read the file's layout)
-            assert set(timed) == {"Q4_K", "Q6_K", "Q4_0", "Q8_0"} - amx  # every type among the matrices
+            # every type among the matrices, but those whose AMX tiles won on the file's layout and read that alone
+            on_file = {kind for kind, took in found.get("amx", {}).items() if won(took)} - set(blockmm.AMX_PACKED)
+            assert set(timed) == {"Q4_K", "Q6_K", "Q4_0", "Q8_0"} - on_file
             rows16 = found.pop("wide16")
             assert set(rows16) == {"Q4_K", "Q6_K"}  # the K types among the matrices
             for kind, took in rows16.items():
                 assert tuple(took) == blockmm.WIDE16_WIDTHS and min(min(pair) for pair in took.values()) > 0
-                wins = [rows for rows in took if all(took[w][0] < took[w][1] for w in took if w >= rows)]
-                assert blockmm.wide16_rows()[kind] == (wins[0] if wins else 0)
+                assert blockmm.wide16_rows()[kind] == won(took)
         else:
             assert "wide16" not in found and set(blockmm.wide16_rows().values()) == {0}
             assert set(timed) == {"Q4_K", "Q4_0", "Q8_0"}  # AVX2: the 32-weight types and Q4_K
         if blockmm.isa() == "avx512vnni" and blockmm.amx_usable():
-            amx = found.pop("amx")
+            amx, again = found.pop("amx"), found.pop("amx_packed", {})
             assert set(amx) == {"Q4_K", "Q6_K"}  # the K types among the matrices
-            for kind, took in amx.items():
+            # timed again on the 16-row layout: the types kept in it whose layout the tiles read
+            assert set(again) == set(blockmm.pack16_kinds()) & set(blockmm.AMX_PACKED)
+            for kind, took in (amx | again).items():
                 assert tuple(took) == blockmm.AMX_WIDTHS and min(min(pair) for pair in took.values()) > 0
-                wins = [rows for rows in took if all(took[w][0] < took[w][1] for w in took if w >= rows)]
-                assert blockmm.amx_rows()[kind] == (wins[0] if wins else 0)
+                assert blockmm.amx_rows()[kind] == won(took)
         else:
-            assert "amx" not in found and set(blockmm.amx_rows().values()) == {0}
+            assert not {"amx", "amx_packed"} & set(found) and set(blockmm.amx_rows().values()) == {0}
         took = found["prefetch"][1]
         assert len(took) == len(blockmm.PREFETCH_CANDIDATES) and min(took) > 0
         fastest = min(range(len(took)), key=lambda i: (took[i], i))
@@ -673,6 +680,31 @@ def test_amx_tiles_give_the_reference_bits(kind):
     finally:
         blockmm.set_amx_rows(0)
     assert not any("AMX" in words for words in blockmm.paths_in_use([kind]))
+
+
+@pytest.mark.skipif(not blockmm.available() or not blockmm.amx_usable(), reason=NO_AMX)
+@pytest.mark.parametrize("kind", blockmm.AMX_PACKED)
+def test_amx_tiles_on_the_16_row_layout_give_the_reference_bits(kind):
+    """A type laid out 16 rows at a time (``pack16``) on the AMX tiles, which read that layout as their weight operand:
+    one block of 16 activation rows, two, an odd count (a last block alone), a part block, 1-3 threads over 1-4 runs of
+    16 weight rows, the integers at their extremes: the reference's bits."""
+    K = 768
+    x = activations(64, K, seed=41)
+    x[5] = torch.where(torch.arange(K) % 3 == 0, 1.0, -1.0)  # every value at +-127 after quantization
+    with kernel_settings_restored():
+        for rows in (16, 64):
+            raw = random_blocks(kind, rows, K, seed=rows + 1)
+            for blocks in (raw, at_extremes(raw, kind, slice(0, 16))):
+                want = reference.matmul(x, blocks, kind)
+                packed = blocks.clone()
+                blockmm.pack16(packed, kind)
+                matrix = blockmm.Matrix(packed, kind, K, packed=True)
+                blockmm.set_amx_rows(1, kind)
+                for M in (1, 3, 15, 16, 17, 33, 48, 64):
+                    for threads in (1, 2, 3):
+                        blockmm.set_threads(threads)
+                        got = matrix(x[:M])
+                        assert torch.equal(got, want[:M]), (rows, M, threads, (got - want[:M]).abs().max())
 
 
 @pytest.mark.skipif(not blockmm.available(), reason="the native kernel is not built")

@@ -420,7 +420,8 @@ def paths_in_use(kinds) -> list[str]:
         named.append(f"AMX tiles for {', '.join(on)}")
     packed = [kind for kind in sorted(kinds) if kind in _pack16_kinds]
     if packed:
-        named.append(f"{', '.join(packed)} laid out 16 rows at a time (16-row tiles at every width)")
+        readers = "16-row and AMX tiles" if any(tiles.get(kind) for kind in packed) else "16-row tiles at every width"
+        named.append(f"{', '.join(packed)} laid out 16 rows at a time ({readers})")
     return named
 
 
@@ -477,6 +478,26 @@ def set_pack16_kinds(kinds) -> None:
     _pack16_kinds.update(kinds)
 
 
+def _samples(matrices: list["Matrix"], kind: str) -> list["Matrix"]:
+    """The matrices of ``kind`` in the file's layout that the 16-row layout can hold (every fourth of 32 or more)."""
+    mine = [m for m in matrices if m.type.name == kind and not m.packed and can_pack16(kind, m.N)]
+    return mine[::4] if len(mine) >= 32 else mine
+
+
+def _packed_copies(mine: list["Matrix"]) -> list["Matrix"]:
+    """Copies of ``mine`` laid out 16 rows at a time, on huge pages where the originals are (the blocks backend's
+    weight_buffer: small pages made the copies ~20% slower at one row)."""
+    copies, at = [], 0
+    buffer = weight_buffer(sum(m.blocks.numel() for m in mine))
+    for m in mine:
+        blocks = buffer[at: at + m.blocks.numel()].view(m.blocks.shape)
+        at += m.blocks.numel()
+        blocks.copy_(m.blocks)
+        pack16(blocks, m.type)
+        copies.append(Matrix(blocks, m.type, m.K, packed=True))
+    return copies
+
+
 def _choose_pack16(matrices: list["Matrix"], rounds: int) -> dict[str, dict[int, tuple[float, float]]]:
     """Per block type, its matrices (every fourth of 32 or more) laid out 16 rows at a time (copies) against the paths
     chosen for the file's layout at ``PACK16_WIDTHS``; kept (``set_pack16_kinds``) where faster at 4 rows and within
@@ -484,18 +505,10 @@ def _choose_pack16(matrices: list["Matrix"], rounds: int) -> dict[str, dict[int,
     timed, kept = {}, set()
     tiles = amx_rows() if amx_usable() else {}
     for kind in TYPES:
-        mine = [m for m in matrices if m.type.name == kind and not m.packed and can_pack16(kind, m.N)]
-        mine = mine[::4] if len(mine) >= 32 else mine
-        if not mine or tiles.get(kind):  # (the AMX tiles read the file's layout)
+        mine = _samples(matrices, kind)
+        if not mine or (tiles.get(kind) and kind not in AMX_PACKED):  # (their AMX tiles read the file's layout)
             continue
-        copies, at = [], 0  # on huge pages where the originals are (the blocks backend's weight_buffer): small
-        buffer = weight_buffer(sum(m.blocks.numel() for m in mine))  # pages made the copies ~20% slower at one row
-        for m in mine:
-            blocks = buffer[at: at + m.blocks.numel()].view(m.blocks.shape)
-            at += m.blocks.numel()
-            blocks.copy_(m.blocks)
-            pack16(blocks, m.type)
-            copies.append(Matrix(blocks, m.type, m.K, packed=True))
+        copies = _packed_copies(mine)
         timed[kind] = {}
         for rows in PACK16_WIDTHS:
             took = _time_sets({True: copies, False: mine}, rows, rounds)
@@ -507,8 +520,28 @@ def _choose_pack16(matrices: list["Matrix"], rounds: int) -> dict[str, dict[int,
     return timed
 
 
+def _widths_won(timed: dict[int, tuple[float, float]], widths) -> int:
+    """The narrowest of ``widths`` from which the first path ({rows: (first's ms, second's)}) wins at every wider one
+    (0: none)."""
+    wins = [rows for rows in widths if all(timed[w][0] < timed[w][1] for w in widths if w >= rows)]
+    return wins[0] if wins else 0
+
+
 AMX_WIDTHS = (4, 8, 16, 32)  # the widths choose_paths times the AMX tiles at
+AMX_PACKED = ("Q4_K",)  # the types whose 16-row layout (pack16) the AMX tiles read too (the others': the file's)
 WIDE16_WIDTHS = (2, 3, 4, 6, 8)  # the widths choose_paths times the 16-row tiles at (wider passes take them too)
+
+
+def _choose_amx(kind: str, mine: list["Matrix"], rounds: int) -> dict[int, tuple[float, float]]:
+    """``kind``'s AMX tiles against the paths chosen without them at each of ``AMX_WIDTHS``, on ``mine``; kept from the
+    narrowest width from which they win at every wider one (``set_amx_rows``). Returns {rows: (ms on the tiles, ms
+    without)}."""
+    timed = {}
+    for rows in AMX_WIDTHS:
+        took = _time_rounds((1, 0), lambda on: set_amx_rows(on, kind), mine, rows, rounds)
+        timed[rows] = (took[1], took[0])
+    set_amx_rows(_widths_won(timed, AMX_WIDTHS), kind)
+    return timed
 
 
 def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[int, tuple[float, float]]]:
@@ -531,8 +564,10 @@ def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[in
     ``WIDE16_WIDTHS`` (under "wide16" {type: {rows: (ms on the 16-row tiles, ms without)}}), kept from the narrowest of
     those widths from which they win at every wider one (``set_wide16``); then each type's matrices laid out 16 rows at
     a time (``pack16``: every type on AVX-512 VNNI, the 32-weight types and Q4_K on AVX2) against all of that
-    (``_choose_pack16``; under "pack16" {type: {rows: (ms in that layout, ms without)}}, ``pack16_kinds``); medians of
-    interleaved rounds; ties go to the earlier candidate (the AVX paths, for the tiles)."""
+    (``_choose_pack16``; under "pack16" {type: {rows: (ms in that layout, ms without)}}, ``pack16_kinds``), and
+    for a type so laid out whose layout the AMX tiles read (``AMX_PACKED``) its tiles again on that layout (under
+    "amx_packed", as under "amx"); medians of interleaved rounds; ties go to the earlier candidate (the AVX paths, for
+    the tiles)."""
     _require()
     set_wide_isa(isa())  # every width on one set while the other paths are timed (a model loaded before may have
     # put wide products on AVX2, where the Q6_K tiles setting below changes nothing)
@@ -587,8 +622,7 @@ def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[in
                 took = _time_rounds((rows, 0), lambda limit: set_wide16(limit, kind), mine, rows, rounds)
                 timed[rows] = (took[rows], took[0])
             found.setdefault("wide16", {})[kind] = timed
-            wins = [rows for rows in WIDE16_WIDTHS if all(timed[w][0] < timed[w][1] for w in WIDE16_WIDTHS if w >= rows)]
-            set_wide16(wins[0] if wins else 0, kind)
+            set_wide16(_widths_won(timed, WIDE16_WIDTHS), kind)
     if isa() == "avx512vnni" and amx_usable():
         set_amx_rows(0)  # every type off while another's tiles are timed
         for kind in K_TYPES:  # each K type's tiles against the wide set just chosen
@@ -596,17 +630,14 @@ def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[in
             mine = mine[::4] if len(mine) >= 32 else mine  # a big model's every fourth: ~5 s on all of the 1.5B's
             if not mine:
                 continue
-            timed = {}
-            for rows in AMX_WIDTHS:
-                took = _time_rounds((1, 0), lambda on: set_amx_rows(on, kind), mine, rows, rounds)
-                timed[rows] = (took[1], took[0])
-            found.setdefault("amx", {})[kind] = timed
-            wins = [rows for rows in AMX_WIDTHS if all(timed[w][0] < timed[w][1] for w in AMX_WIDTHS if w >= rows)]
-            set_amx_rows(wins[0] if wins else 0, kind)
+            found.setdefault("amx", {})[kind] = _choose_amx(kind, mine, rounds)
     if isa() == "avx512vnni" or (isa() != "scalar" and best_isa() != "avx512vnni"):  # the layout's readers run
         timed = _choose_pack16(matrices, rounds)
         if timed:
             found["pack16"] = timed
+        for kind in sorted(set(pack16_kinds()) & set(AMX_PACKED)) if amx_usable() else ():
+            # the AVX tiles win up to more rows on the layout than on the file's: its AMX tiles timed again on it
+            found.setdefault("amx_packed", {})[kind] = _choose_amx(kind, _packed_copies(_samples(matrices, kind)), rounds)
     else:
         set_pack16_kinds(())
     return found

@@ -275,7 +275,7 @@ struct Problem {
     const int8_t* qT = nullptr;
     const int16_t* bsT = nullptr;
     const float* dxT = nullptr;
-    bool packed = false;  // W's rows laid out 16 at a time by pack16 (the 16-row tiles read it, nothing else)
+    bool packed = false;  // W's rows laid out 16 at a time by pack16 (read by the 16-row tiles; Q4_K's by AMX tiles too)
     // matmul's call number (0: none): what a thread lays out from the activations for its first run of rows of a
     // call (interleaved16, sums16) it keeps for its next runs of the same call (row_chunks)
     uint64_t call = 0;
@@ -700,7 +700,15 @@ void matmul(int kind, const float* x, const uint8_t* W, float* y, int M, int N, 
     format_of(kind, &f);
     const int G = is_k(kind) ? K / 256 : (K / 32 + 7) / 8;
     const int64_t stride = 256 * (int64_t)G;  // each row's quantized activations padded to whole groups
-    std::vector<int8_t> qx((size_t)M * stride, 0);
+#if VS_X86
+    // the AMX tiles: the file's layout (amx_layout's copy of the activations), or Q4_K's 16-row layout (which reads
+    // the quantized rows themselves, in whole blocks of 16: the rows past M are zero)
+    const bool amx = g_amx == 1 && is_k(kind) && g_amx_rows[kind & 15] > 0 && M >= g_amx_rows[kind & 15] &&
+                     g_isa == ISA_VNNI && (!packed || kind == Q4_K);
+#else
+    const bool amx = false;
+#endif
+    std::vector<int8_t> qx((size_t)(amx && packed ? (M + 15) / 16 * 16 : M) * stride, 0);
     std::vector<float> dx((size_t)M * 8 * G, 0.0f), sx((size_t)M * 8 * G, 0.0f);
     std::vector<int16_t> bsum((size_t)M * 8 * G, 0);
     Problem p{kind, f, M, N, K, row_bytes, W, G, stride, qx.data(), dx.data(), sx.data(), bsum.data(), y};
@@ -718,17 +726,11 @@ void matmul(int kind, const float* x, const uint8_t* W, float* y, int M, int N, 
     if (!g_pool) g_pool = new Pool();
     const bool prep_shared = threads > 1 && M >= PREP_SHARED_ROWS;
     if (!prep_shared) quantize_rows(&p, x, qx.data(), dx.data(), sx.data(), bsum.data(), span);
-#if VS_X86
-    const bool amx = !packed && g_amx == 1 && is_k(kind) && g_amx_rows[kind & 15] > 0 && M >= g_amx_rows[kind & 15] &&
-                     g_isa == ISA_VNNI;
-#else
-    const bool amx = false;
-#endif
     std::vector<int8_t> qT;
     std::vector<int16_t> bsT;
     std::vector<float> dxT;
-    if (amx) {
-        p.mblocks = (M + 15) / 16;
+    if (amx) p.mblocks = (M + 15) / 16;
+    if (amx && !packed) {
         qT.assign((size_t)p.mblocks * 8 * G * 512, 0);
         bsT.assign((size_t)p.mblocks * G * 4 * 32, 0);
         dxT.assign((size_t)p.mblocks * G * 16, 0.0f);
@@ -751,7 +753,7 @@ void matmul(int kind, const float* x, const uint8_t* W, float* y, int M, int N, 
         const int n0 = std::min(N, u0 * unit), n1 = std::min(N, u1 * unit);
         if (n0 >= n1) return;
 #if VS_X86
-        if (amx) return vnni::amx_range(p, n0, n1);
+        if (amx) return packed ? vnni::amx_packed_range(p, n0, n1) : vnni::amx_range(p, n0, n1);
 #endif
         run_range(p, n0, n1, isa);
     };
@@ -769,7 +771,7 @@ void matmul(int kind, const float* x, const uint8_t* W, float* y, int M, int N, 
             if (b0 >= b1) return;
             quantize_rows(&p, x, qx.data(), dx.data(), sx.data(), bsum.data(), span, 16 * b0, std::min(M, 16 * b1));
 #if VS_X86
-            if (amx) vnni::amx_layout(p, qT.data(), bsT.data(), dxT.data(), b0, b1);
+            if (amx && !packed) vnni::amx_layout(p, qT.data(), bsT.data(), dxT.data(), b0, b1);
 #endif
         };
         g_pool->run(std::min(threads, blocks16), prep);
@@ -777,7 +779,7 @@ void matmul(int kind, const float* x, const uint8_t* W, float* y, int M, int N, 
     g_pool->run(threads, task, ahead);
 }
 
-// The 16-row layout (pack16, read by the 16-row tiles at every width): each run of 16 rows keeps its bytes (16 rows'
+// The 16-row layout (pack16, read by the 16-row tiles at every width, and Q4_K's by the AMX tiles: amx_packed_range): each run of 16 rows keeps its bytes (16 rows'
 // worth, in place), laid out block by block (a K type's super-block, or one 32-weight block): block g of the 16 rows
 // is one run of 16 x (bytes a block) where the block's piece at byte o of row r sits at byte 16 o + width r (Q6_K:
 // 16 q6_place(o) + width r), so the
