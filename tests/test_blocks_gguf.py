@@ -206,3 +206,37 @@ def test_converting_a_file_transformers_must_convert_still_converts(failure, fil
     a, b = load_file(fast / "model.safetensors"), load_file(slow / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert (fast / "config.json").read_text() == (slow / "config.json").read_text()
+
+
+def test_sliding_window_layers_attend_row_by_row_past_the_window(files, same_tokenizer, monkeypatch):
+    """Gemma 3's sliding-window layers (every other layer; 6 tokens in the zoo) on blocks attend row by row over their
+    window as its full layers do over all keys: a 30-token pass's logits are SDPA's under transformers' masks (the
+    same products, so up to rounding), and past the window greedy speculation and token trees (n-gram branches) give
+    plain decoding's tokens (before, those layers ran SDPA and a real Gemma 3's greedy speculation left plain
+    decoding)."""
+    from verispec import SpeculativeDecoder, make_drafter
+
+    model = blocks.load(str(files("gemma3")))
+    assert model.width_invariant and model.model.config.sliding_window == 6
+    ids = [int(t) for t in torch.randint(3, 200, (30,), generator=torch.Generator().manual_seed(5))]
+    with torch.no_grad():
+        rows = model.model(torch.tensor([ids])).logits[0]
+        model.model.set_attn_implementation("sdpa")
+        try:
+            sdpa = model.model(torch.tensor([ids])).logits[0]
+        finally:
+            model.model.set_attn_implementation("verispec_rows")
+    assert (rows - sdpa).abs().max() < 1e-2 * sdpa.abs().max(), (rows - sdpa).abs().max()
+    from verispec.backends.hf import row_attention
+
+    with monkeypatch.context() as patched, torch.no_grad():  # the window ignored: far from SDPA's, so the check bites
+        patched.setattr(row_attention, "_plain_window",
+                        lambda mask, length, rows, window: (row_attention._causal_counts(length, rows), None))
+        unwindowed = model.model(torch.tensor([ids])).logits[0]
+    assert (unwindowed - sdpa).abs().max() > 5e-2 * sdpa.abs().max()
+    plain = SpeculativeDecoder(model)
+    want = plain.generate(ids[:10], max_new_tokens=24).token_ids
+    for name, options in (("ngram", {}), ("ngram", {"branches": 3}), ("suffix", {})):
+        got = SpeculativeDecoder(model, make_drafter(name, target=model, **options), k=4,
+                                 k_policy="fixed").generate(ids[:10], max_new_tokens=24)
+        assert got.token_ids == want, (name, options)

@@ -110,10 +110,40 @@ def assert_drafts_through_text_are_plain_decoding(target, draft):
 
 def test_smollm2_drafts_for_it_through_text(gemma, smollm2):
     """Another family's tokenizer (49k tokens against 262k): greedy output is plain Gemma decoding, drafts are
-    accepted, and the audit passes at temperature 0.7."""
+    accepted."""
     assert_drafts_through_text_are_plain_decoding(gemma, smollm2)
-    decoder = SpeculativeDecoder(gemma, make_drafter("model", target=gemma, draft_model=smollm2), k=3,
-                                 k_policy="fixed")
+
+
+@pytest.fixture(scope="module")
+def gemma_blocks():
+    """Gemma 3 on the engine ``--backend auto`` runs it on (blocks: the Q4_K_M file's own blocks)."""
+    from verispec import blockmm
+
+    if not blockmm.available():
+        pytest.skip(f"the blocks backend cannot run here: {blockmm.why_unavailable()}")
+    return load_model(NAME, backend="blocks")
+
+
+def test_every_drafter_is_plain_decoding_on_blocks(gemma_blocks):
+    """On the files' own blocks (auto's engine for this file on most CPUs), whose sliding-window layers attend row by
+    row as the full ones do: before they did (SDPA there), every drafter's greedy output left plain decoding's at the
+    15th token of the weekday prompt on an Intel Sapphire Rapids."""
+    plain = SpeculativeDecoder(gemma_blocks)
+    for prompt in PROMPTS:
+        ids = plain.encode(prompt, raw=True)
+        expected = plain.generate(ids, max_new_tokens=40)
+        for name in ("ngram", "suffix", "lookahead"):
+            got = SpeculativeDecoder(gemma_blocks, make_drafter(name, target=gemma_blocks), k=6,
+                                     k_policy="fixed").generate(ids, max_new_tokens=40)
+            assert got.token_ids == expected.token_ids, (name, prompt)
+
+
+def test_smollm2_drafts_for_it_through_text_on_blocks_and_the_audit_passes(gemma_blocks, default_blocks):
+    """The same on the files' own blocks (both models), and the audit passes at temperature 0.7 there (its samples
+    cost a fraction of the float32 models': docs/testing.md)."""
+    assert_drafts_through_text_are_plain_decoding(gemma_blocks, default_blocks)
+    decoder = SpeculativeDecoder(gemma_blocks, make_drafter("model", target=gemma_blocks, draft_model=default_blocks),
+                                 k=3, k_policy="fixed")
     report = run_audit(decoder, decoder.encode(PROMPTS[1], raw=True), temperature=0.7, samples=150, positions=3,
                        seed=0)
     assert report.passed, report.to_dict()

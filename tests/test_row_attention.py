@@ -115,3 +115,34 @@ def test_bad_shapes_are_refused_by_name():
         blockmm.attend(q, k, v, torch.tensor([[0, 11]]))
     with pytest.raises(ValueError, match="float32"):
         blockmm.attend(q.double(), k, v, torch.tensor([[10, 11]]))
+
+
+def test_a_sliding_window_layer_sees_its_window_and_a_row_is_the_same_bits_at_every_width():
+    """A sliding-window layer (transformers' ``module.sliding_window``; Gemma 3's): in one sequence's plain pass row i
+    at position q sees the keys q - window + 1 .. q, with transformers' mask for it or none, against exact attention
+    over those keys; a row is the bits of the one-token step at its position. A mask that is not the plain windowed
+    one (a tree's) goes to SDPA."""
+    from types import SimpleNamespace
+
+    window, length = 6, 40
+    q, k, v = tensors(heads=4, kv_heads=2, rows=9, dim=64, length=length, seed=3)
+    layer = SimpleNamespace(sliding_window=window)
+    positions = torch.arange(length - 9, length)
+    seen = (torch.arange(length)[None] <= positions[:, None]) & (torch.arange(length)[None] > positions[:, None] - window)
+    full, _ = row_attention(layer, q, k, v, seen[None, None])
+    assert torch.equal(row_attention(layer, q, k, v, None)[0], full)  # transformers may leave the mask out
+    for r, pos in enumerate(positions.tolist()):  # exact attention over the window
+        keys = slice(pos - window + 1, pos + 1)
+        want = exact(q[:, :, r : r + 1], k[:, :, keys], v[:, :, keys], torch.tensor([[window]]))
+        assert (full[:, r : r + 1].double() - want).abs().max() < 2e-6, r
+        step, _ = row_attention(layer, q[:, :, r : r + 1], k[:, :, : pos + 1], v[:, :, : pos + 1],
+                                seen[r : r + 1, : pos + 1][None, None])
+        assert torch.equal(step, full[:, r : r + 1]), r  # the one-token step at that position
+    early = positions[:3] - 30  # rows whose window starts at key 0 see every earlier key
+    few, _ = row_attention(layer, q[:, :, :3], k[:, :, : int(early[-1]) + 1], v[:, :, : int(early[-1]) + 1], None)
+    assert (few.double() - exact(q[:, :, :3], k, v, (early + 1)[None])).abs().max() < 2e-6
+    tree = seen.clone()
+    tree[4, positions[3]] = False  # a row that does not see the one before it: not the plain windowed mask
+    sdpa = SimpleNamespace(sliding_window=window, num_key_value_groups=2, is_causal=False, training=False)
+    out, _ = row_attention(sdpa, q, k, v, tree[None, None])
+    assert (out[:, 4] - full[:, 4]).abs().max() > 1e-4  # computed over other keys, by SDPA with the mask given

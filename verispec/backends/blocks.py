@@ -258,14 +258,13 @@ def on_blocks(loaded: LoadedModel, rows, name: str = "the model") -> BlocksModel
 
 def _finish(loaded: LoadedModel, swapped: Swapped, name: str) -> BlocksModel:
     """``loaded``, its linear layers on blocks (``swapped``), with the native norms and width-invariant attention."""
-    from .hf.masks import sliding_window
     from .hf.row_attention import ROW_ATTENTION
 
     if not swapped.kinds:
         raise InvalidRequest(f"{name}: none of its matrices is in a block type the native kernel multiplies "
                              f"({', '.join(blockmm.TYPES)}); use --backend llamacpp or openvino")
-    # rows independent of the pass width: the native row attention beside the row-invariant kernel; models with
-    # sliding-window layers or soft-capped attention keep SDPA (the row scheme covers neither)
+    # rows independent of the pass width: the native row attention beside the row-invariant kernel, on
+    # sliding-window layers too (each row over its window's keys: row_attention); soft-capped attention keeps SDPA
     _choose_paths(loaded.model)
     packed = _pack16(loaded.model)
     if packed:
@@ -273,7 +272,7 @@ def _finish(loaded: LoadedModel, swapped: Swapped, name: str) -> BlocksModel:
     norms = swap_norms(loaded.model)
     log.info("%s: %d RMSNorm layers on the native row kernel", name, norms)
     config = loaded.model.config
-    invariant = sliding_window(config) is None and not getattr(config, "attn_logit_softcapping", None)
+    invariant = not getattr(config, "attn_logit_softcapping", None)
     if invariant:
         loaded.model.set_attn_implementation(ROW_ATTENTION)
     lean = block_layers.install(loaded.model)

@@ -47,7 +47,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from .masks import sliding_window
+from .masks import FULL, SLIDING, sliding_window
 from ..torch_cpu.packing import PackedLinear
 
 WIDTH_INVARIANT_ATTENTION = "verispec_width_invariant"
@@ -86,6 +86,19 @@ class RowKeys:
 
     groups: tuple[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], ...]
     lengths: tuple[int, ...] | None = None  # every row causal in its own sequence (a batch): each one's key length
+
+
+def keys_by_layer(config, allowed: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor):
+    """``row_keys(allowed)`` ([batch, rows, keys]) for a model whose layers attend alike; for one with sliding-window
+    layers, {"full_attention": that, "sliding_attention": the same with the keys a window or more behind each query
+    hidden} (``query_positions`` [batch, rows], ``key_positions`` [keys]; transformers' rule, ``masks``): the row
+    attention picks by the layer's ``sliding_window``."""
+    allowed = allowed.cpu()
+    window = sliding_window(config)
+    if window is None:
+        return row_keys(allowed)
+    far = key_positions.cpu()[None, None, :] <= query_positions.cpu()[..., None] - window
+    return {FULL: row_keys(allowed), SLIDING: row_keys(allowed & ~far)}
 
 
 def row_keys(allowed: torch.Tensor) -> RowKeys:

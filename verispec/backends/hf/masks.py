@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 SLIDING = "sliding_attention"
+FULL = "full_attention"
 
 
 def sliding_window(config) -> int | None:

@@ -21,7 +21,7 @@ from ..base import TargetModelBase, TargetPass
 from ..torch_cpu.cpu import linear_kernel
 from .cache import BatchKV, RowKV, TorchKV
 from .compiled import VERIFY_WIDTHS, CompiledStep, FixedKV
-from .invariant import row_keys
+from .invariant import keys_by_layer
 from .layers import decoder_layers, skipping_view
 from .masks import for_layers
 
@@ -231,7 +231,7 @@ class LoadedModel(TargetModelBase):
                 mask = for_layers(self.model.config, mask[:, None].to(self.device), positions.to(self.device),
                                   columns.to(self.device))
                 if self.width_invariant:  # each row attends as if alone (verispec.backends.hf.invariant)
-                    extra = dict(verispec_keys=row_keys(allowed.to(self.device)))
+                    extra = dict(verispec_keys=keys_by_layer(self.model.config, allowed, positions, columns))
             keep = sorted({len(tokens) - 1 for _, tokens in items}) if last_only else None
             out = self.run_model(input_ids=ids.to(self.device), cache=batch.cache, use_cache=True,
                                  position_ids=positions.to(self.device), attention_mask=mask,
@@ -274,7 +274,7 @@ class LoadedModel(TargetModelBase):
                 extra = dict(position_ids=positions, attention_mask=for_layers(self.model.config, mask, positions[0],
                                                                               keys))
                 if self.width_invariant:  # each node attends as its own chain would (verispec.backends.hf.invariant)
-                    extra["verispec_keys"] = row_keys(mask[0, :1] == 0)
+                    extra["verispec_keys"] = keys_by_layer(self.model.config, mask[0, :1] == 0, positions, keys)
             elif fixed:  # the buffer's columns past the sequence hold stale keys: mask them explicitly
                 extra = dict(position_ids=torch.arange(len(kv), len(kv) + n, device=self.device)[None],
                              attention_mask=kv.mask(n, self.dtype, self.device, self.model.config))
