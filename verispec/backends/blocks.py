@@ -372,12 +372,13 @@ def _choose_paths(model: nn.Module) -> None:
     again = found.pop("amx_packed", {})  # the types laid out 16 rows at a time whose layout the tiles read too
     for kind, timed in found.pop("amx", {}).items():
         kept = blockmm.amx_rows()[kind]
-        for layout, took in (("the file's layout", timed), ("the 16-row layout", again.get(kind))):
-            if took:
-                verdict = ("timed again in the 16-row layout" if took is timed and kind in again
-                           else f"kept from {kept} rows" if kept else "not kept")
-                log.info("block kernel, %s on AMX tiles in %s: %s (%s)", kind, layout, "; ".join(
-                    f"{rows} rows {on:.1f} ms against {off:.1f}" for rows, (on, off) in took.items()), verdict)
+        verdict = f"kept from {kept} rows" if kept else "not kept"
+        rounds = [("the file's layout", timed, "timed again in the 16-row layout" if kind in again else verdict)]
+        if kind in again:
+            rounds.append(("the 16-row layout", again[kind], verdict))
+        for layout, took, said in rounds:
+            log.info("block kernel, %s on AMX tiles in %s: %s (%s)", kind, layout, "; ".join(
+                f"{rows} rows {on:.1f} ms against {off:.1f}" for rows, (on, off) in took.items()), said)
     for kind, widths in found.items():
         log.info("block kernel, %s: %s", kind, "; ".join(
             f"{rows} rows: tiles {a:.1f} ms, buffered path {b:.1f} ms a pass" if rows > blockmm.ONE_ROW_MOST[kind] else

@@ -779,8 +779,8 @@ void matmul(int kind, const float* x, const uint8_t* W, float* y, int M, int N, 
     g_pool->run(threads, task, ahead);
 }
 
-// The 16-row layout (pack16, read by the 16-row tiles at every width, and Q4_K's by the AMX tiles: amx_packed_range): each run of 16 rows keeps its bytes (16 rows'
-// worth, in place), laid out block by block (a K type's super-block, or one 32-weight block): block g of the 16 rows
+// The 16-row layout (pack16, read by the 16-row tiles at every width, and Q4_K's by the AMX tiles: amx_packed_range):
+// each run of 16 rows keeps its bytes (16 rows' worth, in place), laid out block by block (a K type's super-block, or one 32-weight block): block g of the 16 rows
 // is one run of 16 x (bytes a block) where the block's piece at byte o of row r sits at byte 16 o + width r (Q6_K:
 // 16 q6_place(o) + width r), so the
 // tiles load four weights of all 16 rows, or one scale dword of each, as one vector (the unpacked layout needs

@@ -54,7 +54,7 @@ def _layout(rows: RowKeys, batch: int, width: int) -> tuple[torch.Tensor, torch.
             counts[b, i] = (~hidden).sum(-1).to(torch.int32)
             index[b, i, :keys] = columns.masked_fill(hidden, 0).to(torch.int32)
         layout = (counts, index)
-    _last = (last[-1:] + ((rows, layout),))  # the newest two
+    _last = last[-1:] + ((rows, layout),)  # the newest two
     return layout
 
 
