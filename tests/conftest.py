@@ -1,9 +1,14 @@
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub; must be set before transformers loads
 # measured step costs go to a folder of this run (inherited by the CLI subprocesses), never the user's cache, so
-# no test starts from what an earlier run stored; tests of the store point it elsewhere themselves
-os.environ["VERISPEC_COST_CACHE"] = __import__("tempfile").mkdtemp(prefix="verispec-test-costs-")
+# no test starts from what an earlier run stored; tests of the store point it elsewhere themselves. The folder goes
+# when the process exits (each xdist worker makes its own), so runs leave nothing behind in the temporary folder
+os.environ["VERISPEC_COST_CACHE"] = tempfile.mkdtemp(prefix="verispec-test-costs-")
+atexit.register(shutil.rmtree, os.environ["VERISPEC_COST_CACHE"], ignore_errors=True)
 # the command line's --compile defaults to auto (a step compiled by an earlier process is used): tests run eager
 # unless they ask, so that no test's output depends on which test compiled first, and no test server compiles
 os.environ["VERISPEC_COMPILE"] = "off"
