@@ -1,8 +1,8 @@
 """Single products streamed from memory (not L3-resident): many copies of one random matrix, multiplied one after
 another at each width, in the file's layout (the one-row paths and tiles otherwise chosen) and laid out 16 rows at a
 time (``blockmm.pack16``), the two taken in turn each round; the best of 5 rounds, ms a product and GB/s of its bytes
-(docs/kernels.md, "2026-12-06 evening"). Rebuild with another ``PACKED_AHEAD`` (simd_body.inc) to compare prefetch
-distances. AVX-512 VNNI CPUs only.
+(docs/kernels.md, "2026-12-06 evening"). ``blockmm.set_packed_prefetch`` first to compare prefetch distances
+(experiments/packed_prefetch_ab.py does so on whole passes). AVX-512 VNNI CPUs only.
 
     python experiments/packed_stream.py [--kinds Q6_K,Q4_K] [--widths 1,2,4,8] [--megabytes 450]
 """

@@ -236,9 +236,9 @@ def test_the_16_row_tiles_give_the_reference_bits_and_keep_rows_invariant(kind):
 def test_the_16_row_layout_gives_the_reference_bits_at_every_width_and_packs_back(kind):
     """``pack16``: 48 weight rows (three tiles) laid out 16 rows at a time and multiplied at 1 to 40 rows on 1 to 3
     threads (``Matrix(..., packed=True)``, every width on the 16-row tiles whatever the other settings: AVX-512 VNNI's
-    for every type, 256-bit ones for the 32-weight types and Q4_K on AVX2), the integers at their extremes too: the
-    reference's bits; unpacking gives the file's bytes back. Three K-type super-blocks a row; 27 blocks of a
-    32-weight type (three groups of eight float lanes, the last of three)."""
+    for every type, 256-bit ones for the 32-weight types and Q4_K on AVX2) and three prefetch distances, the integers
+    at their extremes too: the reference's bits; unpacking gives the file's bytes back. Three K-type super-blocks a
+    row; 27 blocks of a 32-weight type (three groups of eight float lanes, the last of three)."""
     if not blockmm.can_pack16(kind, 16):
         pytest.skip(f"this CPU (best set {blockmm.best_isa()}) has no code that reads {kind} in the 16-row layout")
     K = 768 if kind in blockmm.K_TYPES else 27 * 32
@@ -254,9 +254,10 @@ def test_the_16_row_layout_gives_the_reference_bits_at_every_width_and_packs_bac
             blockmm.pack16(packed, kind)
             assert not torch.equal(packed, blocks)
             matrix = blockmm.Matrix(packed, kind, K, packed=True)
-            try:
-                for threads in (1, 2, 3):
+            try:  # each thread count at another prefetch distance of the layout's readers (0: none)
+                for threads, ahead in ((1, blockmm.PACKED_PREFETCH), (2, 0), (3, 2048)):
                     blockmm.set_threads(threads)
+                    blockmm.set_packed_prefetch(ahead)
                     for M in (1, 2, 3, 4, 5, 8, 9, 16, 25, 40):
                         got = matrix(x[:M])
                         assert torch.equal(got, want[:M]), (M, threads, (got - want[:M]).abs().max())
@@ -410,7 +411,7 @@ def kernel_settings_restored():
     """What ``choose_paths`` sets (instruction sets, one-row limits, Q6_K tiles, prefetch, AMX, the 16-row tiles and
     layout) put back after."""
     before, q6k_before, ahead = blockmm.one_row_limits(), blockmm.q6k_tiles(), blockmm.prefetch()
-    rows16, packed = blockmm.wide16_rows(), blockmm.pack16_kinds()
+    rows16, packed, packed_ahead = blockmm.wide16_rows(), blockmm.pack16_kinds(), blockmm.packed_prefetch()
     try:
         yield
     finally:
@@ -422,6 +423,7 @@ def kernel_settings_restored():
             blockmm.set_wide16(rows, kind)
         blockmm.set_q6k_tiles(q6k_before)
         blockmm.set_prefetch(ahead)
+        blockmm.set_packed_prefetch(packed_ahead)
         blockmm.set_threads(None)
         if blockmm.amx_usable():
             blockmm.set_amx_rows(0)
@@ -455,6 +457,36 @@ def test_choose_paths_compares_the_one_row_path_at_the_prefetch_distance_it_keep
         assert blockmm.prefetch() == fast and blockmm.one_row_limits()["Q4_0"] == 3
 
 
+@pytest.mark.parametrize("fast", [0.95, 0.99])
+def test_the_layouts_prefetch_distance_moves_off_the_default_only_when_clearly_faster(monkeypatch, fast):
+    """Timed on the laid-out copies where they hold ``PACKED_PREFETCH_TIMED_BYTES`` (here lowered to let small ones
+    count), at one row; another distance than the default is kept only if ``PACKED_PREFETCH_MARGIN`` times its time
+    or less (a cached copy's timings differ by noise)."""
+    if not blockmm.can_pack16("Q4_0", 16):
+        pytest.skip(f"this CPU (best set {blockmm.best_isa()}) reads no Q4_0 in the 16-row layout")
+    matrices = [blockmm.Matrix(random_blocks("Q4_0", 64, 1024, seed=i), "Q4_0", 1024) for i in range(2)]
+    other = blockmm.PACKED_PREFETCH_CANDIDATES[1]
+    real = blockmm._time_rounds
+
+    def fake_rounds(settings, apply, mats, rows, rounds):
+        if apply is blockmm.set_packed_prefetch:
+            assert rows == 1 and all(m.packed for m in mats)
+            return {ahead: fast if ahead == other else 1.0 for ahead in settings}
+        return real(settings, apply, mats, rows, rounds)
+
+    monkeypatch.setattr(blockmm, "_time_rounds", fake_rounds)
+    monkeypatch.setattr(blockmm, "PACKED_PREFETCH_TIMED_BYTES", 1)
+    with kernel_settings_restored():
+        found = blockmm.choose_paths(matrices, rounds=1)
+        assert found["packed_prefetch"][1] == tuple(fast if a == other else 1.0 for a in blockmm.PACKED_PREFETCH_CANDIDATES)
+        kept = other if fast < blockmm.PACKED_PREFETCH_MARGIN else blockmm.PACKED_PREFETCH
+        assert blockmm.packed_prefetch() == kept
+        assert blockmm.path_settings(["Q4_0"])["packed_prefetch"] == kept
+        named = " ".join(blockmm.paths_in_use(["Q4_0"]))  # the distance is named where a type is laid out
+        if "Q4_0 laid out" in named:
+            assert (f"the layout fetched {other} B ahead" in named) == (kept != blockmm.PACKED_PREFETCH)
+
+
 def test_choose_paths_times_both_paths_per_k_type_and_keeps_the_faster():
     matrices = [blockmm.Matrix(random_blocks(kind, 64, 1024, seed=i), kind, 1024)
                 for i, kind in enumerate(("Q4_K", "Q6_K", "Q4_0"))]
@@ -462,13 +494,15 @@ def test_choose_paths_times_both_paths_per_k_type_and_keeps_the_faster():
     with kernel_settings_restored():
         found = blockmm.choose_paths(matrices, rounds=3)
         paths = {"Q4_K", "Q6_K", "Q4_0", "Q8_0", "prefetch"}
-        assert set(found) - {"wide", "narrow", "amx", "wide16", "pack16", "amx_packed"} == paths
+        assert set(found) - {"wide", "narrow", "amx", "wide16", "pack16", "amx_packed", "packed_prefetch"} == paths
 
         def won(took):  # the narrowest width from which the first path wins at every wider one
             wins = [rows for rows in took if all(took[w][0] < took[w][1] for w in took if w >= rows)]
             return wins[0] if wins else 0
 
         timed = found.pop("pack16", {})
+        # the layout's prefetch distance is timed only on copies big enough to stream from memory: these sit in a cache
+        assert "packed_prefetch" not in found and blockmm.packed_prefetch() == blockmm.PACKED_PREFETCH
         for kind, took in timed.items():  # every type among the matrices that this CPU reads in the layout
             assert tuple(took) == blockmm.PACK16_WIDTHS and min(min(pair) for pair in took.values()) > 0
             one, wide = took[1], took[blockmm.PACK16_WIDTHS[-1]]
@@ -523,6 +557,8 @@ def test_choose_paths_times_both_paths_per_k_type_and_keeps_the_faster():
             assert blockmm.wide_isa() == blockmm.isa() == blockmm.narrow_isa()
     with pytest.raises(ValueError, match="prefetch distance must be 0..1048576 bytes"):
         blockmm.set_prefetch(-1)
+    with pytest.raises(ValueError, match="packed prefetch distance must be 0..1048576 bytes"):
+        blockmm.set_packed_prefetch(1 << 21)
     with pytest.raises(ValueError, match="F16 has no one-row path"):
         blockmm.set_one_row_limit("F16", 1)
     with pytest.raises(ValueError, match="0..16 rows"):
@@ -683,18 +719,33 @@ def test_amx_tiles_give_the_reference_bits(kind):
 
 
 @pytest.mark.skipif(not blockmm.available() or not blockmm.amx_usable(), reason=NO_AMX)
+def q6_scales_at_ends(raw: torch.Tensor, kind: str) -> list[torch.Tensor]:
+    """Q6_K: copies of ``raw`` whose first 16 rows' weights are all 63 and sub-scales all -128, then all 127 (the
+    ends of the digits the AMX tiles split a sub-scale into); other types: none."""
+    if kind != "Q6_K":
+        return []
+    scales = torch.isin(torch.arange(raw.shape[1]) % TYPES[kind].bytes, torch.arange(192, 208))
+    weights = (torch.arange(raw.shape[1]) % TYPES[kind].bytes) < 192
+    out = []
+    for scale in (0x80, 0x7F):
+        ends = raw.clone()
+        ends[:16] = torch.where(scales, torch.full_like(raw[:16], scale), torch.where(weights, 0xFF, raw[:16]))
+        out.append(ends)
+    return out
+
+
 @pytest.mark.parametrize("kind", blockmm.AMX_PACKED)
 def test_amx_tiles_on_the_16_row_layout_give_the_reference_bits(kind):
     """A type laid out 16 rows at a time (``pack16``) on the AMX tiles, which read that layout as their weight operand:
     one block of 16 activation rows, two, an odd count (a last block alone), a part block, 1-3 threads over 1-4 runs of
-    16 weight rows, the integers at their extremes: the reference's bits."""
+    16 weight rows, the integers at their extremes (Q6_K's sub-scales at both ends): the reference's bits."""
     K = 768
     x = activations(64, K, seed=41)
     x[5] = torch.where(torch.arange(K) % 3 == 0, 1.0, -1.0)  # every value at +-127 after quantization
     with kernel_settings_restored():
         for rows in (16, 64):
             raw = random_blocks(kind, rows, K, seed=rows + 1)
-            for blocks in (raw, at_extremes(raw, kind, slice(0, 16))):
+            for blocks in (raw, at_extremes(raw, kind, slice(0, 16)), *q6_scales_at_ends(raw, kind)):
                 want = reference.matmul(x, blocks, kind)
                 packed = blocks.clone()
                 blockmm.pack16(packed, kind)

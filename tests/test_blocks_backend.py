@@ -413,7 +413,7 @@ def test_matrices_laid_out_16_rows_at_a_time_keep_every_bit(types, monkeypatch):
     monkeypatch.setenv("VERISPEC_COST_CACHE", "0")  # each load times its paths (a stored choice would skip the patch)
     for kinds in ((), types):
         monkeypatch.setattr(blockmm, "_choose_pack16", lambda matrices, rounds, kinds=kinds:
-                            blockmm.set_pack16_kinds(kinds) or {})
+                            (blockmm.set_pack16_kinds(kinds), ({}, ()))[1])
         float_model, rows = k_model(kinds=types)
         model = on_blocks(float_model, rows)
         linears = [m for m in model.model.modules() if isinstance(m, BlockLinear)]
@@ -442,7 +442,8 @@ def test_a_layout_changed_in_place_after_the_load_reaches_the_native_layer_front
     if not blockmm.can_pack16(types[0], 16):
         pytest.skip(f"this CPU (best set {blockmm.best_isa()}) reads no type in the 16-row layout")
     monkeypatch.setenv("VERISPEC_COST_CACHE", "0")  # the load times its paths (a stored choice would skip the patch)
-    monkeypatch.setattr(blockmm, "_choose_pack16", lambda matrices, rounds: blockmm.set_pack16_kinds(types) or {})
+    monkeypatch.setattr(blockmm, "_choose_pack16",
+                        lambda matrices, rounds: (blockmm.set_pack16_kinds(types), ({}, ()))[1])
     float_model, rows = k_model(kinds=types)
     model = on_blocks(float_model, rows)
     assert all(layer.__dict__["forward"].front is not None for layer in model.model.model.layers)

@@ -346,12 +346,14 @@ def _choose_paths(model: nn.Module) -> None:
             return
     found = blockmm.choose_paths(matrices)
     measurements.save(PATHS_RECORD, key, blockmm.path_settings(kinds))
-    if "prefetch" in found:
-        took, = found.pop("prefetch").values()
-        kept = blockmm.prefetch()
-        log.info("block kernel, one row: %s a pass (%s kept)", ", ".join(
-            f"prefetching {ahead} B ahead {ms:.1f} ms" if ahead else f"without prefetching {ms:.1f} ms"
-            for ahead, ms in zip(blockmm.PREFETCH_CANDIDATES, took)), f"{kept} B" if kept else "off")
+    for name, what, candidates, kept in (("prefetch", "one row", blockmm.PREFETCH_CANDIDATES, blockmm.prefetch()),
+                                         ("packed_prefetch", "one row in the 16-row layout",
+                                          blockmm.PACKED_PREFETCH_CANDIDATES, blockmm.packed_prefetch())):
+        if name in found:  # the prefetch distances timed (0: none)
+            took, = found.pop(name).values()
+            log.info("block kernel, %s: %s a pass (%s kept)", what, ", ".join(
+                f"prefetching {ahead} B ahead {ms:.1f} ms" if ahead else f"without prefetching {ms:.1f} ms"
+                for ahead, ms in zip(candidates, took)), f"{kept} B" if kept else "off")
     if "narrow" in found:
         took, = found.pop("narrow").values()
         log.info("block kernel, 1 + 2 rows: %s a pass (%s kept)", ", ".join(

@@ -334,6 +334,21 @@ def set_prefetch(nbytes: int) -> None:
     _native.set_prefetch(int(nbytes))
 
 
+def packed_prefetch() -> int:
+    """How far ahead (bytes) the 16-row layout's readers request each block into L2; 0: off (the hardware's prefetcher
+    alone)."""
+    _require()
+    return _native.packed_prefetch()
+
+
+def set_packed_prefetch(nbytes: int) -> None:
+    """The 16-row layout's readers request each block ``nbytes`` ahead (0..1 MB; 0: off). Speed only: the same bits."""
+    _require()
+    if not 0 <= nbytes <= 1 << 20:
+        raise ValueError(f"packed prefetch distance must be 0..1048576 bytes, not {nbytes}")
+    _native.set_packed_prefetch(int(nbytes))
+
+
 def lookahead() -> tuple[int, int]:
     """(own, other): the bytes of the next matrix each kernel worker fetches between two calls (its own rows; worker 1
     also the calling thread's), while the framework runs; (0, 0): off."""
@@ -422,6 +437,9 @@ def paths_in_use(kinds) -> list[str]:
     if packed:
         readers = "16-row and AMX tiles" if any(tiles.get(kind) for kind in packed) else "16-row tiles at every width"
         named.append(f"{', '.join(packed)} laid out 16 rows at a time ({readers})")
+        if packed_prefetch() != PACKED_PREFETCH:
+            named.append(f"the layout fetched {packed_prefetch()} B ahead" if packed_prefetch()
+                         else "the layout left to the hardware's prefetcher")
     return named
 
 
@@ -449,6 +467,16 @@ def _time_sets(sets: dict, rows: int, rounds: int, apply=lambda setting: None) -
 
 
 PACK16_WIDTHS = (1, 4)  # the widths choose_paths times the 16-row layout at
+PACKED_PREFETCH = 8192  # bytes ahead the 16-row layout's readers request each block (the native default)
+# the distances choose_paths times for it, in order of preference on a tie (0: off); 8 KB was a Zen 4's best, off a
+# Sapphire Rapids VM's (one-token passes of the 1.5B ~12% faster than at 8 KB: docs/kernels.md)
+PACKED_PREFETCH_CANDIDATES = (PACKED_PREFETCH, 2048, 0)
+# timed only on copies of at least this many bytes, and another distance kept only if 3% faster than the default: a
+# small model's copies sit in a cache, where no distance matters (SmolLM2's timed "off" fastest, 1.4 against 1.5 ms,
+# while its whole one-token passes ran 6.1 ms off against 5.3 at 8 KB on the same Sapphire Rapids VM; the 1.5B's ~250 MB
+# of copies timed 2 KB 9-10% faster, as its passes did: docs/kernels.md)
+PACKED_PREFETCH_TIMED_BYTES = 64 << 20
+PACKED_PREFETCH_MARGIN = 0.97
 # kept if at most 35% slower at one row timed so: there, products timed back to back read the layout slower than
 # whole passes do (on a Zen 4 Q4_K up to 19%, Q6_K 16-27% slower so, 0.98x / 1.01x in one-token passes;
 # docs/kernels.md)
@@ -498,26 +526,41 @@ def _packed_copies(mine: list["Matrix"]) -> list["Matrix"]:
     return copies
 
 
-def _choose_pack16(matrices: list["Matrix"], rounds: int) -> dict[str, dict[int, tuple[float, float]]]:
-    """Per block type, its matrices (every fourth of 32 or more) laid out 16 rows at a time (copies) against the paths
+def _choose_pack16(matrices: list["Matrix"], rounds: int) -> tuple[dict, tuple[float, ...]]:
+    """Per block type, its matrices (every fourth of 32 or more) laid out 16 rows at a time (copies): first the
+    layout's prefetch distance, each of ``PACKED_PREFETCH_CANDIDATES`` on all the copies at one row (where memory
+    binds; ``set_packed_prefetch``; only where they hold ``PACKED_PREFETCH_TIMED_BYTES``, another than the default kept
+    only if ``PACKED_PREFETCH_MARGIN`` times its time), then each type's copies at that distance against the paths
     chosen for the file's layout at ``PACK16_WIDTHS``; kept (``set_pack16_kinds``) where faster at 4 rows and within
-    ``PACK16_ONE_ROW_SLACK`` at one. Returns {type: {rows: (ms in the 16-row layout, ms without)}}."""
+    ``PACK16_ONE_ROW_SLACK`` at one. Returns ({type: {rows: (ms in the 16-row layout, ms without)}}, the ms at each
+    distance, () where not timed); ({}, ()) where no matrix can be laid out."""
     timed, kept = {}, set()
     tiles = amx_rows() if amx_usable() else {}
-    for kind in TYPES:
-        mine = _samples(matrices, kind)
-        if not mine or (tiles.get(kind) and kind not in AMX_PACKED):  # (their AMX tiles read the file's layout)
-            continue
-        copies = _packed_copies(mine)
+    samples = {kind: _samples(matrices, kind) for kind in TYPES}
+    copies = {kind: _packed_copies(mine) for kind, mine in samples.items()
+              if mine and not (tiles.get(kind) and kind not in AMX_PACKED)}  # (their AMX tiles read the file's layout)
+    if not copies:
+        set_pack16_kinds(())
+        return {}, ()
+    streamed = [c for cs in copies.values() for c in cs]
+    distances: tuple[float, ...] = ()
+    set_packed_prefetch(PACKED_PREFETCH)
+    if sum(c.blocks.numel() for c in streamed) >= PACKED_PREFETCH_TIMED_BYTES:
+        took = _time_rounds(PACKED_PREFETCH_CANDIDATES, set_packed_prefetch, streamed, 1, rounds)
+        distances = tuple(took[ahead] for ahead in PACKED_PREFETCH_CANDIDATES)
+        best = min(PACKED_PREFETCH_CANDIDATES, key=lambda ahead: took[ahead])  # ties: the first
+        set_packed_prefetch(best if took[best] < took[PACKED_PREFETCH] * PACKED_PREFETCH_MARGIN else PACKED_PREFETCH)
+    for kind, copies_of_kind in copies.items():
+        mine = samples[kind]
         timed[kind] = {}
         for rows in PACK16_WIDTHS:
-            took = _time_sets({True: copies, False: mine}, rows, rounds)
+            took = _time_sets({True: copies_of_kind, False: mine}, rows, rounds)
             timed[kind][rows] = (took[True], took[False])
         one, wide = timed[kind][PACK16_WIDTHS[0]], timed[kind][PACK16_WIDTHS[-1]]
         if wide[0] < wide[1] and one[0] <= one[1] * PACK16_ONE_ROW_SLACK:
             kept.add(kind)
     set_pack16_kinds(kept)
-    return timed
+    return timed, distances
 
 
 def _widths_won(timed: dict[int, tuple[float, float]], widths) -> int:
@@ -528,7 +571,7 @@ def _widths_won(timed: dict[int, tuple[float, float]], widths) -> int:
 
 
 AMX_WIDTHS = (4, 8, 16, 32)  # the widths choose_paths times the AMX tiles at
-AMX_PACKED = ("Q4_K",)  # the types whose 16-row layout (pack16) the AMX tiles read too (the others': the file's)
+AMX_PACKED = ("Q4_K", "Q6_K")  # the types whose 16-row layout (pack16) the AMX tiles read too (the others': the file's)
 WIDE16_WIDTHS = (2, 3, 4, 6, 8)  # the widths choose_paths times the 16-row tiles at (wider passes take them too)
 
 
@@ -564,7 +607,9 @@ def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[in
     ``WIDE16_WIDTHS`` (under "wide16" {type: {rows: (ms on the 16-row tiles, ms without)}}), kept from the narrowest of
     those widths from which they win at every wider one (``set_wide16``); then each type's matrices laid out 16 rows at
     a time (``pack16``: every type on AVX-512 VNNI, the 32-weight types and Q4_K on AVX2) against all of that
-    (``_choose_pack16``; under "pack16" {type: {rows: (ms in that layout, ms without)}}, ``pack16_kinds``), and
+    (``_choose_pack16``; under "pack16" {type: {rows: (ms in that layout, ms without)}}, ``pack16_kinds``; the
+    layout's prefetch distance timed first where the copies are big enough, under "packed_prefetch" {1: (ms at each
+    of PACKED_PREFETCH_CANDIDATES)}), and
     for a type so laid out whose layout the AMX tiles read (``AMX_PACKED``) its tiles again on that layout (under
     "amx_packed", as under "amx"); medians of interleaved rounds; ties go to the earlier candidate (the AVX paths, for
     the tiles)."""
@@ -632,9 +677,11 @@ def choose_paths(matrices: list["Matrix"], rounds: int = 3) -> dict[str, dict[in
                 continue
             found.setdefault("amx", {})[kind] = _choose_amx(kind, mine, rounds)
     if isa() == "avx512vnni" or (isa() != "scalar" and best_isa() != "avx512vnni"):  # the layout's readers run
-        timed = _choose_pack16(matrices, rounds)
+        timed, distances = _choose_pack16(matrices, rounds)
         if timed:
             found["pack16"] = timed
+        if distances:
+            found["packed_prefetch"] = {1: distances}
         for kind in sorted(set(pack16_kinds()) & set(AMX_PACKED)) if amx_usable() else ():
             # the AVX tiles win up to more rows on the layout than on the file's: its AMX tiles timed again on it
             found.setdefault("amx_packed", {})[kind] = _choose_amx(kind, _packed_copies(_samples(matrices, kind)), rounds)
@@ -650,7 +697,7 @@ def path_settings(kinds) -> dict:
     _require()
     kinds = set(kinds)
     return {"one_row": {k: v for k, v in one_row_limits().items() if k in kinds}, "prefetch": prefetch(),
-            "narrow": narrow_isa(), "wide": wide_isa(), "q6k_tiles": q6k_tiles(),
+            "narrow": narrow_isa(), "wide": wide_isa(), "q6k_tiles": q6k_tiles(), "packed_prefetch": packed_prefetch(),
             "wide16": {k: v for k, v in wide16_rows().items() if k in kinds},
             "amx": {k: v for k, v in amx_rows().items() if k in kinds} if amx_usable() else {},
             "pack16": sorted(set(pack16_kinds()) & kinds)}
@@ -664,6 +711,7 @@ def set_path_settings(settings: dict) -> None:
         for kind, rows in settings["one_row"].items():
             set_one_row_limit(kind, int(rows))
         set_prefetch(int(settings["prefetch"]))
+        set_packed_prefetch(int(settings["packed_prefetch"]))
         for name, setter in (("narrow", set_narrow_isa), ("wide", set_wide_isa)):
             if settings[name] not in isas():
                 raise ValueError(f"{name} instruction set {settings[name]!r} is not one this CPU runs")

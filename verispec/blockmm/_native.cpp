@@ -374,6 +374,9 @@ bool g_fused_off = false;
 // bytes ahead of each super-block (group) that the one-row paths request, and on AVX2 the K types' tiles, which share
 // their loop (0: none past the next rows' tile); set_prefetch
 int g_prefetch = 4096;
+// bytes ahead that the 16-row layout's readers request each block into L2 (fetch_ahead in simd_body.inc; 0: none, the
+// hardware's prefetcher alone); set_packed_prefetch. Which distance is best depends on the CPU (docs/kernels.md)
+int g_packed_ahead = 8192;
 inline bool fused_off() { return g_fused_off; }
 // Passes of at most g_one_row[kind] rows take the one-weight-row fused path: for a K type (up to 2 rows) against the
 // tiles (AVX2) or tiles / the buffered path (AVX-512); for a 32-weight type (up to ROWS32 rows) against the buffered
@@ -701,10 +704,10 @@ void matmul(int kind, const float* x, const uint8_t* W, float* y, int M, int N, 
     const int G = is_k(kind) ? K / 256 : (K / 32 + 7) / 8;
     const int64_t stride = 256 * (int64_t)G;  // each row's quantized activations padded to whole groups
 #if VS_X86
-    // the AMX tiles: the file's layout (amx_layout's copy of the activations), or Q4_K's 16-row layout (which reads
-    // the quantized rows themselves, in whole blocks of 16: the rows past M are zero)
+    // the AMX tiles: the file's layout (amx_layout's copy of the activations), or Q4_K's and Q6_K's 16-row layout
+    // (which reads the quantized rows themselves, in whole blocks of 16: the rows past M are zero)
     const bool amx = g_amx == 1 && is_k(kind) && g_amx_rows[kind & 15] > 0 && M >= g_amx_rows[kind & 15] &&
-                     g_isa == ISA_VNNI && (!packed || kind == Q4_K);
+                     g_isa == ISA_VNNI && (!packed || kind == Q4_K || kind == Q6_K);
 #else
     const bool amx = false;
 #endif
@@ -753,7 +756,8 @@ void matmul(int kind, const float* x, const uint8_t* W, float* y, int M, int N, 
         const int n0 = std::min(N, u0 * unit), n1 = std::min(N, u1 * unit);
         if (n0 >= n1) return;
 #if VS_X86
-        if (amx) return packed ? vnni::amx_packed_range(p, n0, n1) : vnni::amx_range(p, n0, n1);
+        if (amx) return !packed ? vnni::amx_range(p, n0, n1)
+                       : kind == Q6_K ? vnni::amx_packed_q6(p, n0, n1) : vnni::amx_packed_range(p, n0, n1);
 #endif
         run_range(p, n0, n1, isa);
     };
@@ -1558,6 +1562,19 @@ PyObject* py_set_prefetch(PyObject*, PyObject* args) {
 
 PyObject* py_prefetch(PyObject*, PyObject*) { return PyLong_FromLong(g_prefetch); }
 
+PyObject* py_set_packed_prefetch(PyObject*, PyObject* args) {
+    int bytes;
+    if (!PyArg_ParseTuple(args, "i", &bytes)) return nullptr;
+    if (bytes < 0 || bytes > (1 << 20)) {
+        PyErr_Format(PyExc_ValueError, "set_packed_prefetch takes 0..1048576 bytes, not %d", bytes);
+        return nullptr;
+    }
+    g_packed_ahead = bytes;
+    Py_RETURN_NONE;
+}
+
+PyObject* py_packed_prefetch(PyObject*, PyObject*) { return PyLong_FromLong(g_packed_ahead); }
+
 PyObject* py_set_lookahead(PyObject*, PyObject* args) {
     long long own, other;
     if (!PyArg_ParseTuple(args, "LL", &own, &other)) return nullptr;
@@ -1646,6 +1663,9 @@ PyMethodDef METHODS[] = {
      "set_row_chunks(n): calls past the one-row paths hand out their rows in about n runs a thread (0: a fixed share)"},
     {"row_chunks", py_row_chunks, METH_NOARGS, "runs of rows a thread a call past the one-row paths (0: a fixed share)"},
     {"prefetch", py_prefetch, METH_NOARGS, "the one-row paths' prefetch distance in bytes"},
+    {"set_packed_prefetch", py_set_packed_prefetch, METH_VARARGS,
+     "set_packed_prefetch(bytes): the 16-row layout's readers request each block this many bytes ahead (0: off)"},
+    {"packed_prefetch", py_packed_prefetch, METH_NOARGS, "the 16-row layout's prefetch distance in bytes (0: off)"},
     {"best_isa", py_best_isa, METH_NOARGS, "the best instruction set this CPU runs"},
     {"set_isa", py_set_isa, METH_VARARGS, "use another instruction set (scalar, avx2, avx512vnni), at most the best"},
     {"wide_isa", py_wide_isa, METH_NOARGS, "the instruction set of products over 3 or more rows"},
