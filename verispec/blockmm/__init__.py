@@ -468,8 +468,8 @@ def _time_sets(sets: dict, rows: int, rounds: int, apply=lambda setting: None) -
 
 PACK16_WIDTHS = (1, 4)  # the widths choose_paths times the 16-row layout at
 PACKED_PREFETCH = 8192  # bytes ahead the 16-row layout's readers request each block (the native default)
-# the distances choose_paths times for it, in order of preference on a tie (0: off); 8 KB was a Zen 4's best, off a
-# Sapphire Rapids VM's (one-token passes of the 1.5B ~12% faster than at 8 KB: docs/kernels.md)
+# the distances choose_paths times for it, in order of preference on a tie (0: off); 8 KB was a Zen 4's best, 2 KB a
+# Sapphire Rapids VM's (the 1.5B's passes 8-9% faster than at 8 KB, 4% without any: docs/kernels.md)
 PACKED_PREFETCH_CANDIDATES = (PACKED_PREFETCH, 2048, 0)
 # timed only on copies of at least this many bytes, and another distance kept only if 3% faster than the default: a
 # small model's copies sit in a cache, where no distance matters (SmolLM2's timed "off" fastest, 1.4 against 1.5 ms,
