@@ -757,7 +757,7 @@ void matmul(int kind, const float* x, const uint8_t* W, float* y, int M, int N, 
         if (n0 >= n1) return;
 #if VS_X86
         if (amx) return !packed ? vnni::amx_range(p, n0, n1)
-                       : kind == Q6_K ? vnni::amx_packed_q6(p, n0, n1) : vnni::amx_packed_range(p, n0, n1);
+                       : kind == Q6_K ? vnni::amx_packed_range<Q6_K>(p, n0, n1) : vnni::amx_packed_range<Q4_K>(p, n0, n1);
 #endif
         run_range(p, n0, n1, isa);
     };
@@ -783,7 +783,8 @@ void matmul(int kind, const float* x, const uint8_t* W, float* y, int M, int N, 
     g_pool->run(threads, task, ahead);
 }
 
-// The 16-row layout (pack16, read by the 16-row tiles at every width, and Q4_K's by the AMX tiles: amx_packed_range):
+// The 16-row layout (pack16, read by the 16-row tiles at every width, and Q4_K's and Q6_K's by the AMX tiles:
+// amx_packed_range):
 // each run of 16 rows keeps its bytes (16 rows' worth, in place), laid out block by block (a K type's super-block, or one 32-weight block): block g of the 16 rows
 // is one run of 16 x (bytes a block) where the block's piece at byte o of row r sits at byte 16 o + width r (Q6_K:
 // 16 q6_place(o) + width r), so the
