@@ -7,13 +7,9 @@ and prints, per drafter, accepted tokens a position and the speedups of a few po
 
     python experiments/copy_pointer_replay.py runs/base_code 1:50,2:55,4:66,8:95.5,16:123
 """
-import json
 import sys
 
-from suffix_ceiling import cost_curve, speedup
-from verispec.backends.references import ensure_tokenizer
-from verispec.bench.prompts import load_questions
-from verispec.drafters.suffix import SuffixDrafter, SuffixStore, _Trie
+from suffix_ceiling import cost_curve, load_run, replay, speedup
 
 W_BACK, W_FWD = 4, 48
 
@@ -84,52 +80,32 @@ class Anchor:
         return seq[i:end]
 
 
-def replay(records, prompts, tok, most, mode):
-    store = SuffixStore()
-    out = {}
-    for r in records:
-        prompt = tok.apply_chat_template([{"role": "user", "content": prompts[str(r["question_id"])]}],
-                                         add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
-        answer = r["token_ids"]
-        d = SuffixDrafter(store=store); d.reset()
-        d._sync(prompt)
-        anchor = Anchor(store, d._sid)
-        rows = []
-        for p in range(len(answer)):
-            context = prompt + answer[:p]
-            d._sync(context)
+def anchored(mode):
+    """replay's ``first``: the pointer's drafts (mode "anchor" or "anchor+skip"), none for "suffix"."""
+    if mode == "suffix":
+        return None
+
+    def first(store, drafter, prompt):
+        drafter._sync(prompt)
+        anchor = Anchor(store, drafter._sid)
+
+        def draft(context, p, answer):
             if p:
                 anchor.step(context, answer[p - 1])
-            tokens = None
-            if mode != "suffix":
-                tokens = anchor.draft(context, most, skip=(mode == "anchor+skip"))
-            m = 99
-            if not tokens:
-                m, conts = store.matches(context, d.max_match, most, exclude_end=(d._sid, len(context)), min_n=d.min_n)
-                conts = [c for c in conts if c]
-                tokens = _Trie(conts).best_chain(most, d.min_share)[0] if conts else []
-            a = 0
-            while a < len(tokens) and p + a < len(answer) and tokens[a] == answer[p + a]:
-                a += 1
-            rows.append({"n": len(tokens), "m": m if tokens else 0, "a": a})
-        d._finish()
-        out[str(r["question_id"])] = {"group": r["group"], "rows": rows}
-    return out
+            return anchor.draft(context, 32, skip=(mode == "anchor+skip"))
+        return draft
+    return first
 
 
 if len(sys.argv) != 3:
     sys.exit(__doc__)
 run, costs = sys.argv[1], sys.argv[2]
 cost = cost_curve(costs)
-records = [json.loads(l) for l in open(run + "/records.jsonl")]
-records = [r for r in records if r["method"] == "baseline" and r["turn"] == 1]
-config = json.loads(open(run + "/summary.json").read())["config"]
-prompts = {str(q.question_id): q.turns[0] for q in load_questions(config.get("prompts"))}
-tok = __import__("transformers").AutoTokenizer.from_pretrained(str(ensure_tokenizer(config["target"])))
+records, prompts, tok = load_run(run)
 groups = sorted({r["group"] for r in records})
 print("| drafter | policy | " + " | ".join(groups) + " | all | accepted/pos |")
 for mode in ("suffix", "anchor", "anchor+skip"):
-    ans = replay(records, prompts, tok, 32, mode)
+    ans = replay(records, prompts, tok, 32, anchored(mode))
     acc = sum(r["a"] for a in ans.values() for r in a["rows"]) / sum(len(a["rows"]) for a in ans.values())
     pols = {"oracle": lambda r: r["a"], "fixed-2": lambda r: 2, "fixed-4": lambda r: 4, "fixed-8": lambda r: 8}
     for name, pol in pols.items():

@@ -48,9 +48,11 @@ def cost_curve(text: str):
     return cost
 
 
-def replay(records: list[dict], prompts: dict, tokenizer, most: int) -> dict[str, list[dict]]:
+def replay(records: list[dict], prompts: dict, tokenizer, most: int, first=None) -> dict[str, list[dict]]:
     """Per answer (question id): at each position the draft's length, the suffix match's length and the tokens
-    greedy verification accepts."""
+    greedy verification accepts. ``first(store, drafter, prompt)``, if given, is called per answer and returns a
+    function of (context, position, answer) whose draft, where it gives one, is taken instead of the suffix
+    drafter's (match length 0): another drafter replayed beside it (experiments/copy_pointer_replay.py)."""
     store = SuffixStore()
     out = {}
     for r in records:
@@ -59,14 +61,17 @@ def replay(records: list[dict], prompts: dict, tokenizer, most: int) -> dict[str
         answer = r["token_ids"]
         drafter = SuffixDrafter(store=store)
         drafter.reset()
+        own = first(store, drafter, prompt) if first else None
         rows = []
         for p in range(len(answer)):
             context = prompt + answer[:p]
             drafter._sync(context)
-            match, conts = store.matches(context, drafter.max_match, most, exclude_end=(drafter._sid, len(context)),
-                                         min_n=drafter.min_n)
-            conts = [c for c in conts if c]
-            tokens = _Trie(conts).best_chain(most, drafter.min_share)[0] if conts else []
+            tokens, match = (own(context, p, answer) if own else None), 0
+            if not tokens:
+                match, conts = store.matches(context, drafter.max_match, most,
+                                             exclude_end=(drafter._sid, len(context)), min_n=drafter.min_n)
+                conts = [c for c in conts if c]
+                tokens = _Trie(conts).best_chain(most, drafter.min_share)[0] if conts else []
             accepted = 0
             while accepted < len(tokens) and p + accepted < len(answer) and tokens[accepted] == answer[p + accepted]:
                 accepted += 1
@@ -90,6 +95,18 @@ def speedup(answers: dict, policy, cost, group: str | None = None) -> float:
     return tokens / seconds * cost(1)
 
 
+def load_run(run: str, method: str = "baseline"):
+    """(the first-turn records of ``method``, {question id: prompt}, the target's tokenizer) of a bench run."""
+    records = [json.loads(line) for line in open(Path(run) / "records.jsonl")]
+    records = [r for r in records if r["method"] == method and r["turn"] == 1]
+    if not records:
+        sys.exit(f"no first-turn records of method {method!r} in {run}")
+    config = json.loads((Path(run) / "summary.json").read_text())["config"]
+    prompts = {str(q.question_id): q.turns[0] for q in load_questions(config.get("prompts"))}
+    tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(str(ensure_tokenizer(config["target"])))
+    return records, prompts, tokenizer
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("run", help="a verispec bench output folder whose records hold greedy baseline answers")
@@ -98,13 +115,7 @@ def main() -> int:
     ap.add_argument("--most", type=int, default=32, help="longest draft proposed (default: 32)")
     args = ap.parse_args()
     cost = cost_curve(args.costs)
-    records = [json.loads(line) for line in open(Path(args.run) / "records.jsonl")]
-    records = [r for r in records if r["method"] == args.method and r["turn"] == 1]
-    if not records:
-        sys.exit(f"no first-turn records of method {args.method!r} in {args.run}")
-    config = json.loads((Path(args.run) / "summary.json").read_text())["config"]
-    prompts = {str(q.question_id): q.turns[0] for q in load_questions(config.get("prompts"))}
-    tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(str(ensure_tokenizer(config["target"])))
+    records, prompts, tokenizer = load_run(args.run, args.method)
     answers = replay(records, prompts, tokenizer, args.most)
     by_match = collections.defaultdict(list)
     for a in answers.values():
