@@ -40,3 +40,24 @@ def test_the_loop_calls_hooks_instead_of_probing_for_them():
     found = {name: probe.findall((ROOT / "verispec" / name).read_text()) for name in files}
     assert {name: hits for name, hits in found.items() if hits} == {}
 
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_between_the_docs_resolve():
+    """Every relative link in the README and docs/ names a file of the clone and, with #anchor, one of its headings."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for target, anchor in re.findall(r"\]\(([^)#\s:]*)(?:#([^)\s]+))?\)", page.read_text()):
+            path = (page.parent / target).resolve() if target else page
+            if not path.exists():
+                broken.append(f"{page.name}: {target}")
+            elif anchor and path.suffix == ".md":
+                headings = {_anchor(line.lstrip("#")) for line in path.read_text().splitlines() if line.startswith("#")}
+                if anchor not in headings:
+                    broken.append(f"{page.name}: {target}#{anchor}")
+    assert not broken
