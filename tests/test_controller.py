@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 from statistical_helpers import ALPHA, joint_p_value
 from verispec import InvalidRequest, ModelDrafter, NgramDrafter, SamplingParams, SpeculativeDecoder
 from verispec.analysis import expected_tokens
-from verispec.controller import Acceptance, Controller, CostCurve, RunningMean
+from verispec.controller import Acceptance, Controller, CostCurve, Decision, RunningMean
 
 
 class FixedCosts(CostCurve):
@@ -197,6 +197,36 @@ def test_positions_after_the_first_are_calibrated_apart():
     assert one_table.verify_length(4, [0.85] * 4, deterministic=True).n < 4
 
 
+def test_a_drafter_that_stops_early_drafts_by_its_confidences_not_by_positions_it_never_reached():
+    """A draft model pays per token drafted. Asked for the tokens the acceptance by position says pay, it was kept
+    at one token by a second position that failed early on and was never drafted again (0.98 accepted at the first
+    position, 2026-12-08); a drafter that stops early is asked for the whole budget and stops where its tokens'
+    calibrated confidences say another would not pay."""
+    def trained(stops_early: bool) -> Controller:
+        c = controller(slope=0.1, acceptance=0.9, draft_seconds_per_token=0.002, stops_early=stops_early)
+        for _ in range(200):  # sure first positions accepted, unsure second ones rejected
+            c.observe_verdict(2, 1, [0.95, 0.05])
+        return c
+
+    by_position = trained(stops_early=False)
+    assert by_position.state.acceptance.at(1) < 0.05 and by_position.draft_budget(8) == Decision(1, *_rest(by_position))
+    c = trained(stops_early=True)
+    budget = c.draft_budget(8)
+    assert budget.n == 8 and budget.open
+    assert c.draft_more([0.95], 8) and c.draft_more([0.95, 0.95, 0.95], 8)  # sure tokens: go on
+    assert not c.draft_more([0.95, 0.05], 8)  # an unsure one (its later positions were rejected): stop
+    assert not c.draft_more([0.95] * 8, 8)  # the budget is the ceiling
+    dear = controller(slope=0.1, acceptance=0.9, draft_seconds_per_token=0.05, stops_early=True)  # 5 passes a token
+    assert not dear.draft_more([0.95], 8)
+    assert controller(slope=0.1, acceptance=0.9, policy="fixed", stops_early=True).draft_budget(8) == \
+        Decision(8, 1.0, 0.0)  # the fixed policy verifies what it asked for: nothing stops early
+
+
+def _rest(c: Controller) -> tuple[float, float]:
+    d = c.draft_budget(8)
+    return d.predicted_tokens, d.predicted_seconds
+
+
 @settings(max_examples=200, deadline=None)
 @given(conf=st.lists(st.floats(0, 1), min_size=1, max_size=12), tail=st.lists(st.floats(0, 1), max_size=12),
        slope=st.floats(0.01, 2.0))
@@ -287,6 +317,28 @@ def test_greedy_output_is_identical_whatever_the_controller_decides(tiny_target,
         st_ = out.stats
         assert st_.k_policy == "cost" and len(st_.step_budget) == st_.verify_steps
         assert st_.predicted_speedup is not None and st_.measured_speedup is not None
+
+
+def test_a_draft_model_stops_where_the_controller_says_and_keeps_the_output(tiny_target, tiny_noisy_draft):
+    """The engine asks a draft model for the whole budget with the controller's stopping rule: drafts end at
+    different lengths short of the budget, and greedy output is plain decoding's."""
+    prompt = [5, 9, 3, 5, 9, 4, 7, 5, 9, 3]
+    expected = SpeculativeDecoder(tiny_target).generate(prompt, max_new_tokens=40).token_ids
+    drafter = ModelDrafter(tiny_noisy_draft, tiny_target)
+    asked, real = [], drafter.propose
+
+    def spy(context, k, enough=None):
+        draft = real(context, k, enough=enough)
+        asked.append((k, len(draft), enough is not None))
+        return draft
+
+    drafter.propose = spy
+    decoder = with_costs(SpeculativeDecoder(tiny_target, drafter, k=6), 0.1)
+    decoder.controller.costs.base = 0.02  # drafting is not free next to a pass (else the whole budget is drafted)
+    assert decoder.generate(prompt, max_new_tokens=40).token_ids == expected
+    opened = [(k, n) for k, n, rule in asked if rule]
+    assert opened and max(k for k, _ in opened) == 6  # the budget (less near the end of the output)
+    assert len({n for _, n in opened}) >= 2 and any(n < k for k, n in opened), asked
 
 
 def test_the_cheaper_the_verify_the_more_it_speculates(tiny_target, tiny_noisy_draft):

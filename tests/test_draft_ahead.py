@@ -74,12 +74,12 @@ def test_a_failing_worker_costs_a_warning_not_the_answer(tiny_target, tiny_noisy
     real = ParallelModelDrafter._draft
     calls = {"n": 0}
 
-    def flaky(self, feed, k, generator, stop=None):
+    def flaky(self, feed, k, generator, stop=None, enough=None):
         if stop is not None:  # the worker's drafting
             calls["n"] += 1
             if calls["n"] % 2:
                 raise RuntimeError("the draft's context window is full")
-        return real(self, feed, k, generator, stop)
+        return real(self, feed, k, generator, stop, enough)
 
     monkeypatch.setattr(ParallelModelDrafter, "_draft", flaky)
     with caplog.at_level(logging.WARNING, logger="verispec.drafters.model"):

@@ -384,6 +384,7 @@ class Decision:
     predicted_tokens: float  # expected committed tokens
     predicted_seconds: float  # expected step time (draft + verify)
     probe: bool = False  # verified to learn, against the rule's advice
+    open: bool = False  # n is a ceiling: a drafter that stops early ends the draft where ``draft_more`` says
 
     @property
     def rate(self) -> float:
@@ -416,7 +417,8 @@ class Controller:
     def __init__(self, costs: CostCurve, policy: str = COST, margin: float = 0.03, probe_length: int = 2,
                  first_probe_interval: int = 8, max_probe_interval: int = 64, request_weight: float = 4.0,
                  cheap_draft: float = 0.02, plain_relax: float = 0.03,
-                 source: Callable[[], CostCurve] | None = None, flat_cost: bool = False) -> None:
+                 source: Callable[[], CostCurve] | None = None, flat_cost: bool = False,
+                 stops_early: bool = False) -> None:
         if policy not in K_POLICIES:
             raise InvalidRequest(f"k policy must be one of {', '.join(K_POLICIES)}, got {policy!r}")
         self._costs = costs
@@ -438,6 +440,8 @@ class Controller:
         self.draft_seconds_per_token = RunningMean(0.0, 0.0, 0.1)  # across requests (per proposal: flat_cost)
         # the drafter's proposals cost about the same whatever their length (``Drafter.flat_cost``: lookups)
         self.flat_cost = flat_cost
+        # the drafter drafts token by token and stops where ``draft_more`` says (``Drafter.stops_early``)
+        self.stops_early = stops_early
         # what reading one committed token costs a drafter that catches up (a draft model after plain steps)
         self.catch_up_seconds_per_token = RunningMean(0.0, 0.0, 0.1)
         self.state = self.start_request()
@@ -595,7 +599,31 @@ class Controller:
             # confidences say pays (the acceptance by position alone, its first position lowered by every weak
             # match, had chosen one token)
             decision = Decision(k_max, decision.predicted_tokens, decision.predicted_seconds)
+        elif self.stops_early and not decision.probe:
+            # the drafter stops where its tokens' confidences say another would not pay (draft_more): the
+            # acceptance by position alone never learns of a position it never drafts (a draft model accepted 98%
+            # at its first position was kept at one token by one early miss at its second)
+            decision = Decision(k_max, decision.predicted_tokens, decision.predicted_seconds, open=True)
         return decision
+
+    def draft_more(self, confidence: list[float], k_max: int, fed: int = 1) -> bool:
+        """While a drafter that stops early drafts (``Decision.open``): whether another token is worth drafting after
+        those with these confidences. The positions after them are taken at the last one's calibrated confidence (a
+        draft model sure of one token is often sure of the next; what that predicts is learned per confidence at
+        the positions after a draft's first); drafting goes on while some longer draft, its drafting and its wider
+        pass counted, would commit more tokens a second than the draft so far. It reads the confidences only, never
+        the drawn tokens, so it is a stopping rule (lossless, as verify_length's)."""
+        i = len(confidence)
+        if i == 0:
+            return True
+        if i >= k_max or not self.active:
+            return i < k_max
+        known = self._estimate(i, confidence)
+        ahead = self.state.acceptance.calibrated(confidence[-1], i)
+        rate = lambda accept: (self.other_tokens + expected_tokens(accept)) / (  # noqa: E731
+            self.draft_cost(len(accept)) + self.pass_cost(fed + len(accept)))
+        now = rate(known)
+        return any(rate(known + [ahead] * m) > now for m in range(1, k_max - i + 1))
 
     def verify_length(self, length: int, confidence: list[float] | None, deterministic: bool,
                       fed: int = 1) -> Decision:

@@ -184,7 +184,8 @@ class SpeculativeDecoder:
         # backends always): a tree drafter's curve is its own
         curves = functools.partial(shared_cost_curve, target, trees=self._trees)
         self.controller = Controller(curves(), policy=k_policy, source=curves,
-                                     flat_cost=drafter is not None and drafter.flat_cost)
+                                     flat_cost=drafter is not None and drafter.flat_cost,
+                                     stops_early=drafter is not None and drafter.stops_early)
         self._cache: KVCache | None = None
         self._cached_tokens: list[int] = []
         self._features = FeatureBuffer()
@@ -456,9 +457,9 @@ class SpeculativeDecoder:
         draft: Draft = EMPTY_DRAFT
         if self.drafter is not None:
             self.controller.follow_source()
-            budget = self._draft_budget(state, k, len(uncached))
+            budget, open_ = self._draft_budget(state, k, len(uncached))
             if budget > 0:
-                draft = self._propose(state, budget)
+                draft = self._propose(state, budget, len(uncached) if open_ else None)
                 self.controller.observe_draft(len(draft), time.perf_counter() - t0, draft.catch_up,
                                               draft.catch_up_seconds)
                 if draft.parents is None:  # a chain: verify what pays; a tree is verified whole
@@ -521,14 +522,16 @@ class SpeculativeDecoder:
         return [*accepted, next_token], draft.depth, n_own
 
     # ----------------------------------------------------------------- the step's parts
-    def _draft_budget(self, state: SequenceState, k: int, uncached: int) -> int:
-        """Draft tokens to ask for: at most k, what the output and the context window still hold, and what the
-        controller finds worth a wider pass (0 = a plain step)."""
+    def _draft_budget(self, state: SequenceState, k: int, uncached: int) -> tuple[int, bool]:
+        """(Draft tokens to ask for, whether the drafter may stop before them): at most k, what the output and the
+        context window still hold, and what the controller finds worth a wider pass (0 = a plain step)."""
         k = max(0, min(k, self._draft_room(state)))
+        open_ = False
         if k > 0:
-            k = self.controller.draft_budget(k, uncached, self.drafter.tree_depth).n
+            decision = self.controller.draft_budget(k, uncached, self.drafter.tree_depth)
+            k, open_ = decision.n, decision.open
         state.stats.step_budget.append(k)
-        return k
+        return k, open_
 
     def _draft_room(self, state: SequenceState) -> int:
         """Draft tokens the sequence can still take: the output's limit (the step commits one more) and the context
@@ -555,11 +558,15 @@ class SpeculativeDecoder:
         confidence = None if draft.confidence is None else [*draft.confidence, *[0.0] * len(extra)]
         return Draft([*draft.tokens, *extra], None, None, confidence)
 
-    def _propose(self, state: SequenceState, k: int) -> Draft:
+    def _propose(self, state: SequenceState, k: int, fed: int | None = None) -> Draft:
+        """The drafter's proposal of up to k tokens; with ``fed`` (the pass's committed tokens), a drafter that stops
+        early ends it where the controller's ``draft_more`` says another token would not pay."""
+        extra = {}
         if self.feature_layers:
-            draft = self.drafter.propose(state.tokens, k, features=state.features.view())
-        else:
-            draft = self.drafter.propose(state.tokens, k)
+            extra["features"] = state.features.view()
+        if fed is not None:
+            extra["enough"] = lambda confidence: not self.controller.draft_more(confidence, k, fed)
+        draft = self.drafter.propose(state.tokens, k, **extra)
         draft = draft.truncated(k) if len(draft) > k else draft
         # a token the target has no row for cannot be accepted, and no engine takes it (llama.cpp refuses the batch,
         # an embedding raises): the draft ends before it. The process's suffix store holds every model's sequences,

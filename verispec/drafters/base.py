@@ -76,6 +76,10 @@ class Drafter(Protocol):
     ``flat_cost``: whether a proposal costs about the same whatever its length (a lookup), so the controller counts
     its drafting time per proposal rather than per token.
 
+    ``stops_early``: whether ``propose`` takes ``enough``, a function of the confidences of the tokens drafted so far
+    that says when drafting another token would not pay (the controller's ``draft_more``, negated); the engine then
+    asks for the whole budget and the drafter stops where it says (a draft model, which pays per token drafted).
+
     Every drafter derives from ``DrafterBase``, which gives the defaults (no hidden states, chains, nothing to reset
     or observe) and the optional hooks (``observe_logits``, ``join_siblings``), so the engine calls them as they are."""
 
@@ -83,6 +87,7 @@ class Drafter(Protocol):
     feature_layers: tuple[int, ...]
     tree_depth: int | None
     flat_cost: bool
+    stops_early: bool
 
     def reset(self, sampling: SamplingParams, generator: torch.Generator | None) -> None:
         """Start a new sequence; drafters that sample use these parameters and this generator."""
@@ -103,6 +108,7 @@ class DrafterBase:
     tree_depth: int | None = None
     prompt_feature_rows: int | None = None  # a prompt's last rows whose hidden states it reads (None: all)
     flat_cost: bool = False  # a proposal costs the same whatever its length (see ``Drafter``; lookups set it)
+    stops_early: bool = False  # propose() takes ``enough`` and stops drafting where it says (see ``Drafter``)
 
     def reset(self, sampling: SamplingParams | None = None, generator: torch.Generator | None = None) -> None:
         pass

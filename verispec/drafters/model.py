@@ -8,7 +8,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -31,6 +31,7 @@ class ModelDrafter(DrafterBase):
     request left after the prompt they share) and feeds only the rest."""
 
     name = "model"
+    stops_early = True  # each draft token costs a pass of the draft model: stop where another would not pay
 
     def __init__(self, draft: TargetModel, target: TargetModel | None = None, *, check_chat_template: bool = True):
         if target is not None:
@@ -57,10 +58,13 @@ class ModelDrafter(DrafterBase):
         return q
 
     @torch.inference_mode()
-    def propose(self, context: Sequence[int], k: int) -> Draft:
+    def propose(self, context: Sequence[int], k: int,
+                enough: Callable[[list[float]], bool] | None = None) -> Draft:
+        """Up to ``k`` tokens; ``enough``, if given, is asked after each with the confidences so far and ends the
+        draft when it says so (the controller's stopping rule: it reads the confidences, never the drawn tokens)."""
         feed = self._realign(context)
         catch_up, catch_up_seconds = self._catch_up(feed)
-        tokens, probs, confidence = self._draft(feed[catch_up:], k, self.generator)
+        tokens, probs, confidence = self._draft(feed[catch_up:], k, self.generator, enough=enough)
         return Draft(tokens, torch.stack(probs) if probs else None, confidence=confidence, catch_up=catch_up,
                      catch_up_seconds=catch_up_seconds)
 
@@ -75,9 +79,11 @@ class ModelDrafter(DrafterBase):
         return list(context[keep:])
 
     def _draft(self, feed: list[int], k: int, generator: torch.Generator | None,
-               stop: threading.Event | None = None) -> tuple[list[int], list[torch.Tensor], list[float]]:
+               stop: threading.Event | None = None, enough: Callable[[list[float]], bool] | None = None,
+               ) -> tuple[list[int], list[torch.Tensor], list[float]]:
         """Up to k tokens sampled one at a time after reading ``feed``; every token but the last is read into the
-        cache. ``stop`` (set by another thread) ends the loop after the current pass."""
+        cache. ``stop`` (set by another thread) ends the loop after the current pass; ``enough(confidences)`` after
+        a token when it returns True."""
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
         confidence: list[float] = []
@@ -93,6 +99,8 @@ class ModelDrafter(DrafterBase):
             tokens.append(token)
             probs.append(q)
             feed = [token]
+            if enough is not None and len(tokens) < k and enough(confidence):
+                break
         return tokens, probs, confidence
 
     # observe(): nothing to learn; the next propose() realigns the cache with the committed context
@@ -155,6 +163,8 @@ class ParallelModelDrafter(ModelDrafter):
     for both). On a 2-core CPU the two then share the cores and this loses to sequential drafting (docs/draft-models.md).
 
     ``hits`` / ``misses``: proposals taken from the worker / dropped."""
+
+    stops_early = False  # the worker drafts the next proposal whole, before the step that would cut it
 
     def __init__(self, draft: TargetModel, target: TargetModel | None = None, *, check_chat_template: bool = True):
         self._worker: threading.Thread | None = None
