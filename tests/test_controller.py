@@ -222,6 +222,21 @@ def test_a_drafter_that_stops_early_drafts_by_its_confidences_not_by_positions_i
         Decision(8, 1.0, 0.0)  # the fixed policy verifies what it asked for: nothing stops early
 
 
+def test_a_later_position_never_reached_at_a_confidence_says_what_the_first_position_does():
+    """An uncalibrated drafter (a head whose largest probability is 0.15 while its tokens are accepted) stopped at
+    one token by the later positions' table at its bin's middle (0.15) would never reach them to learn otherwise:
+    until a later position is seen at that confidence, it reads the first position's table, and starts from it."""
+    acc = Acceptance()
+    for _ in range(100):
+        acc.observe(1, 1, [0.15])  # first positions at 0.15, all accepted
+    assert acc.calibrated(0.15) > 0.95 and acc.calibrated(0.15, 1) == acc.calibrated(0.15)
+    assert acc.calibrated(0.85, 1) == pytest.approx(0.85)  # nothing seen at 0.85 anywhere: the bin's middle
+    acc.observe(2, 1, [0.15, 0.15])  # a second position reached, rejected
+    assert 0.5 < acc.calibrated(0.15, 1) < acc.calibrated(0.15)  # it started from the first position's value
+    copy = acc.copy(4.0)
+    assert copy.calibrated(0.15, 1) == acc.calibrated(0.15, 1) and copy.later_seen == acc.later_seen
+
+
 def _rest(c: Controller) -> tuple[float, float]:
     d = c.draft_budget(8)
     return d.predicted_tokens, d.predicted_seconds

@@ -217,6 +217,31 @@ def test_eagle_greedy_equals_plain_greedy(small_target, trained_head_dir, k):
             assert got.token_ids == expected, (k, prompt)
 
 
+def test_an_eagle_chain_stops_where_the_controller_says_and_keeps_the_output(small_target, trained_head_dir):
+    """A chain asks the controller after each token whether another pays (``stops_early``); its drafts end short of
+    the budget at several lengths and greedy output is plain decoding's. A tree spends its node budget whole."""
+    from test_controller import FixedCosts  # a given cost curve: what the controller decides does not follow the host
+
+    drafter = EagleDrafter(small_target, trained_head_dir[0], precision="float32")
+    assert drafter.stops_early and not EagleDrafter(small_target, trained_head_dir[0], tree=True).stops_early
+    asked, real = [], drafter.propose
+
+    def spy(context, k, features=None, enough=None):
+        draft = real(context, k, features=features, enough=enough)
+        asked.append((k, len(draft), enough is not None))
+        return draft
+
+    drafter.propose = spy
+    decoder = SpeculativeDecoder(small_target, drafter, k=6)
+    decoder.controller.costs = FixedCosts(0.1, base=0.02)  # a pass costs far more than a head step, not 50 times
+    for prompt in PROMPTS:
+        expected = SpeculativeDecoder(small_target).generate(prompt, max_new_tokens=40).token_ids
+        assert decoder.generate(prompt, max_new_tokens=40).token_ids == expected, prompt
+    opened = [(k, n) for k, n, rule in asked if rule]
+    assert opened and max(k for k, _ in opened) == 6
+    assert len({n for _, n in opened}) >= 2 and any(n < k for k, n in opened), asked
+
+
 def counting_sources(drafter: EagleDrafter) -> dict[str, int]:
     """Count the proposals an ``eagle+suffix`` drafter took from the suffix store and from its head."""
     counts = {"suffix": 0, "head": 0}

@@ -328,6 +328,10 @@ class Acceptance:
         self.positions: list[RunningMean] = []
         self.bins = self._new_bins()  # a draft's first position
         self.later = self._new_bins()  # the positions after it
+        # verdicts seen per bin of ``later``: a bin never reached says what the first position's bin says (not the
+        # bin's middle), and starts there when it is: a drafter stopped at one token by a pessimistic later bin would
+        # never reach that bin to correct it
+        self.later_seen = [0] * self.BINS
 
     def _new_bins(self) -> list[RunningMean]:
         return [RunningMean((b + 0.5) / self.BINS, self.weight, self.smoothing) for b in range(self.BINS)]
@@ -338,6 +342,7 @@ class Acceptance:
         out.positions = [m.copy(max_weight) for m in self.positions]
         out.bins = [m.copy(max_weight) for m in self.bins]
         out.later = [m.copy(max_weight) for m in self.later]
+        out.later_seen = list(self.later_seen)
         return out
 
     def _position(self, i: int) -> RunningMean:
@@ -361,7 +366,8 @@ class Acceptance:
 
     def calibrated(self, confidence: float, position: int = 0) -> float:
         """Acceptance of draft position ``position`` (0-based; those before it accepted) at ``confidence``."""
-        return (self.later if position else self.bins)[_bin(confidence, self.BINS)].value
+        b = _bin(confidence, self.BINS)
+        return (self.later if position and self.later_seen[b] else self.bins)[b].value
 
     def observe(self, verified: int, accepted: int, confidence: list[float] | None = None) -> None:
         """A draft of which ``verified`` tokens were checked and the first ``accepted`` of them kept."""
@@ -369,7 +375,12 @@ class Acceptance:
             hit = 1.0 if i < accepted else 0.0
             self._position(i).add(hit)
             if confidence is not None and i < len(confidence):
-                (self.later if i else self.bins)[_bin(confidence[i], self.BINS)].add(hit)
+                b = _bin(confidence[i], self.BINS)
+                if i and not self.later_seen[b]:
+                    self.later[b].value = self.bins[b].value
+                if i:
+                    self.later_seen[b] += 1
+                (self.later if i else self.bins)[b].add(hit)
 
 
 def _bin(confidence: float, bins: int) -> int:

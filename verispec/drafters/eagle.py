@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -67,6 +67,7 @@ class EagleDrafter(DrafterBase):
         check_whole("eagle tree depth", depth)
         check_whole("eagle tree width", width)
         self.tree, self.depth, self.width = bool(tree), depth, width
+        self.stops_early = not self.tree  # a chain pays a head step a token: it stops where draft_more says
         if lookup and not tree:
             raise InvalidRequest("the eagle drafter's lookup branch needs tree mode (tree=True / --eagle-tree)")
         if suffix and tree:
@@ -132,7 +133,10 @@ class EagleDrafter(DrafterBase):
         return self.depth if self.tree else None
 
     @torch.inference_mode()
-    def propose(self, context: Sequence[int], k: int, features: torch.Tensor | None = None) -> Draft:
+    def propose(self, context: Sequence[int], k: int, features: torch.Tensor | None = None,
+                enough: Callable[[list[float]], bool] | None = None) -> Draft:
+        """A chain of up to ``k`` tokens (``enough``, if given, asked after each with the confidences so far, ends it
+        where it says), or a tree of ``k`` nodes."""
         if features is None:
             raise InvalidRequest("the eagle drafter reads the target's hidden states; run it through "
                                  "SpeculativeDecoder, which passes them")
@@ -183,6 +187,8 @@ class EagleDrafter(DrafterBase):
                 token = sample(q, self.generator)
                 probs.append(q)
             tokens.append(token)
+            if depth + 1 < k and enough is not None and enough(confidence):
+                break
             if depth + 1 < k:
                 g, logits = self.steps.step_logits(torch.tensor([token], device=device), g[None], self._cache,
                                                    self.vocab.extra)
