@@ -422,3 +422,22 @@ def test_a_wide_width_measured_during_a_stall_does_not_make_every_draft_look_dea
     curve.observe(13, 0.0755)
     assert 0.0255 < curve(4) < 0.0285 and 0.034 < curve(11) < 0.037
     assert curve(5) - curve(4) < 0.002  # a draft token costs ~1.2 ms of pass, not ~5
+
+
+def test_every_drafter_that_stops_early_takes_the_rule():
+    """The engine passes ``enough`` to a drafter that declares ``stops_early`` (a subclass inherits the declaration:
+    the layer-skip drafter, a draft model over the target's own layers, first overrode propose() without it)."""
+    import inspect
+
+    import verispec.bench.arctic_peer  # noqa: F401  (every drafter class defined)
+    import verispec.drafters  # noqa: F401
+    from verispec.drafters.base import DrafterBase
+
+    def subclasses(cls):
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from subclasses(sub)
+
+    stopping = [cls for cls in subclasses(DrafterBase) if cls.stops_early]
+    assert {"ModelDrafter", "LayerSkipDrafter"} <= {cls.__name__ for cls in stopping}
+    assert [cls.__name__ for cls in stopping if "enough" not in inspect.signature(cls.propose).parameters] == []

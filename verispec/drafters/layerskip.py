@@ -15,7 +15,7 @@ and OpenVINO run a whole compiled graph per pass and have no way to leave layers
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ..backends.base import TargetModel
 from ..errors import InvalidRequest
@@ -63,8 +63,8 @@ class LayerSkipDrafter(ModelDrafter):
             log.info("layerskip drafts with %d of the %d layers of %s (skipping %s)", count - len(self.skipped),
                      count, target.name, format_layers(self.skipped))
 
-    def propose(self, context: Sequence[int], k: int) -> Draft:
-        return EMPTY_DRAFT if self.idle else super().propose(context, k)
+    def propose(self, context: Sequence[int], k: int, enough: Callable[[list[float]], bool] | None = None) -> Draft:
+        return EMPTY_DRAFT if self.idle else super().propose(context, k, enough)
 
 
 register(DrafterSpec(
