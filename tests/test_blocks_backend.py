@@ -291,6 +291,34 @@ def test_a_candidate_of_auto_for_gguf_files_where_the_kernel_runs(tiny_dir, monk
     assert "blocks" not in candidates("smollm2-135m")
 
 
+def test_the_read_bandwidth_is_the_faster_of_its_two_reads_and_leaves_torchs_threads(monkeypatch):
+    """The floor's bandwidth: the faster of a sum and a matrix-vector product over the buffer (the sum alone had
+    read slower than the kernel's own passes on a Sapphire Rapids); torch's thread count restored. A fake clock:
+    each sum takes 2 s, each product 1 s."""
+    import torch
+
+    from verispec.backends import timing
+
+    now = [0.0]
+    real_sum, real_mv = torch.Tensor.sum, torch.mv
+
+    def timed(seconds, real):
+        def run(*args, **kwargs):
+            now[0] += seconds
+            return real(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(torch.Tensor, "sum", timed(2.0, real_sum))
+    monkeypatch.setattr(torch, "mv", timed(1.0, real_mv))
+    before = torch.get_num_threads()
+    nbytes = int(0.01 * 2**30) // (4 * 4096) * 4096 * 4  # whole rows of 4,096 floats
+    assert timing.read_bandwidth(1, gigabytes=0.01, rounds=2) == pytest.approx(nbytes / 1.0)
+    assert torch.get_num_threads() == before
+    monkeypatch.setattr(torch, "mv", timed(3.0, real_mv))  # a slower product: the sum's rate
+    assert timing.read_bandwidth(1, gigabytes=0.01, rounds=2) == pytest.approx(nbytes / 2.0)
+
+
 def test_costs_command_prints_each_engines_curve(tiny_dir, capsys, tmp_path):
     import json
 

@@ -45,20 +45,25 @@ def default_threads() -> int:
 
 
 def read_bandwidth(threads: int, gigabytes: float = 1.0, rounds: int = 5) -> float:
-    """Bytes a second this machine reads with ``threads`` threads: the best of ``rounds`` sums over a buffer of
-    ``gigabytes`` (far larger than any cache), torch's threads set for the measurement and restored after."""
+    """Bytes a second this machine reads with ``threads`` threads: the fastest of ``rounds`` reads of a buffer of
+    ``gigabytes`` (far larger than any cache) by two streaming kernels, a sum and a matrix-vector product (the BLAS
+    library's, which requests its rows ahead and read faster than the sum on a Sapphire Rapids, where the block
+    kernel's one-token passes had beaten the floor the sum alone gave: docs/kernels.md); torch's threads set for the
+    measurement and restored after. Either rate is one this machine reaches, so the faster is the nearer bound."""
     import torch
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        data = torch.ones(int(gigabytes * 2**30) // 4, dtype=torch.float32)
-        data.sum()
+        data = torch.ones(max(1, int(gigabytes * 2**30) // (4 * 4096)) * 4096, dtype=torch.float32)  # whole rows
+        rows, vector = data.view(-1, 4096), torch.ones(4096)
         best = float("inf")
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            data.sum()
-            best = min(best, time.perf_counter() - t0)
+        for read in (data.sum, lambda: torch.mv(rows, vector)):
+            read()
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                read()
+                best = min(best, time.perf_counter() - t0)
         return data.numel() * 4 / best
     finally:
         torch.set_num_threads(before)
